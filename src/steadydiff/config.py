@@ -1,0 +1,343 @@
+"""The typed config tree: load YAML, apply ``--set`` overrides, validate, print.
+
+One section per component (data, model, diffusion, optim, train, sample, logging, guard).
+Every section forbids unknown keys, so a typo is an error that names the key (with a
+"did you mean") instead of a silent fall-back to the default. Ranges live next to the field,
+so the error message can say what would be valid.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used. The message names the key and what would be valid."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# --------------------------------------------------------------------------- data
+
+
+class DataConfig(Section):
+    dataset: Literal["digits", "folder"] = "digits"
+    path: str | None = Field(None, description="image folder root (dataset=folder)")
+    image_size: int = Field(16, ge=4, le=1024)
+    channels: Literal[1, 3] = 1
+    class_labels: bool = Field(
+        False, description="folder: labels from the first-level sub-folder names")
+    hflip: bool = Field(False, description="random horizontal flip (per sample, seeded)")
+    center_crop: bool = True
+    num_workers: int = Field(0, ge=0, le=64)
+    follow_symlinks: bool = Field(
+        False, description="folder: follow symlinks that lead outside the data root")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DataConfig":
+        if self.dataset == "folder" and not self.path:
+            raise ValueError("data.path is required when data.dataset is 'folder'")
+        return self
+
+
+# --------------------------------------------------------------------------- model
+
+
+class UNetConfig(Section):
+    channels: int = Field(64, ge=4, le=1024, description="base width")
+    channel_mult: list[int] = Field([1, 2, 2], min_length=1, max_length=8)
+    num_res_blocks: int = Field(2, ge=1, le=8)
+    attention_resolutions: list[int] = Field([8], description="feature-map sizes with attention")
+    head_channels: int = Field(32, ge=4, le=512)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    norm_groups: int = Field(32, ge=1, le=512)
+    norm_eps: float = Field(1e-5, gt=0.0, le=1.0)
+
+
+class DiTConfig(Section):
+    preset: Literal["tiny", "small", "S", "B", "L", "XL"] = "tiny"
+    patch_size: int = Field(2, ge=1, le=16)
+    depth: int | None = Field(None, ge=1, le=64, description="overrides the preset")
+    hidden_size: int | None = Field(None, ge=8, le=4096, description="overrides the preset")
+    num_heads: int | None = Field(None, ge=1, le=64, description="overrides the preset")
+    mlp_ratio: float = Field(4.0, gt=0.0, le=16.0)
+    norm_eps: float = Field(1e-6, gt=0.0, le=1.0)
+
+
+class ModelConfig(Section):
+    kind: Literal["unet", "dit"] = "unet"
+    num_classes: int = Field(0, ge=0, le=100_000,
+                             description="0: unconditional; >0 adds a null class for CFG")
+    qk_norm: bool = False
+    unet: UNetConfig = UNetConfig()
+    dit: DiTConfig = DiTConfig()
+
+
+# --------------------------------------------------------------------------- diffusion
+
+
+class DiffusionConfig(Section):
+    timesteps: int = Field(1000, ge=2, le=100_000)
+    schedule: Literal["linear", "cosine", "sigmoid", "piecewise"] = "linear"
+    beta_start: float = Field(1e-4, gt=0.0, lt=1.0)
+    beta_end: float = Field(0.02, gt=0.0, lt=1.0)
+    # piecewise-linear log-SNR: [[t_fraction, log_snr], ...], t_fraction from 0 to 1.
+    piecewise: list[list[float]] = Field([[0.0, 10.0], [1.0, -10.0]])
+    zero_terminal_snr: bool = False
+    prediction: Literal["eps", "x0", "v"] = "eps"
+    loss_weighting: Literal["uniform", "min_snr"] = "uniform"
+    min_snr_gamma: float = Field(5.0, gt=0.0, le=1e4)
+    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    logit_mean: float = Field(0.0, ge=-10.0, le=10.0)
+    logit_std: float = Field(1.0, gt=0.0, le=10.0)
+    cfg_dropout: float = Field(0.1, ge=0.0, le=1.0,
+                               description="label dropout for classifier-free guidance")
+
+    @model_validator(mode="after")
+    def _check(self) -> "DiffusionConfig":
+        if self.schedule == "linear" and self.beta_end <= self.beta_start:
+            raise ValueError(
+                f"diffusion.beta_end ({self.beta_end}) must be greater than "
+                f"diffusion.beta_start ({self.beta_start})")
+        return self
+
+
+# --------------------------------------------------------------------------- optim
+
+
+class OptimConfig(Section):
+    lr: float = Field(2e-4, gt=0.0, le=10.0)
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0, le=1.0)
+    schedule: Literal["constant", "cosine"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine floor, x lr")
+    layer_decay: float = Field(1.0, gt=0.0, le=1.0,
+                               description="layer-wise LR decay; 1.0 disables it")
+    grad_clip: float = Field(1.0, ge=0.0, description="global-norm clipping; 0 disables it")
+
+    @model_validator(mode="after")
+    def _check(self) -> "OptimConfig":
+        for b in self.betas:
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"optim.betas must both be in [0, 1), got {list(self.betas)}")
+        return self
+
+
+# --------------------------------------------------------------------------- train
+
+
+class TrainConfig(Section):
+    steps: int = Field(1000, ge=1, description="optimizer steps")
+    batch_size: int = Field(64, ge=1, le=65536, description="global batch per optimizer step")
+    grad_accum: int = Field(1, ge=1, le=1024, description="micro-batches per optimizer step")
+    seed: int = Field(0, ge=0, le=2**63 - 1)
+    checkpoint_every: int = Field(500, ge=0, description="0: only at the end")
+    keep_checkpoints: int = Field(3, ge=1, le=1000)
+    sample_every: int = Field(500, ge=0, description="0: only at the end")
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    allow_slow_precision: bool = Field(
+        False, description="run bf16/fp16 on a device without native support anyway")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    deterministic: bool = False
+    num_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0: torch default")
+    ema_decay: float = Field(0.999, ge=0.0, lt=1.0)
+    ema_warmup: bool = Field(True, description="decay ramps as min(decay, (1+n)/(10+n))")
+    ema_start: int = Field(0, ge=0, description="first optimizer step that updates EMA")
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainConfig":
+        if self.batch_size % self.grad_accum:
+            raise ValueError(
+                f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "
+                f"({self.grad_accum}); valid grad_accum values divide the batch size")
+        return self
+
+
+# --------------------------------------------------------------------------- sample
+
+
+class SampleConfig(Section):
+    sampler: Literal["ddpm", "ddim", "dpmpp_2m", "euler"] = "dpmpp_2m"
+    steps: int = Field(50, ge=1, le=100_000)
+    num: int = Field(64, ge=1, le=100_000)
+    cfg_scale: float = Field(1.0, ge=0.0, le=100.0)
+    eta: float = Field(0.0, ge=0.0, le=1.0, description="DDIM stochasticity")
+    seed: int = Field(0, ge=0)
+    use_ema: bool = True
+
+
+# --------------------------------------------------------------------------- logging
+
+
+class LoggingConfig(Section):
+    log_every: int = Field(25, ge=1)
+    progress: bool = True
+    tensorboard: bool = False
+
+
+class Config(Section):
+    data: DataConfig = DataConfig()
+    model: ModelConfig = ModelConfig()
+    diffusion: DiffusionConfig = DiffusionConfig()
+    optim: OptimConfig = OptimConfig()
+    train: TrainConfig = TrainConfig()
+    sample: SampleConfig = SampleConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+# --------------------------------------------------------------------------- loading
+
+# Keys every script relies on; renaming one is a breaking change (see README).
+STABLE_KEYS = (
+    "data.dataset", "data.path", "data.image_size", "model.kind", "train.steps",
+    "train.batch_size", "train.seed", "train.checkpoint_every", "train.sample_every",
+    "train.precision", "optim.lr",
+)
+
+
+def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
+    cls: type[BaseModel] = Config
+    for part in path:
+        field = cls.model_fields.get(str(part))
+        if field is None:
+            return None
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+        else:
+            return None
+    return cls
+
+
+def _describe_range(path: tuple[Any, ...]) -> str:
+    """Describe what values the field at ``path`` accepts, from its annotation and bounds."""
+    parent = _section_at(path[:-1])
+    if parent is None:
+        return ""
+    field = parent.model_fields.get(str(path[-1]))
+    if field is None:
+        return ""
+    if getattr(field.annotation, "__origin__", None) is Literal:
+        return ""  # pydantic's message already lists the allowed values
+    ann = getattr(field.annotation, "__name__", None) or str(field.annotation)
+    bounds = []
+    for m in field.metadata:
+        for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            v = getattr(m, attr, None)
+            if v is not None:
+                bounds.append(f"{sym} {v}")
+    desc = f" (expected {str(ann).replace('typing.', '')}"
+    if bounds:
+        desc += ", " + " and ".join(bounds)
+    return desc + ")"
+
+
+def format_validation_error(err: ValidationError, source: str = "config") -> str:
+    lines = [f"invalid {source}:"]
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"])
+        key = ".".join(str(p) for p in loc)
+        if e["type"] == "extra_forbidden":
+            parent = _section_at(loc[:-1])
+            known = list(parent.model_fields) if parent else []
+            hint = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
+            msg = f"  {key}: unknown key"
+            if hint:
+                prefix = ".".join(str(p) for p in loc[:-1])
+                msg += f"; did you mean '{prefix + '.' if prefix else ''}{hint[0]}'?"
+            msg += f" (valid keys here: {', '.join(known)})"
+            lines.append(msg)
+        elif e["type"] == "value_error" or not loc:
+            lines.append(f"  {key + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}")
+        else:
+            got = e.get("input")
+            got_s = json.dumps(got) if isinstance(got, (int, float, str, bool, type(None))) else repr(got)
+            lines.append(f"  {key}: {e['msg']}, got {got_s}{_describe_range(loc)}")
+    return "\n".join(lines)
+
+
+def _parse_value(text: str) -> Any:
+    """``--set`` values are YAML scalars/lists: 1e-4, true, [1,2,2], null, cosine."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"cannot parse override value {text!r}: {e}") from None
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides to a raw (unvalidated) config dict."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        key, _, value = item.partition("=")
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override key {key!r} is empty or malformed")
+        node = raw
+        for p in parts[:-1]:
+            nxt = node.setdefault(p, {})
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override {key!r}: '{p}' is a value, not a section")
+            node = nxt
+        node[parts[-1]] = _parse_value(value)
+    return raw
+
+
+def validate(raw: dict[str, Any], source: str = "config") -> Config:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections, "
+                          f"got {type(raw).__name__}")
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(format_validation_error(e, source)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config file (or the defaults when ``path`` is None) and apply overrides."""
+    raw: dict[str, Any] = {}
+    source = "config"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            raw = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{p}: the top level must be a mapping of sections")
+    raw = apply_overrides(raw, list(overrides or []))
+    return validate(raw, source)
+
+
+def config_diff(old: Config, new: Config) -> list[tuple[str, Any, Any]]:
+    """Field-by-field differences between two configs: [(key, old, new)]."""
+    out: list[tuple[str, Any, Any]] = []
+
+    def walk(a: Any, b: Any, prefix: str) -> None:
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in dict.fromkeys([*a, *b]):
+                walk(a.get(k), b.get(k), f"{prefix}.{k}" if prefix else k)
+        elif a != b:
+            out.append((prefix, a, b))
+
+    walk(old.to_dict(), new.to_dict(), "")
+    return out
