@@ -1,1 +1,20 @@
-"""steadydiff."""
+"""steadydiff: training diffusion models that do not crash.
+
+Public API:
+    steadydiff.train(config, dataset=None, out_dir=...)   train (or resume) a run
+    steadydiff.load(checkpoint)                           a trained model ready for sampling
+    steadydiff.load_config(path, overrides)               the typed, validated config tree
+"""
+
+from .config import Config, ConfigError, load_config
+
+__all__ = ["Config", "ConfigError", "Pipeline", "load", "load_config", "train"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # Imported lazily so `import steadydiff.config` (the CLI's --help, --dry-run) stays light.
+    if name in ("train", "load", "Pipeline"):
+        from . import api
+        return getattr(api, name)
+    raise AttributeError(f"module 'steadydiff' has no attribute {name!r}")

@@ -1,0 +1,135 @@
+"""The command line: ``steadydiff train | sample``.
+
+Thin by design: parse arguments, build a config, call a library function. Exit codes:
+0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments),
+3 aborted because instability persisted past the recovery budget.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 2, 3
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="steadydiff", formatter_class=_Formatter,
+        description="Train diffusion models that do not crash.",
+        epilog="exit codes: 0 finished, 2 bad input, 3 aborted (instability past the "
+               "recovery budget)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    t = sub.add_parser("train", formatter_class=_Formatter,
+                       help="train (or resume) a run from a YAML config",
+                       description="Train from a YAML config. Rerunning the same command "
+                                   "resumes from the run's newest intact checkpoint.")
+    t.add_argument("config", help="YAML config file (see configs/)")
+    t.add_argument("--set", dest="overrides", action="append", default=[],
+                   metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+    t.add_argument("--out", default=None,
+                   help="run directory (default: runs/<config file name>)")
+    t.add_argument("--dry-run", action="store_true",
+                   help="print the resolved config and exit")
+    t.add_argument("--resume", default=None, metavar="PATH",
+                   help="resume from this checkpoint or run directory")
+    t.add_argument("--no-resume", action="store_true",
+                   help="start fresh; refuses if the run directory already has checkpoints")
+    t.add_argument("--allow-config-change", action="store_true",
+                   help="accept config changes on resume that break exactness")
+
+    s = sub.add_parser("sample", formatter_class=_Formatter,
+                       help="sample from a checkpoint into a PNG grid or an .npz array",
+                       description="Sample from a trained model (EMA weights by default). "
+                                   "Defaults for unset options come from the checkpoint's "
+                                   "config (its sample section).")
+    s.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest "
+                                      "intact checkpoint)")
+    s.add_argument("--sampler", choices=["ddpm", "ddim", "dpmpp_2m", "euler"], default=None)
+    s.add_argument("--steps", type=int, default=None, help="sampling steps")
+    s.add_argument("--num", type=int, default=None, help="number of samples")
+    s.add_argument("--class-label", type=int, default=None,
+                   help="class for a class-conditional model (default: cycle through all)")
+    s.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance")
+    s.add_argument("--eta", type=float, default=None, help="DDIM stochasticity")
+    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--raw-weights", action="store_true",
+                   help="use the raw model weights instead of the EMA")
+    s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
+    s.add_argument("--out", required=True,
+                   help="output: a .png grid, or .npz with 'samples' (N,C,H,W) float32 in "
+                        "[-1,1] (and 'labels' when class-conditional)")
+    return p
+
+
+def cmd_train(a: argparse.Namespace) -> int:
+    from .config import load_config
+    from .trainer.loop import run
+
+    cfg = load_config(a.config, a.overrides)
+    if a.dry_run:
+        print(cfg.to_yaml(), end="")
+        return EXIT_OK
+    out = Path(a.out) if a.out else Path("runs") / Path(a.config).stem
+    resume = a.resume if a.resume else (not a.no_resume)
+    print(f"run directory: {out}")
+    print(cfg.to_yaml(), end="")
+    res = run(cfg, run_dir=out, resume=resume, allow_config_change=a.allow_config_change)
+    print(f"\nfinished {res.steps} steps in {res.seconds:.0f}s"
+          + (f", final loss {res.final_loss:.4f}" if res.final_loss is not None else ""))
+    print(f"  checkpoint: {res.checkpoint}")
+    if res.samples:
+        print(f"  samples:    {res.samples[-1]}")
+    print(f"  metrics:    {out / 'metrics.jsonl'}")
+    return EXIT_OK
+
+
+def cmd_sample(a: argparse.Namespace) -> int:
+    from .api import load
+    from .eval.grid import grid_nrow, save_grid, save_npz
+
+    out = Path(a.out)
+    if out.suffix.lower() not in (".png", ".npz"):
+        raise ValueError(f"--out must end in .png or .npz, got {out}")
+    for name, v in (("--steps", a.steps), ("--num", a.num)):
+        if v is not None and v < 1:
+            raise ValueError(f"{name} must be at least 1, got {v}")
+    pipe = load(a.checkpoint, device=a.device, use_ema=not a.raw_weights)
+    x, y = pipe.sample(a.num, sampler=a.sampler, steps=a.steps, class_label=a.class_label,
+                       cfg_scale=a.cfg_scale, eta=a.eta, seed=a.seed)
+    if out.suffix.lower() == ".npz":
+        save_npz(x, out, y)
+    else:
+        by_class = pipe.num_classes if a.class_label is None else 0
+        save_grid(x, out, nrow=grid_nrow(x.shape[0], by_class))
+    print(f"wrote {x.shape[0]} samples from {pipe.checkpoint} (step {pipe.step}) to {out}")
+    return EXIT_OK
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .config import ConfigError
+    from .data import DataError
+    from .trainer.checkpoint import CheckpointError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(argv)
+    handlers = {"train": cmd_train, "sample": cmd_sample}
+    try:
+        return handlers[args.command](args)
+    except (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,723 @@
+"""Datasets, transforms and the resumable, exactly reproducible batch stream.
+
+Two datasets ship with the library: the digits bundled with scikit-learn (no download, the
+quick-start) and a folder of images. Any other torch ``Dataset`` is adapted by ``as_pairs``.
+Every dataset yields ``(image (C, H, W) float32 in [-1, 1], label int64)``.
+
+Batching is built so that the whole data position is **one integer**, the number of batches
+consumed (EDM2's "progress in one unit, reseed from progress"):
+
+* ``StreamBatchSampler`` treats the data as an endless stream of concatenated epoch
+  permutations; batch ``b`` covers stream positions ``[b*B, (b+1)*B)``. The permutation of
+  epoch ``e`` comes from a generator seeded by a hash of ``(seed, e)``, so any batch can be
+  recomputed from ``b`` alone: resuming at ``start_batch=b`` replays exactly the batches the
+  killed run would have seen, and a guard can replay or skip a window of batches.
+* ``SeededView`` draws per-sample augmentation from a generator seeded by a hash of
+  ``(seed, epoch, index)``, never from the global RNG, so augmentation does not depend on the
+  number of data-loader workers, on prefetching, or on where the run was resumed.
+
+Bad input gets a clear ``DataError`` (which path, what would be valid); a corrupt image found
+mid-training is logged once, counted and replaced by the next good one so training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections import OrderedDict, deque
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image, ImageOps
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from steadydiff.seeding import derive_seed
+
+if TYPE_CHECKING:
+    from steadydiff.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS: tuple[str, ...] = (".png", ".jpg", ".jpeg", ".webp")
+
+# One (index, epoch) pair names one sample of the stream: the same index seen in two epochs
+# is two different samples (different augmentation).
+StreamKey = tuple[int, int]
+
+
+class DataError(ValueError):
+    """Data that cannot be used. The message names the path or item and what would be valid."""
+
+
+# --------------------------------------------------------------------------- seeding
+
+# Domain tags for ``derive_seed``: the permutation, augmentation and loader streams of one run
+# seed must never coincide with each other or with the training step's (seed, step, micro,
+# rank) stream. Changing a tag changes every run's data order: don't.
+_TAG_PERM = 0x7065726D  # "perm"
+_TAG_AUG = 0x61756720  # "aug "
+_TAG_LOADER = 0x6C6F6164  # "load"
+
+
+# --------------------------------------------------------------------------- digits
+
+
+class DigitsDataset(Dataset):
+    """scikit-learn's bundled 8×8 digits (1,797 images, labels 0-9), resized, in [-1, 1].
+
+    The resized set is precomputed once as one tensor (1797×S×S floats: 1.8 MB at S=16), so
+    ``__getitem__`` is an index, cheap enough for any number of workers. Above
+    ``PRECOMPUTE_BYTES`` (S > ~190) each item is resized on access instead, with the same
+    result, rather than holding gigabytes of upsampled 8×8 images.
+
+    Args:
+        image_size: output side S; 8 is the native size.
+        channels: 1 (gray) or 3 (the gray channel repeated, for RGB models).
+    """
+
+    num_classes: int = 10
+    PRECOMPUTE_BYTES = 256 * 2**20
+
+    def __init__(self, image_size: int = 16, channels: Literal[1, 3] = 1) -> None:
+        if channels not in (1, 3):
+            raise DataError(f"digits: channels must be 1 or 3, got {channels!r}")
+        if image_size < 1:
+            raise DataError(f"digits: image_size must be >= 1, got {image_size!r}")
+        # Imported here: scikit-learn takes ~0.5 s to import and only this dataset needs it.
+        from sklearn.datasets import load_digits
+
+        d = load_digits()  # bundled with the package: no network
+        self._base = torch.from_numpy(d.images.astype(np.float32) / 16.0).unsqueeze(1)
+        self.labels = torch.from_numpy(d.target.astype(np.int64))  # (N,)
+        self.channels = channels
+        self.image_size = image_size
+        n = self._base.shape[0]
+        # One gray plane per image; channels are repeated at access.
+        self._resized = (self._resize(self._base)  # (N, 1, S, S)
+                         if n * image_size**2 * 4 <= self.PRECOMPUTE_BYTES else None)
+
+    def _resize(self, x: torch.Tensor) -> torch.Tensor:
+        """(n, 1, 8, 8) in [0, 1] -> (n, 1, S, S) in [-1, 1]."""
+        s = self.image_size
+        # antialias only matters when shrinking (S < 8); upsampling is plain bilinear.
+        x = F.interpolate(x, size=(s, s), mode="bilinear", align_corners=False, antialias=True)
+        return x.clamp_(0.0, 1.0).mul_(2.0).sub_(1.0)
+
+    @property
+    def images(self) -> torch.Tensor:
+        """All images, (N, C, S, S); materialized on each call when not precomputed."""
+        x = self._resized if self._resized is not None else self._resize(self._base)
+        return x.expand(-1, self.channels, -1, -1)
+
+    def __len__(self) -> int:
+        return self._base.shape[0]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._resized is not None:
+            x = self._resized[i]  # (1, S, S)
+        else:
+            x = self._resize(self._base[i:i + 1] if i >= 0 else self._base[[i]])[0]
+        # A copy (a few KB), never a view: an in-place edit downstream must not reach the cache.
+        return x.repeat(self.channels, 1, 1), self.labels[i].clone()
+
+    def describe(self) -> str:
+        """One line for the run log, e.g. ``digits: 1797 images 1×16×16, 10 classes``."""
+        s = self.image_size
+        return f"digits: {len(self)} images {self.channels}×{s}×{s}, {self.num_classes} classes"
+
+
+# --------------------------------------------------------------------------- image folder
+
+# What a broken or hostile file can raise while Pillow opens, verifies or decodes it.
+# Listed rather than ``Exception`` so that a bug in our own transform is not mistaken for a
+# bad file (it still surfaces: if every file fails, the DataError quotes the reason).
+_BAD_IMAGE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,  # truncated data, UnidentifiedImageError, unreadable file
+    SyntaxError,  # Pillow's "broken PNG file" and friends
+    ValueError, EOFError, IndexError, MemoryError,
+    Image.DecompressionBombError,  # more than 2 × MAX_IMAGE_PIXELS
+    Image.DecompressionBombWarning,  # more than MAX_IMAGE_PIXELS, turned into an error below
+)
+
+
+class _refuse_bombs(warnings.catch_warnings):
+    """Turn Pillow's DecompressionBombWarning into an exception, for this block only.
+
+    The warnings filter is restored on exit, so the process-wide filters are untouched.
+    (``catch_warnings`` is not thread-safe; data-loader workers are processes, so fine.)
+    """
+
+    def __enter__(self) -> Any:
+        out = super().__enter__()
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        return out
+
+
+def _is_within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+class ImageFolderDataset(Dataset):
+    """Every image under ``root`` (recursively), resized and center-cropped, in [-1, 1].
+
+    Files are matched by extension (.png, .jpg, .jpeg, .webp, any case) and sorted by their
+    path relative to ``root``, so the index of an image does not depend on the file system's
+    listing order. Hidden files and folders (name starting with ".") are ignored, as are
+    non-image files.
+
+    At construction each file gets a cheap header check (``Image.open`` + ``verify()``);
+    unreadable files and decompression bombs (more pixels than ``PIL.Image.MAX_IMAGE_PIXELS``)
+    are dropped, logged and counted. A file that passes the check but fails to decode later
+    (a truncated JPEG) is logged once, recorded in ``bad_paths`` and replaced by the next good
+    index, so one bad file never stops a run.
+
+    Symlinks (files or folders) whose target resolves outside ``root`` are skipped and counted
+    unless ``follow_symlinks``. Each real folder is scanned once (under its real path when it
+    has one inside ``root``), so symlink cycles terminate and a linked folder adds no
+    duplicates; symlinked *files* are kept as separate items.
+
+    Args:
+        root: the image folder.
+        image_size: output side S.
+        channels: 1 (converted to gray, "L") or 3 (RGB).
+        class_labels: label = the first-level sub-folder (sorted names → 0..K-1); images
+            directly in ``root`` are then an error.
+        center_crop: resize the shorter side to S and crop the center square; False squashes
+            the whole image to S×S.
+        follow_symlinks: also follow symlinks that lead outside ``root``.
+
+    Attributes:
+        paths: the usable image paths, sorted; ``labels``: their labels.
+        num_classes: K with ``class_labels``, else 0; ``class_names``: the K folder names.
+        bad_paths: ``{path: reason}`` for every file dropped or replaced as unreadable.
+        skipped: files dropped at construction or replaced at load time (bad files, bombs,
+            out-of-root or broken symlinks); ``skipped_symlinks``: the symlinks among them.
+
+    Raises:
+        DataError: missing root, root not a directory, no images, every image unreadable, or
+            an image directly in ``root`` with ``class_labels``.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], image_size: int,
+                 channels: Literal[1, 3] = 3, class_labels: bool = False,
+                 center_crop: bool = True, follow_symlinks: bool = False) -> None:
+        if channels not in (1, 3):
+            raise DataError(f"image folder: channels must be 1 or 3, got {channels!r}")
+        if image_size < 1:
+            raise DataError(f"image folder: image_size must be >= 1, got {image_size!r}")
+        self.root = Path(root)
+        self.image_size = image_size
+        self.channels = channels
+        self.center_crop = center_crop
+        self.follow_symlinks = follow_symlinks
+        self.bad_paths: dict[str, str] = {}
+        self.skipped = 0
+        self.skipped_symlinks = 0
+        # Indices found bad at load time, so a second visit jumps straight to the replacement.
+        self._bad_index: set[int] = set()
+
+        exts = ", ".join(IMAGE_EXTENSIONS)
+        if not self.root.exists():
+            raise DataError(f"image folder {str(self.root)!r} does not exist; expected a "
+                            f"directory containing images ({exts})")
+        if not self.root.is_dir():
+            raise DataError(f"image folder {str(self.root)!r} is not a directory; expected a "
+                            f"directory containing images ({exts})")
+
+        candidates = self._scan()
+        if not candidates:
+            raise DataError(f"image folder {str(self.root)!r} contains no images; accepted "
+                            f"extensions (any case): {exts}")
+
+        # Labels come from the first path component under root: the link name, not its target.
+        self.class_names: list[str] = []
+        if class_labels:
+            loose = [p for p in candidates if len(p.relative_to(self.root).parts) == 1]
+            if loose:
+                raise DataError(
+                    f"image folder {str(self.root)!r}: class_labels needs every image inside a "
+                    f"class sub-folder, but {str(loose[0])!r} (and {len(loose) - 1} more) lie "
+                    f"directly in the root; move them into a sub-folder or set "
+                    f"class_labels false")
+            # Classes are fixed by the candidate files, before the header check, so one
+            # unreadable class folder cannot shift the ids of every class after it.
+            self.class_names = sorted({p.relative_to(self.root).parts[0] for p in candidates})
+        class_id = {name: k for k, name in enumerate(self.class_names)}
+        self.num_classes = len(self.class_names)
+
+        self.paths: list[Path] = []
+        self.labels: list[int] = []
+        for p in candidates:
+            reason = self._check_header(p)
+            if reason is not None:
+                self._mark_bad(p, reason)
+                continue
+            self.paths.append(p)
+            self.labels.append(class_id[p.relative_to(self.root).parts[0]] if class_labels else 0)
+
+        if not self.paths:
+            first = next(iter(self.bad_paths.items()))
+            raise DataError(f"image folder {str(self.root)!r}: all {len(candidates)} images are "
+                            f"unreadable (first: {first[0]!r}: {first[1]})")
+        if self.skipped:
+            log.warning("image folder %s: skipped %d files (%d symlinks outside the root or "
+                        "broken, %d unreadable)", self.root, self.skipped,
+                        self.skipped_symlinks, self.skipped - self.skipped_symlinks)
+
+    # ..................................................................... scan
+
+    def _scan(self) -> list[Path]:
+        """Image candidates under root, sorted by relative path; follows the symlink rules."""
+        root_real = os.path.realpath(self.root)
+        found: list[tuple[str, Path]] = []
+        # (st_dev, st_ino) of every folder entered: a symlink cycle meets a folder it has
+        # already scanned and stops there.
+        seen: set[tuple[int, int]] = set()
+        # Real folders are scanned before symlinked ones, so a folder reachable both ways is
+        # listed under its real path (and its real class name), and never twice.
+        real: deque[Path] = deque([self.root])
+        linked: deque[Path] = deque()
+        while real or linked:
+            d = real.popleft() if real else linked.popleft()
+            try:
+                st = d.stat()
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            try:
+                entries = sorted(os.scandir(d), key=lambda e: e.name)
+            except OSError as e:
+                log.warning("image folder: cannot list %s (%s); skipped", d, e)
+                continue
+            for e in entries:
+                if e.name.startswith("."):
+                    continue  # .ipynb_checkpoints, macOS ._ files: never training data
+                is_image = e.name.lower().endswith(IMAGE_EXTENSIONS)
+                path = Path(e.path)
+                if e.is_symlink():
+                    target = os.path.realpath(e.path)
+                    if not os.path.exists(target):
+                        if is_image:
+                            self._mark_bad(path, "broken symlink", symlink=True)
+                        continue
+                    if not self.follow_symlinks and not _is_within(target, root_real):
+                        # Only count what would have been used: a link to an image, or a folder.
+                        if is_image or os.path.isdir(target):
+                            self.skipped += 1
+                            self.skipped_symlinks += 1
+                            log.debug("image folder: %s -> %s leads outside the root; skipped "
+                                      "(set follow_symlinks to use it)", path, target)
+                        continue
+                try:
+                    if e.is_dir():  # follows symlinks that passed the check above
+                        (linked if e.is_symlink() else real).append(path)
+                    elif is_image and e.is_file():
+                        found.append((path.relative_to(self.root).as_posix(), path))
+                except OSError:
+                    continue
+        found.sort(key=lambda t: t[0])
+        return [p for _, p in found]
+
+    def _mark_bad(self, path: Path, reason: str, symlink: bool = False) -> None:
+        if str(path) in self.bad_paths:
+            return
+        self.bad_paths[str(path)] = reason
+        self.skipped += 1
+        self.skipped_symlinks += int(symlink)
+        log.warning("image folder: skipping %s: %s", path, reason)
+
+    @staticmethod
+    def _check_header(path: Path) -> str | None:
+        """None when the header looks fine, else the reason. Reads headers, decodes no pixels
+        (PNG verify walks the chunk CRCs; it does not inflate)."""
+        try:
+            with _refuse_bombs(), Image.open(path) as im:
+                im.verify()
+                if im.width < 1 or im.height < 1:
+                    return f"empty image ({im.width}×{im.height})"
+        except _BAD_IMAGE_ERRORS as e:
+            return _reason(e)
+        return None
+
+    # ..................................................................... load
+
+    def _load(self, path: Path) -> torch.Tensor:
+        """Decode, convert, resize/crop; returns (C, S, S) float32 in [-1, 1]."""
+        s = self.image_size
+        mode = "RGB" if self.channels == 3 else "L"
+        with _refuse_bombs(), Image.open(path) as im:
+            # JPEG can decode at 1/2, 1/4, 1/8 scale for free; draft keeps both sides >= S,
+            # so the final resize still shrinks (antialiased) and never upsamples needlessly.
+            if im.format == "JPEG":
+                im.draft(mode, (s, s))
+            im.load()  # truncated/corrupt data raises here
+            im = ImageOps.exif_transpose(im)  # phone photos carry their rotation in EXIF
+            im = _to_mode(im, mode)
+            w, h = im.size
+            if self.center_crop:
+                # Resizing the center square of the source is the same as "shorter side to S,
+                # then center crop", without rounding the intermediate size.
+                side = min(w, h)
+                box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
+            else:
+                box = (0, 0, w, h)
+            # Pillow's bicubic filter widens its support when shrinking: antialiased.
+            im = im.resize((s, s), Image.Resampling.BICUBIC, box=box)
+            a = np.asarray(im, dtype=np.uint8)
+        x = torch.from_numpy(a.copy()).to(torch.float32)
+        x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)  # (H, W[, C]) -> (C, H, W)
+        return x.div_(127.5).sub_(1.0).contiguous()
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(self.paths)
+        i = int(i)
+        if not -n <= i < n:
+            raise IndexError(f"index {i} out of range for {n} images")
+        i %= n
+        # Walk forward from i to the first good image: deterministic (it depends only on which
+        # files are bad), and bounded by n tries.
+        for k in range(n):
+            j = (i + k) % n
+            if j in self._bad_index:
+                continue
+            try:
+                x = self._load(self.paths[j])
+            except _BAD_IMAGE_ERRORS as e:
+                self._bad_index.add(j)
+                self._mark_bad(self.paths[j], _reason(e) + " (at load time; replaced by the "
+                               "next good image)")
+                continue
+            return x, torch.tensor(self.labels[j], dtype=torch.int64)
+        raise DataError(f"image folder {str(self.root)!r}: every image failed to load "
+                        f"(e.g. {next(iter(self.bad_paths.items()))})")
+
+    def describe(self) -> str:
+        """One line for the run log, e.g. ``folder data/cats: 120 images 3×64×64, 2 classes``."""
+        s = self.image_size
+        out = f"folder {self.root}: {len(self)} images {self.channels}×{s}×{s}"
+        out += f", {self.num_classes} classes" if self.num_classes else ", unlabeled"
+        if self.skipped:
+            out += f" ({self.skipped} files skipped)"
+        return out
+
+
+def _reason(e: BaseException) -> str:
+    if isinstance(e, (Image.DecompressionBombError, Image.DecompressionBombWarning)):
+        return (f"refused as a possible decompression bomb ({e}); raise "
+                f"PIL.Image.MAX_IMAGE_PIXELS if the image is genuine")
+    return f"{type(e).__name__}: {e}"
+
+
+def _to_mode(im: Image.Image, mode: str) -> Image.Image:
+    """Convert to "RGB" or "L" without the two silent traps of ``Image.convert``."""
+    if im.mode in ("I;16", "I;16L", "I;16B", "I;16N", "I"):
+        # 16-bit PNGs: convert("L") clips at 255 instead of scaling, giving a white image.
+        a = np.asarray(im, dtype=np.float32) / 65535.0
+        im = Image.fromarray((a.clip(0, 1) * 255.0 + 0.5).astype(np.uint8), "L")
+    if im.mode in ("RGBA", "LA", "PA") or (im.mode == "P" and "transparency" in im.info):
+        # Transparent pixels often hold black (or garbage) colour: composite onto white.
+        im = im.convert("RGBA")
+        bg = Image.new("RGBA", im.size, (255, 255, 255, 255))
+        im = Image.alpha_composite(bg, im)
+    return im if im.mode == mode else im.convert(mode)
+
+
+# --------------------------------------------------------------------------- any dataset
+
+
+class PairsDataset(Dataset):
+    """``as_pairs`` result: any dataset's items as ``(float32 (C, H, W), int64 label)``."""
+
+    def __init__(self, dataset: Dataset) -> None:
+        self.dataset = dataset
+        try:
+            n = len(dataset)  # type: ignore[arg-type]
+        except TypeError:
+            raise DataError(f"dataset {type(dataset).__name__} has no len(); expected a "
+                            f"map-style torch Dataset (with __len__ and __getitem__)") from None
+        if n == 0:
+            raise DataError(f"dataset {type(dataset).__name__} is empty")
+        self._shape: tuple[int, ...] | None = None
+        x, _ = self._convert(dataset[0], 0)  # the first item fixes the shape for the rest
+        self._shape = tuple(x.shape)
+        if x.numel() and (x.min() < -1.5 or x.max() > 1.5):
+            log.warning("dataset item 0 has values in [%.3g, %.3g]; steadydiff expects images "
+                        "in [-1, 1] (x / 127.5 - 1 for 0..255 data)", x.min(), x.max())
+        self.channels, h, w = self._shape
+        self.image_size: int | None = h if h == w else None
+        self.image_shape = self._shape
+        self.num_classes: int = int(getattr(dataset, "num_classes", 0) or 0)
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._convert(self.dataset[i], i)
+
+    def describe(self) -> str:
+        """One line for the run log, e.g. ``MyData: 500 images 3×32×32, unlabeled``."""
+        shape = "×".join(str(d) for d in self.image_shape)
+        cls = f"{self.num_classes} classes" if self.num_classes else "unlabeled"
+        return f"{type(self.dataset).__name__}: {len(self)} images {shape}, {cls}"
+
+    def _convert(self, item: Any, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        expected = "expected an image tensor (C,H,W) or an (image, label) pair"
+        if isinstance(item, torch.Tensor):
+            x, y = item, 0
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            x, y = item
+        elif isinstance(item, (tuple, list)):
+            raise DataError(f"dataset item {i} is a {type(item).__name__} of length {len(item)}; "
+                            f"{expected}")
+        else:
+            raise DataError(f"dataset item {i} is a {type(item).__name__}; {expected}")
+        if not isinstance(x, torch.Tensor):
+            hint = (" (convert it to a float tensor in [-1, 1], e.g. with torchvision's "
+                    "ToTensor + Normalize(0.5, 0.5))" if isinstance(x, (Image.Image, np.ndarray))
+                    else "")
+            raise DataError(f"dataset item {i}: the image is a {type(x).__name__}; "
+                            f"{expected}{hint}")
+        if x.ndim != 3:
+            raise DataError(f"dataset item {i}: the image has shape {tuple(x.shape)}; "
+                            f"expected 3 dimensions (C,H,W)")
+        if not x.is_floating_point():
+            # A uint8 image cast to float would silently train on 0..255.
+            raise DataError(f"dataset item {i}: the image has dtype {x.dtype}; expected a "
+                            f"floating tensor in [-1, 1] (e.g. x.float() / 127.5 - 1)")
+        if self._shape is not None and tuple(x.shape) != self._shape:
+            raise DataError(f"dataset item {i}: the image has shape {tuple(x.shape)} but item 0 "
+                            f"has {self._shape}; every image must have the same shape")
+        if isinstance(y, torch.Tensor) and y.numel() == 1 and not y.is_floating_point():
+            y = int(y.item())
+        elif isinstance(y, (int, np.integer)) and not isinstance(y, bool):
+            y = int(y)
+        else:
+            raise DataError(f"dataset item {i}: the label is {type(y).__name__} {y!r:.40}; "
+                            f"expected an integer class id (int or one-element integer tensor)")
+        return x.to(torch.float32), torch.tensor(y, dtype=torch.int64)
+
+
+def as_pairs(dataset: Dataset) -> Dataset:
+    """Adapt a user dataset to yield ``(image (C,H,W) float32, label int64 scalar)``.
+
+    Items may be an image tensor (label 0) or an ``(image, label)`` pair. The first item is
+    checked here, so a wrong dataset fails at build time rather than in the first batch.
+
+    Args:
+        dataset: a map-style torch Dataset.
+
+    Returns:
+        A Dataset with ``channels``, ``image_size`` (None if not square), ``num_classes``
+        (from ``dataset.num_classes`` if present, else 0). Our own datasets are returned as is.
+
+    Raises:
+        DataError: an empty dataset, or an item of the wrong type, shape or dtype.
+    """
+    if isinstance(dataset, (PairsDataset, DigitsDataset, ImageFolderDataset)):
+        return dataset
+    return PairsDataset(dataset)
+
+
+# --------------------------------------------------------------------------- batching
+
+
+class StreamBatchSampler(Sampler[list[StreamKey]]):
+    """Endless, exactly replayable batches of ``(index, epoch)`` keys.
+
+    The stream is perm(0) ++ perm(1) ++ ..., with perm(e) = ``torch.randperm(n)`` from a
+    generator seeded by a hash of ``(seed, e)``. Global batch ``b`` is stream positions
+    ``[b*B, (b+1)*B)``: an epoch boundary may fall inside a batch, and a dataset smaller than
+    the batch simply contributes several epochs to one batch. Rank ``r`` of ``world_size``
+    takes the contiguous slice ``[r*B/W, (r+1)*B/W)`` of each global batch, so ranks are
+    disjoint and together cover it. The state is one integer: batches consumed.
+
+    Args:
+        num_samples: dataset length n (>= 1).
+        batch_size: the *global* batch B (all ranks together); each rank yields B / W keys.
+        seed: the run seed.
+        start_batch: the first batch to yield (the resume position).
+        rank, world_size: this process's slice under DDP; B must be divisible by world_size.
+    """
+
+    def __init__(self, num_samples: int, batch_size: int, *, seed: int, start_batch: int = 0,
+                 rank: int = 0, world_size: int = 1) -> None:
+        super().__init__()
+        if num_samples < 1:
+            raise DataError(f"cannot sample from an empty dataset (num_samples={num_samples})")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, world_size), got rank={rank}, "
+                             f"world_size={world_size}")
+        if batch_size % world_size:
+            raise ValueError(f"batch_size ({batch_size}) must be divisible by world_size "
+                             f"({world_size}); each rank takes batch_size / world_size samples")
+        if start_batch < 0:
+            raise ValueError(f"start_batch must be >= 0, got {start_batch}")
+        self.num_samples = num_samples
+        self.batch_size = batch_size
+        self.seed = seed
+        self.start_batch = start_batch
+        self.rank = rank
+        self.world_size = world_size
+        self.local_batch_size = batch_size // world_size
+        # A small LRU of permutations: a batch touches at most two epochs unless n < B.
+        # Caching cannot change results; it only saves the randperm (O(n)).
+        self._perms: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    def permutation(self, epoch: int) -> torch.Tensor:
+        """The sample order of ``epoch``: (n,) int64, a pure function of (seed, epoch, n)."""
+        p = self._perms.get(epoch)
+        if p is None:
+            g = torch.Generator().manual_seed(derive_seed(_TAG_PERM, self.seed, epoch))
+            p = torch.randperm(self.num_samples, generator=g)
+            self._perms[epoch] = p
+            if len(self._perms) > 4:
+                self._perms.popitem(last=False)
+        else:
+            self._perms.move_to_end(epoch)
+        return p
+
+    def _positions(self, start: int, stop: int) -> list[StreamKey]:
+        n = self.num_samples
+        out: list[StreamKey] = []
+        pos = start
+        while pos < stop:  # one pass per epoch the range touches
+            e, off = divmod(pos, n)
+            take = min(stop - pos, n - off)
+            out.extend((i, e) for i in self.permutation(e)[off:off + take].tolist())
+            pos += take
+        return out
+
+    def global_batch_indices(self, b: int) -> list[StreamKey]:
+        """All B ``(index, epoch)`` keys of global batch ``b`` (every rank's slice, in order)."""
+        return self._positions(b * self.batch_size, (b + 1) * self.batch_size)
+
+    def batch_indices(self, b: int) -> list[StreamKey]:
+        """This rank's ``(index, epoch)`` keys of batch ``b``; a pure function of ``b``."""
+        start = b * self.batch_size + self.rank * self.local_batch_size
+        return self._positions(start, start + self.local_batch_size)
+
+    def epoch_of(self, b: int) -> int:
+        """The epoch of batch ``b``'s first (global) stream position."""
+        return b * self.batch_size // self.num_samples
+
+    def __iter__(self) -> Iterator[list[StreamKey]]:
+        b = self.start_batch
+        while True:  # endless: training is counted in steps, not epochs
+            yield self.batch_indices(b)
+            b += 1
+
+
+class SeededView(Dataset):
+    """A dataset indexed by ``(index, epoch)`` keys, with seeded per-sample augmentation.
+
+    ``view[(i, e)]`` returns ``(image, label, i)``. Augmentation draws from a generator seeded
+    by a hash of ``(seed, e, i)``, never from the global RNG, so it is the same in every
+    worker, after every resume, and for any batch size.
+
+    Args:
+        dataset: any dataset accepted by ``as_pairs``.
+        seed: the run seed.
+        hflip: flip horizontally with probability 1/2.
+    """
+
+    def __init__(self, dataset: Dataset, *, seed: int, hflip: bool = False) -> None:
+        self.dataset = as_pairs(dataset)
+        self.seed = seed
+        self.hflip = hflip
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: StreamKey) -> tuple[torch.Tensor, torch.Tensor, int]:
+        i, e = key
+        x, y = self.dataset[i]
+        if self.hflip:
+            # A fresh generator + derive_seed cost ~15 µs, nothing next to decoding an image.
+            # Keep the draw order fixed when adding augmentations (append new draws after
+            # this one) so old runs replay.
+            g = torch.Generator().manual_seed(derive_seed(_TAG_AUG, self.seed, e, i))
+            if torch.rand((), generator=g).item() < 0.5:
+                x = x.flip(-1)
+        return x, y, int(i)
+
+
+def _worker_init(_: int) -> None:
+    # N workers × default thread count oversubscribes the CPU; each worker decodes one image
+    # at a time anyway.
+    torch.set_num_threads(1)
+
+
+def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: int = 0,
+                hflip: bool = False, num_workers: int = 0, rank: int = 0, world_size: int = 1,
+                pin_memory: bool = False) -> DataLoader:
+    """An endless loader of ``(x (b,C,H,W), y (b,), idx (b,))`` batches, resumable exactly.
+
+    Args:
+        dataset: any dataset accepted by ``as_pairs``.
+        batch_size: the global batch B; each rank gets b = B / world_size samples.
+        seed: the run seed (permutations and augmentation derive from it).
+        start_batch: batches already consumed (the resume position): the loader starts with
+            the batch the killed run would have seen next.
+        hflip: seeded random horizontal flip.
+        num_workers: loader processes (persistent, one torch thread each); results do not
+            depend on it.
+        rank, world_size: the DDP slice.
+        pin_memory: pin batches for faster host-to-GPU copies.
+
+    Returns:
+        A DataLoader whose ``batch_sampler`` is the ``StreamBatchSampler`` (use its
+        ``batch_indices(b)`` to name the samples of batch ``b``). It never ends: count steps.
+    """
+    view = SeededView(dataset, seed=seed, hflip=hflip)
+    sampler = StreamBatchSampler(len(view), batch_size, seed=seed, start_batch=start_batch,
+                                 rank=rank, world_size=world_size)
+    return DataLoader(
+        view, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        worker_init_fn=_worker_init if num_workers > 0 else None,
+        # Without its own generator, every iter(loader) draws a worker base seed from the
+        # *global* torch RNG, shifting the model's random stream by how often it was called.
+        generator=torch.Generator().manual_seed(derive_seed(_TAG_LOADER, seed, rank)),
+    )
+
+
+# --------------------------------------------------------------------------- config
+
+
+def build_dataset(cfg: DataConfig) -> Dataset:
+    """The dataset named by ``cfg`` (``data`` section): digits or an image folder.
+
+    Returns:
+        A dataset of ``(image, label)`` pairs with ``num_classes``, ``channels``,
+        ``image_size`` and ``describe()``.
+
+    Raises:
+        DataError: the folder is missing, empty or unreadable.
+    """
+    if cfg.dataset == "digits":
+        return DigitsDataset(cfg.image_size, cfg.channels)
+    if cfg.dataset == "folder":
+        if not cfg.path:
+            raise DataError("data.path is required when data.dataset is 'folder'")
+        return ImageFolderDataset(cfg.path, cfg.image_size, cfg.channels,
+                                  class_labels=cfg.class_labels, center_crop=cfg.center_crop,
+                                  follow_symlinks=cfg.follow_symlinks)
+    raise DataError(f"data.dataset {cfg.dataset!r} is unknown; valid: 'digits', 'folder'")
+
+
+__all__ = [
+    "IMAGE_EXTENSIONS", "DataError", "DigitsDataset", "ImageFolderDataset", "PairsDataset",
+    "SeededView", "StreamBatchSampler", "as_pairs", "build_dataset", "make_loader",
+]

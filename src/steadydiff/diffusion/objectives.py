@@ -1,0 +1,215 @@
+"""The training objective: timestep sampling, forward noising, eps/x0/v targets, loss weights.
+
+Forward process (Ho et al. 2020, eq. 4): x_t = alpha_t·x0 + sigma_t·eps, alpha² + sigma² = 1.
+Targets: eps (Ho et al. 2020), x0, or v = alpha·eps - sigma·x0 (Salimans & Ho 2022, §4).
+All randomness of one loss evaluation comes from one explicit ``torch.Generator``, in a fixed
+order (t, noise, label dropout), so replaying a batch with the same generator state reproduces
+it bit for bit; the stability guard relies on this to re-run a suspicious step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+
+from ..config import DiffusionConfig
+from .schedules import Schedule
+
+__all__ = ["LossOutput", "sample_timesteps", "q_sample", "training_target", "to_x0_eps",
+           "loss_weights", "diffusion_loss"]
+
+Prediction = Literal["eps", "x0", "v"]
+
+
+def _bcast(a: Tensor, x: Tensor) -> Tensor:
+    """Per-sample coefficient (N,) -> (N, 1, ..., 1) to broadcast against x; scalars pass."""
+    return a.reshape(a.shape[0], *([1] * (x.ndim - 1))) if a.ndim == 1 else a
+
+
+def num_classes_of(model: nn.Module) -> int:
+    """``model.num_classes``, looking through a DDP wrapper (``.module``) if needed."""
+    n = getattr(model, "num_classes", None)
+    if n is None and hasattr(model, "module"):
+        n = getattr(model.module, "num_classes", None)
+    if n is None:
+        raise AttributeError(f"{type(model).__name__} has no num_classes attribute; the denoiser "
+                             "contract needs it (0 for unconditional models)")
+    return int(n)
+
+
+@dataclass
+class LossOutput:
+    """Result of :func:`diffusion_loss`.
+
+    loss: 0-dim mean loss (attached to the graph); per_sample: (N,) weighted per-sample losses
+    (attached; detach before storing); t: (N,) long timesteps that were drawn.
+    """
+
+    loss: Tensor
+    per_sample: Tensor
+    t: Tensor
+
+
+def sample_timesteps(n: int, cfg: DiffusionConfig, T: int, generator: torch.Generator | None,
+                     device: torch.device | str | None = None) -> Tensor:
+    """Draw n training timesteps in [0, T).
+
+    uniform: each integer step equally likely (Ho et al. 2020).
+    logit_normal: t/T = sigmoid(m + s·z), z ~ N(0, 1) (Esser et al. 2024, SD3 §3.1), which
+        concentrates training on intermediate noise levels; m, s = cfg.logit_mean/logit_std.
+
+    Returns:
+        (n,) long tensor on ``device``.
+    """
+    if cfg.timestep_sampling == "uniform":
+        return torch.randint(0, T, (n,), generator=generator, device=device)
+    if cfg.timestep_sampling == "logit_normal":
+        z = torch.randn(n, generator=generator, device=device)
+        u = torch.sigmoid(cfg.logit_mean + cfg.logit_std * z)  # (0, 1)
+        return (u * T).long().clamp_(0, T - 1)
+    raise ValueError(f"unknown diffusion.timestep_sampling {cfg.timestep_sampling!r}; "
+                     "valid: uniform, logit_normal")
+
+
+def q_sample(x0: Tensor, alpha: Tensor, sigma: Tensor, noise: Tensor) -> Tensor:
+    """Sample q(x_t | x0) = N(alpha·x0, sigma²·I) with the given noise (Ho et al. 2020, eq. 4).
+
+    Args:
+        x0: (N, C, H, W) clean data. alpha, sigma: (N,) or scalars. noise: like x0.
+    Returns:
+        x_t, like x0 (coefficients cast to x0's dtype).
+    """
+    a, s = _bcast(alpha, x0).to(x0.dtype), _bcast(sigma, x0).to(x0.dtype)
+    return a * x0 + s * noise
+
+
+def training_target(prediction: Prediction, x0: Tensor, noise: Tensor, alpha: Tensor,
+                    sigma: Tensor) -> Tensor:
+    """The regression target for ``prediction``: eps, x0, or v = alpha·eps - sigma·x0.
+
+    Args:
+        x0, noise: (N, C, H, W). alpha, sigma: (N,) or scalars.
+    """
+    if prediction == "eps":
+        return noise
+    if prediction == "x0":
+        return x0
+    if prediction == "v":
+        # Salimans & Ho 2022, eq. after (9): v is the velocity of (alpha, sigma) on the circle.
+        return _bcast(alpha, x0) * noise - _bcast(sigma, x0) * x0
+    raise ValueError(f"unknown prediction {prediction!r}; valid: eps, x0, v")
+
+
+def to_x0_eps(prediction: Prediction, out: Tensor, x_t: Tensor, alpha: Tensor,
+              sigma: Tensor) -> tuple[Tensor, Tensor]:
+    """Convert a model output into the pair (x0_hat, eps_hat) consistent with x_t.
+
+    Every conversion is affine in ``out`` (which is why classifier-free guidance may mix raw
+    outputs, see samplers.Denoiser) and satisfies x_t = alpha·x0_hat + sigma·eps_hat.
+
+    Zero terminal SNR: at alpha = 0 an eps prediction carries no information about x0
+    (x_t is pure noise), so x0_hat is set to 0, the mean of centred data, instead of dividing
+    by zero. With zero_terminal_snr, v or x0 prediction is recommended (Lin et al. 2024, §3.2);
+    v gives x0_hat = -v exactly there. Likewise sigma = 0 (ᾱ = 1) with an x0 prediction
+    gives eps_hat = 0.
+
+    Args:
+        prediction: what ``out`` predicts. out, x_t: (N, C, H, W). alpha, sigma: (N,) or scalars.
+    Returns:
+        (x0_hat, eps_hat), both like x_t.
+    """
+    a, s = _bcast(alpha, x_t), _bcast(sigma, x_t)
+    if prediction == "eps":
+        eps = out
+        ok = a > 0
+        # Double-where: never divides by zero, so no NaN/inf even in the discarded branch.
+        x0 = torch.where(ok, (x_t - s * eps) / torch.where(ok, a, torch.ones_like(a)),
+                         torch.zeros_like(x_t))
+    elif prediction == "x0":
+        x0 = out
+        ok = s > 0
+        eps = torch.where(ok, (x_t - a * x0) / torch.where(ok, s, torch.ones_like(s)),
+                          torch.zeros_like(x_t))
+    elif prediction == "v":
+        # From v = a·eps - s·x0 and x_t = a·x0 + s·eps with a² + s² = 1 (Salimans & Ho 2022).
+        x0 = a * x_t - s * out
+        eps = s * x_t + a * out
+    else:
+        raise ValueError(f"unknown prediction {prediction!r}; valid: eps, x0, v")
+    return x0, eps
+
+
+def loss_weights(cfg: DiffusionConfig, snr: Tensor) -> Tensor:
+    """Per-sample weights on the prediction-space MSE.
+
+    uniform: 1. min_snr: min-SNR-γ (Hang et al. 2023, eq. 9-10): the weight that makes the
+    loss equal min(snr, γ)·‖x0 - x0_hat‖², given ‖eps err‖² = snr·‖x0 err‖² and
+    ‖v err‖² = (snr+1)·‖x0 err‖²:
+        eps: min(snr, γ)/snr = min(1, γ/snr)      (1 at snr = 0, 0 at snr = inf)
+        x0:  min(snr, γ)
+        v:   min(snr, γ)/(snr + 1)                (0 at snr = inf)
+    Args:
+        snr: (N,) float SNR values, may contain 0 and inf.
+    Returns:
+        (N,) weights, finite everywhere.
+    """
+    if cfg.loss_weighting == "uniform":
+        return torch.ones_like(snr)
+    if cfg.loss_weighting != "min_snr":
+        raise ValueError(f"unknown diffusion.loss_weighting {cfg.loss_weighting!r}; "
+                         "valid: uniform, min_snr")
+    g = cfg.min_snr_gamma
+    if cfg.prediction == "eps":
+        # γ/0 = inf -> clamped to 1; γ/inf = 0. No 0/0.
+        return (g / snr).clamp(max=1.0)
+    if cfg.prediction == "x0":
+        return snr.clamp(max=g)
+    if cfg.prediction == "v":
+        return snr.clamp(max=g) / (snr + 1.0)  # inf: γ/inf = 0
+    raise ValueError(f"unknown prediction {cfg.prediction!r}; valid: eps, x0, v")
+
+
+def diffusion_loss(model: nn.Module, x0: Tensor, y: Tensor | None, schedule: Schedule,
+                   cfg: DiffusionConfig, generator: torch.Generator) -> LossOutput:
+    """One evaluation of the denoising loss on a batch.
+
+    Draws, in this order and all from ``generator``: t (N,), noise like x0, and (when y is
+    given and cfg.cfg_dropout > 0) the label-dropout mask (N,), which replaces y by the null
+    class ``model.num_classes`` with probability cfg.cfg_dropout (Ho & Salimans 2022).
+    The per-sample loss is the weighted MSE in prediction space, averaged over C, H, W; it is
+    computed in float32 whatever the autocast dtype of the model output. No host syncs.
+
+    Args:
+        model: denoiser ``model(x, t, y) -> out``, t (N,) float timesteps.
+        x0: (N, C, H, W) clean data in [-1, 1]. y: (N,) long labels or None.
+        schedule: the noise schedule. cfg: the diffusion config section.
+        generator: torch.Generator on x0's device.
+    Returns:
+        LossOutput(loss 0-dim, per_sample (N,), t (N,) long).
+    """
+    n, device = x0.shape[0], x0.device
+    t = sample_timesteps(n, cfg, schedule.T, generator, device)  # (N,)
+    noise = torch.randn(x0.shape, generator=generator, device=device, dtype=x0.dtype)
+    alpha, sigma = schedule.alpha_sigma(t)  # (N,) float32 table lookups
+    x_t = q_sample(x0, alpha, sigma, noise)  # (N, C, H, W)
+
+    if y is not None:
+        null = num_classes_of(model)
+        if null == 0:
+            raise ValueError("labels y were given but the model is unconditional "
+                             "(model.num_classes == 0); pass y=None")
+        if cfg.cfg_dropout > 0:
+            drop = torch.rand(n, generator=generator, device=device) < cfg.cfg_dropout
+            y = torch.where(drop, torch.full_like(y, null), y)
+
+    out = model(x_t, t.to(torch.float32), y)
+    target = training_target(cfg.prediction, x0, noise, alpha, sigma)
+    # MSE in float32: under bf16/fp16 autocast the output is low precision, the loss must not be.
+    err = (out.float() - target.float()).square()
+    per_sample = err.mean(dim=tuple(range(1, err.ndim)))  # (N,)
+    if cfg.loss_weighting != "uniform":
+        per_sample = per_sample * loss_weights(cfg, schedule.snr(t))
+    return LossOutput(loss=per_sample.mean(), per_sample=per_sample, t=t)

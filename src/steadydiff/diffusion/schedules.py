@@ -1,0 +1,296 @@
+"""Noise schedules: the discrete ᾱ table of a variance-preserving diffusion and its SNR.
+
+Notation (Kingma et al. 2021, "Variational Diffusion Models"): x_t = alpha_t·x0 + sigma_t·eps
+with alpha = √ᾱ, sigma = √(1-ᾱ), SNR = alpha²/sigma² and log-SNR λ = log(alpha²/sigma²).
+Step t runs over the integers 0..T-1 (t = T-1 is the noisiest); samplers may ask for
+fractional t, which we answer by interpolating λ linearly between the two integer steps.
+
+Everything is computed in float64 on the CPU once; per-device copies of the tables are cached
+on first use so that the hot path (one lookup per training step) does not re-upload them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..config import DiffusionConfig
+
+__all__ = ["Schedule", "make_schedule"]
+
+# Piecewise log-SNR points are kept inside this range so that ᾱ = sigmoid(λ) stays strictly
+# inside (0, 1) in float64 (sigmoid(37) already rounds to 1.0). SNR = 0 at the end is what
+# zero_terminal_snr is for.
+PIECEWISE_LOG_SNR_RANGE = 30.0
+
+
+def _as_tensor(t: Tensor | float | int) -> Tensor:
+    return t if isinstance(t, Tensor) else torch.tensor(t, dtype=torch.float64)
+
+
+@dataclass(eq=False)
+class Schedule:
+    """A discrete VP noise schedule.
+
+    Attributes:
+        T: number of training steps; valid timesteps are 0..T-1.
+        betas: (T,) float64, per-step variances β_t = 1 - ᾱ_t/ᾱ_{t-1}.
+        alphas_cumprod: (T,) float64, ᾱ_t, non-increasing, in (0, 1]; ᾱ[T-1] may be exactly 0
+            (zero terminal SNR, Lin et al. 2024).
+    """
+
+    T: int
+    betas: Tensor
+    alphas_cumprod: Tensor
+    # device -> (ᾱ table, λ table, alpha table f32, sigma table f32); filled lazily.
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.betas = torch.as_tensor(self.betas, dtype=torch.float64).detach().cpu().contiguous()
+        self.alphas_cumprod = (torch.as_tensor(self.alphas_cumprod, dtype=torch.float64)
+                               .detach().cpu().contiguous())
+        shapes = (tuple(self.betas.shape), tuple(self.alphas_cumprod.shape))
+        if self.T < 2 or shapes != ((self.T,), (self.T,)):
+            raise ValueError(f"Schedule needs T >= 2 and betas/alphas_cumprod of shape "
+                             f"({self.T},), got {shapes[0]} and {shapes[1]}")
+
+    @property
+    def zero_terminal_snr(self) -> bool:
+        """True when ᾱ[T-1] == 0: the last step is pure noise (alpha = 0, SNR = 0)."""
+        return bool(self.alphas_cumprod[-1] == 0)
+
+    # ------------------------------------------------------------------ tables
+
+    def _tables(self, device: torch.device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        key = str(device)
+        tabs = self._cache.get(key)
+        if tabs is None:
+            ab = self.alphas_cumprod
+            # λ = log ᾱ - log(1-ᾱ); log1p keeps precision where ᾱ is close to 1 (small t).
+            lam = torch.log(ab) - torch.log1p(-ab)
+            # sigma from sigmoid(-λ) rather than 1-ᾱ: exact even when ᾱ rounds near 1.
+            alpha = torch.sigmoid(lam).sqrt().float()
+            sigma = torch.sigmoid(-lam).sqrt().float()
+            # MPS has no float64; everywhere else the interpolation runs in float64.
+            fdt = torch.float32 if torch.device(device).type == "mps" else torch.float64
+            tabs = (ab.to(device, fdt), lam.to(device, fdt), alpha.to(device), sigma.to(device))
+            self._cache[key] = tabs
+        return tabs
+
+    def _interp_log_snr(self, t: Tensor) -> Tensor:
+        """λ(t) for float t (clamped to [0, T-1]), in the table dtype (float64 off MPS)."""
+        ab, lam, _, _ = self._tables(t.device)
+        tt = t.to(lam.dtype).clamp(0, self.T - 1)
+        lo = tt.floor().long().clamp(max=self.T - 2)
+        w = tt - lo
+        lam_lo, lam_hi = lam[lo], lam[lo + 1]
+        # Linear in λ between integer steps. torch.lerp returns the end point exactly at w=1.
+        lam_lin = torch.lerp(lam_lo, lam_hi, w)
+        # With zero terminal SNR the last interval ends at λ = -inf; interpolating λ there would
+        # make every fractional t in (T-2, T-1) pure noise. Interpolate ᾱ on that interval
+        # instead, which stays continuous and reaches ᾱ = 0 exactly at t = T-1.
+        ab_lin = torch.lerp(ab[lo], ab[lo + 1], w)
+        lam_ab = torch.log(ab_lin) - torch.log1p(-ab_lin)
+        finite = torch.isfinite(lam_lo) & torch.isfinite(lam_hi)
+        return torch.where(finite, lam_lin, lam_ab)
+
+    # ------------------------------------------------------------------ public queries
+
+    def log_snr(self, t: Tensor | float, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Log-SNR λ(t) = log(ᾱ/(1-ᾱ)), linear between integer steps.
+
+        Args:
+            t: timesteps in [0, T-1] (any shape; integer or float; clamped to the range).
+            dtype: result dtype (float32 by default; samplers ask for float64).
+        Returns:
+            λ with t's shape, on t's device; -inf where ᾱ = 0.
+        """
+        t = _as_tensor(t)
+        if not t.is_floating_point():
+            return self._tables(t.device)[1][t].to(dtype)
+        return self._interp_log_snr(t).to(dtype)
+
+    def snr(self, t: Tensor | float, dtype: torch.dtype = torch.float32) -> Tensor:
+        """SNR(t) = alpha²/sigma² = exp(λ(t)); 0 where ᾱ = 0, never NaN."""
+        return torch.exp(self.log_snr(t, torch.float64)).to(dtype)
+
+    def alpha_sigma(self, t: Tensor | float,
+                    dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        """alpha = √ᾱ(t) and sigma = √(1-ᾱ(t)), log-SNR interpolated between integer steps.
+
+        Args:
+            t: timesteps in [0, T-1] (any shape). Integer t is a plain table lookup (the
+                training hot path); float t is interpolated. Out-of-range t is clamped.
+            dtype: result dtype, float32 by default.
+        Returns:
+            (alpha, sigma), each with t's shape, on t's device; alpha² + sigma² = 1.
+        """
+        t = _as_tensor(t)
+        if not t.is_floating_point():
+            _, _, alpha, sigma = self._tables(t.device)
+            t = t.clamp(0, self.T - 1)
+            return alpha[t].to(dtype), sigma[t].to(dtype)
+        lam = self._interp_log_snr(t)
+        # ᾱ = sigmoid(λ), 1-ᾱ = sigmoid(-λ): both exact at λ = ±inf, and they sum to one.
+        return torch.sigmoid(lam).sqrt().to(dtype), torch.sigmoid(-lam).sqrt().to(dtype)
+
+    def t_from_log_snr(self, lam: Tensor | float, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Inverse of :meth:`log_snr`: the (fractional) timestep whose λ equals ``lam``.
+
+        Args:
+            lam: log-SNR values (any shape). Values above λ(0) map to 0, below λ(T-1) to T-1.
+        Returns:
+            t in [0, T-1] with lam's shape. On a flat stretch (piecewise schedules) the first
+            step of the stretch is returned.
+        """
+        lam = _as_tensor(lam)
+        ab, table, _, _ = self._tables(lam.device)
+        x = lam.to(table.dtype)
+        # -λ is non-decreasing; searchsorted finds the first step whose λ <= lam.
+        hi = torch.searchsorted(-table, -x.contiguous().reshape(-1)).reshape(x.shape)
+        hi = hi.clamp(1, self.T - 1)
+        lo = hi - 1
+        lam_lo, lam_hi = table[lo], table[hi]
+        den = lam_lo - lam_hi
+        w_lam = (lam_lo - x) / torch.where(den > 0, den, torch.ones_like(den))
+        w_lam = torch.where(den > 0, w_lam, torch.zeros_like(w_lam))
+        # The zero-SNR interval is interpolated in ᾱ (see _interp_log_snr); invert that too.
+        ab_x = torch.sigmoid(x)
+        w_ab = (ab[lo] - ab_x) / (ab[lo] - ab[hi]).clamp_min(torch.finfo(ab.dtype).tiny)
+        finite = torch.isfinite(lam_lo) & torch.isfinite(lam_hi)
+        w = torch.where(finite, w_lam, w_ab).clamp(0, 1)
+        return (lo.to(w.dtype) + w).to(dtype)
+
+
+# ---------------------------------------------------------------------- constructors
+
+
+def _betas_from_alpha_bar(alpha_bar_fn, T: int, max_beta: float = 0.999) -> Tensor:
+    """Discretize a continuous ᾱ(u), u in [0, 1], as β_i = 1 - ᾱ((i+1)/T)/ᾱ(i/T), clipped.
+
+    Nichol & Dhariwal 2021, eq. 17 and §3.2: clipping β at 0.999 avoids the singularity at
+    the end of the schedule where ᾱ(1) is (almost) 0.
+    """
+    u = torch.arange(T + 1, dtype=torch.float64) / T
+    ab = alpha_bar_fn(u)
+    return (1.0 - ab[1:] / ab[:-1]).clamp(min=0.0, max=max_beta)
+
+
+def _cosine_alpha_bar(u: Tensor, s: float = 0.008) -> Tensor:
+    # Nichol & Dhariwal 2021, eq. 17: ᾱ(u) = f(u)/f(0), f(u) = cos²((u+s)/(1+s)·π/2).
+    f = torch.cos((u + s) / (1 + s) * math.pi / 2) ** 2
+    return f / f[0]
+
+
+def _sigmoid_alpha_bar(u: Tensor, start: float = -3.0, end: float = 3.0,
+                       tau: float = 1.0) -> Tensor:
+    # Chen 2023, "On the importance of noise scheduling for diffusion models", Algorithm 1
+    # (sigmoid_schedule, the start=-3, end=3, tau=1 setting also used by Jabri et al. 2022):
+    # γ(u) = (σ(end/τ) - σ((u·(end-start)+start)/τ)) / (σ(end/τ) - σ(start/τ)), γ(0)=1, γ(1)=0.
+    v_start = torch.sigmoid(torch.tensor(start / tau, dtype=torch.float64))
+    v_end = torch.sigmoid(torch.tensor(end / tau, dtype=torch.float64))
+    out = torch.sigmoid((u * (end - start) + start) / tau)
+    return ((v_end - out) / (v_end - v_start)).clamp(0.0, 1.0)
+
+
+def _piecewise_alpha_bar(points: list[list[float]], T: int) -> Tensor:
+    """ᾱ from a log-SNR that is piecewise linear in t/(T-1) through ``points``."""
+    if len(points) < 2 or any(len(p) != 2 for p in points):
+        raise ValueError("diffusion.piecewise must be a list of at least two [t_fraction, log_snr] "
+                         f"pairs, got {points!r}")
+    fr = [float(p[0]) for p in points]
+    ls = [float(p[1]) for p in points]
+    if not all(math.isfinite(v) for v in fr + ls):
+        raise ValueError(f"diffusion.piecewise values must be finite, got {points!r}; "
+                         "for SNR = 0 at the end set diffusion.zero_terminal_snr: true")
+    if fr[0] != 0.0 or fr[-1] != 1.0:
+        raise ValueError(f"diffusion.piecewise t_fractions must start at 0 and end at 1, got {fr}")
+    if any(b <= a for a, b in zip(fr, fr[1:])):
+        raise ValueError(f"diffusion.piecewise t_fractions must be strictly increasing, got {fr}")
+    if any(b > a for a, b in zip(ls, ls[1:])):
+        raise ValueError(f"diffusion.piecewise log_snr values must be non-increasing (noise grows "
+                         f"with t), got {ls}")
+    lim = PIECEWISE_LOG_SNR_RANGE
+    if any(abs(v) > lim for v in ls):
+        raise ValueError(f"diffusion.piecewise log_snr values must lie in [-{lim:g}, {lim:g}] so "
+                         f"that 0 < ᾱ < 1 in float64, got {ls}; for SNR = 0 at the end set "
+                         "diffusion.zero_terminal_snr: true")
+    u = torch.arange(T, dtype=torch.float64) / (T - 1)
+    xp, fp = torch.tensor(fr, dtype=torch.float64), torch.tensor(ls, dtype=torch.float64)
+    # Linear interpolation of λ over the segments (np.interp semantics, in torch).
+    seg = (torch.searchsorted(xp, u, right=True) - 1).clamp(0, len(fr) - 2)
+    w = (u - xp[seg]) / (xp[seg + 1] - xp[seg])
+    lam = torch.lerp(fp[seg], fp[seg + 1], w)
+    return torch.sigmoid(lam)
+
+
+def _rescale_zero_terminal_snr(ab: Tensor) -> Tensor:
+    """Lin et al. 2024, "Common Diffusion Noise Schedules and Sample Steps are Flawed", Alg. 1.
+
+    Shift √ᾱ so the last entry is 0 and scale it so the first entry is unchanged; the rest of
+    the schedule keeps its shape. Training then sees pure noise at t = T-1, as sampling does.
+    """
+    s = ab.sqrt()
+    s0, sT = s[0].clone(), s[-1].clone()
+    if not s0 > sT:
+        raise ValueError("diffusion.zero_terminal_snr needs a schedule whose ᾱ decreases from the "
+                         "first to the last step; this one is flat")
+    s = (s - sT) * (s0 / (s0 - sT))
+    s[-1] = 0.0  # exact, whatever the rounding above did
+    return s * s
+
+
+def _check(ab: Tensor, T: int, zero_terminal: bool, kind: str) -> None:
+    if ab.shape != (T,) or not torch.isfinite(ab).all():
+        raise ValueError(f"{kind} schedule produced a non-finite ᾱ table")
+    if (ab[1:] > ab[:-1]).any():
+        raise ValueError(f"{kind} schedule: ᾱ must not increase with t")
+    if ab[0] > 1.0 or (ab[:-1] <= 0).any():
+        raise ValueError(f"{kind} schedule: ᾱ underflows to 0 before the last step; lower "
+                         "diffusion.beta_end or diffusion.timesteps")
+    if zero_terminal and ab[-1] != 0:
+        raise AssertionError("zero terminal SNR rescale did not reach ᾱ[T-1] = 0")
+    if not zero_terminal and ab[-1] <= 0:
+        raise ValueError(f"{kind} schedule: ᾱ reaches 0 at the last step; set "
+                         "diffusion.zero_terminal_snr: true if that is intended")
+
+
+def make_schedule(cfg: DiffusionConfig) -> Schedule:
+    """Build the schedule described by ``cfg`` (``diffusion`` section).
+
+    Kinds:
+        linear: β linear from beta_start to beta_end (Ho et al. 2020; 1e-4..0.02 at T=1000).
+        cosine: Nichol & Dhariwal 2021 (s = 0.008, β clipped at 0.999).
+        sigmoid: Chen 2023, Algorithm 1 (start -3, end 3, tau 1), β clipped at 0.999.
+        piecewise: λ piecewise linear in t/(T-1) through ``cfg.piecewise``.
+    With ``cfg.zero_terminal_snr`` the result is rescaled (Lin et al. 2024, Alg. 1) so that
+    ᾱ[T-1] = 0 exactly.
+
+    Returns:
+        Schedule with float64 (T,) betas and alphas_cumprod.
+    Raises:
+        ValueError: invalid piecewise points, or a schedule that underflows/flattens.
+    """
+    T = cfg.timesteps
+    if cfg.schedule == "linear":
+        betas = torch.linspace(cfg.beta_start, cfg.beta_end, T, dtype=torch.float64)
+        ab = torch.cumprod(1.0 - betas, 0)
+    elif cfg.schedule == "cosine":
+        ab = torch.cumprod(1.0 - _betas_from_alpha_bar(_cosine_alpha_bar, T), 0)
+    elif cfg.schedule == "sigmoid":
+        ab = torch.cumprod(1.0 - _betas_from_alpha_bar(_sigmoid_alpha_bar, T), 0)
+    elif cfg.schedule == "piecewise":
+        ab = _piecewise_alpha_bar(cfg.piecewise, T)
+    else:  # the config's Literal makes this unreachable; kept for direct callers
+        raise ValueError(f"unknown diffusion.schedule {cfg.schedule!r}; "
+                         "valid: linear, cosine, sigmoid, piecewise")
+    if cfg.zero_terminal_snr:
+        ab = _rescale_zero_terminal_snr(ab)
+    _check(ab, T, cfg.zero_terminal_snr, cfg.schedule)
+    # β_t = 1 - ᾱ_t/ᾱ_{t-1} with ᾱ_{-1} = 1 (exactly 1 at the zero-SNR end).
+    prev = torch.cat([ab.new_ones(1), ab[:-1]])
+    betas = 1.0 - ab / prev
+    return Schedule(T=T, betas=betas, alphas_cumprod=ab)

@@ -1,0 +1,280 @@
+"""Shared model primitives: timestep/class embeddings, attention (optional QK-norm, probe
+mode), checked GroupNorm, the denoiser-contract input check and layer-depth lookup.
+
+Both architectures (``unet.py``, ``dit.py``) import these; nothing here is copied into a
+model file, so a fix lands once (see STYLE.md, habit 6).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "Attention",
+    "ClassEmbedder",
+    "TimestepEmbedder",
+    "check_inputs",
+    "group_norm",
+    "lookup_depth",
+    "timestep_embedding",
+]
+
+
+# --------------------------------------------------------------------------- embeddings
+
+
+def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
+    """Sinusoidal embedding of (possibly fractional) timesteps.
+
+    The transformer position code of Vaswani et al. 2017 applied to the diffusion step
+    (Ho et al. 2020, appendix B): frequencies fall geometrically from 1 to 1/max_period, so
+    t in [0, T) with T ~ 1000 is resolved from single steps up to the whole range.
+    Continuous values (e.g. 437.25) are fine: nothing here rounds.
+
+    Args:
+        t: (N,) timesteps, any real dtype; computed in float32 even under autocast,
+            because bf16 cannot tell t=437 from t=438 (8 mantissa bits).
+        dim: embedding width; an odd ``dim`` gets one zero column at the end.
+        max_period: the longest period, in timestep units.
+
+    Returns:
+        (N, dim) float32 tensor, ``[cos(t*f_0..f_{h-1}), sin(t*f_0..f_{h-1})]``.
+    """
+    half = dim // 2
+    # f_i = max_period^(-i/half), i = 0..half-1
+    freqs = torch.exp(
+        -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+    args = t.to(torch.float32)[:, None] * freqs[None]  # (N, half)
+    emb = torch.cat([torch.cos(args), torch.sin(args)], dim=-1)  # (N, 2*half)
+    if dim % 2:
+        emb = F.pad(emb, (0, 1))
+    return emb
+
+
+class TimestepEmbedder(nn.Module):
+    """Sinusoid followed by a 2-layer SiLU MLP (Ho et al. 2020; Peebles & Xie 2023, sec. 3.2).
+
+    Args:
+        dim: output width.
+        freq_dim: width of the sinusoidal code fed to the MLP (DiT uses 256; the ADM UNet
+            uses its base channel count).
+        max_period: see :func:`timestep_embedding`.
+    """
+
+    def __init__(self, dim: int, freq_dim: int = 256, max_period: float = 10000.0) -> None:
+        super().__init__()
+        self.freq_dim = freq_dim
+        self.max_period = max_period
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, t: Tensor) -> Tensor:
+        """(N,) timesteps -> (N, dim) embedding."""
+        return self.mlp(timestep_embedding(t, self.freq_dim, self.max_period))
+
+
+class ClassEmbedder(nn.Module):
+    """Class-label table with one extra row: index ``num_classes`` is the null class.
+
+    Classifier-free guidance (Ho & Salimans 2022) trains the same network with labels randomly
+    replaced by the null class, then mixes conditional and null predictions at sampling time.
+    Label dropout itself belongs to the objective (diffusion/), not to the model.
+
+    Args:
+        num_classes: number of real classes (labels 0..num_classes-1).
+        dim: embedding width.
+    """
+
+    def __init__(self, num_classes: int, dim: int) -> None:
+        super().__init__()
+        self.num_classes = num_classes
+        self.table = nn.Embedding(num_classes + 1, dim)
+
+    def forward(self, y: Tensor) -> Tensor:
+        """(N,) long labels in [0, num_classes] -> (N, dim)."""
+        return self.table(y)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention on tokens (N, L, D), with optional QK-norm and a probe mode.
+
+    QK-norm (Dehghani et al. 2023, "Scaling Vision Transformers to 22B Parameters", sec. 3.1)
+    normalises q and k per head before the dot product. Without it, the attention logits can
+    grow without bound during training, the softmax collapses to one-hot (entropy -> 0) and
+    the loss diverges; with it, logits are bounded by the norm gains. We use LayerNorm per
+    head, as in that paper.
+
+    The fast path is ``F.scaled_dot_product_attention`` (flash / memory-efficient kernels on
+    CUDA). Setting ``self.probe = True`` switches to an explicit softmax(q kᵀ/√d) in float32
+    and stores ``self.last_stats = {"max_logit", "entropy"}`` (0-dim, detached, no host
+    sync) for the stability guard; the output equals the fast path up to float error. The
+    probe materialises the (N, heads, L, L) logits, so the guard should turn it on only on
+    probe steps.
+
+    Args:
+        dim: token width D.
+        num_heads: number of heads; must divide ``dim``.
+        qk_norm: normalise q and k per head.
+        eps: epsilon of the QK LayerNorms.
+    """
+
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False, eps: float = 1e-6) -> None:
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"attention width {dim} is not divisible by num_heads={num_heads}")
+        self.num_heads = num_heads
+        self.head_dim = dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        # No bias on the key norm: a key bias b adds the same q.b to every logit of a query
+        # row, which softmax ignores, so it would be a parameter whose gradient is always 0.
+        self.q_norm: nn.Module = nn.LayerNorm(self.head_dim, eps=eps) if qk_norm else nn.Identity()
+        self.k_norm: nn.Module = (nn.LayerNorm(self.head_dim, eps=eps, bias=False)
+                                  if qk_norm else nn.Identity())
+        self.proj = nn.Linear(dim, dim)
+        self.probe = False
+        self.last_stats: dict[str, Tensor] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        """(N, L, D) -> (N, L, D)."""
+        n, length, d = x.shape
+        qkv = self.qkv(x).reshape(n, length, 3, self.num_heads, self.head_dim)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, heads, L, Dh)
+        # LayerNorm runs in float32 under autocast; bring q, k back to v's dtype so SDPA
+        # gets one dtype.
+        q = self.q_norm(q).to(v.dtype)
+        k = self.k_norm(k).to(v.dtype)
+        if self.probe:
+            out = self._probe_attention(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v)  # (N, heads, L, Dh)
+        out = out.transpose(1, 2).reshape(n, length, d)  # (N, L, D)
+        return self.proj(out)
+
+    def _probe_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        # Explicit attention in float32, autocast off: the statistics should describe the
+        # logits, not bf16 rounding of them.
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            logits = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
+            logp = torch.log_softmax(logits, dim=-1)  # (N, heads, L, L)
+            p = logp.exp()
+            # Entropy in nats per query row; log(L) means uniform, 0 means one-hot collapse.
+            entropy = -(p * logp).sum(-1).mean()
+            self.last_stats = {"max_logit": logits.detach().amax(),
+                               "entropy": entropy.detach()}
+            out = p @ v.float()
+        return out.to(v.dtype)
+
+
+# --------------------------------------------------------------------------- norms
+
+
+def group_norm(channels: int, groups: int, eps: float, name: str) -> nn.GroupNorm:
+    """``nn.GroupNorm`` that fails at build time, naming the layer, when groups do not fit.
+
+    Args:
+        channels: number of channels normalised.
+        groups: number of groups; must divide ``channels``.
+        eps: GroupNorm epsilon.
+        name: module path used in the error message (e.g. ``"down.1.res.0.norm1"``).
+
+    Returns:
+        The GroupNorm module (affine).
+
+    Raises:
+        ValueError: ``channels % groups != 0``; the message suggests valid group counts.
+    """
+    if channels % groups:
+        divisors = [g for g in range(2, channels + 1) if channels % g == 0]
+        # Suggest a few divisors near the requested count, smallest distance first.
+        near = sorted(divisors, key=lambda g: (abs(g - groups), g))[:3]
+        raise ValueError(
+            f"{name}: {channels} channels are not divisible by norm_groups={groups}; "
+            f"choose norm_groups dividing {channels} (e.g. {', '.join(map(str, sorted(near)))})")
+    return nn.GroupNorm(groups, channels, eps=eps)
+
+
+# --------------------------------------------------------------------------- contract helpers
+
+
+def check_inputs(
+    model: str,
+    x: Tensor,
+    t: Tensor,
+    y: Tensor | None,
+    *,
+    in_channels: int,
+    image_size: int,
+    num_classes: int,
+) -> tuple[Tensor, Tensor | None]:
+    """Validate a denoiser call ``model(x, t, y)`` on shapes only (no host sync).
+
+    Args:
+        model: model name for messages ("UNet", "DiT").
+        x: (N, C, H, W) input.
+        t: (N,) timesteps; a 0-dim tensor or Python number is broadcast to (N,).
+        y: (N,) long labels in [0, num_classes] or None.
+        in_channels, image_size, num_classes: the model's build-time values.
+
+    Returns:
+        ``(t, y)`` with t of shape (N,) and y replaced by the null class ``num_classes`` when
+        the model is conditional and y is None (None for unconditional models).
+
+    Raises:
+        ValueError: wrong x/t/y shape, or labels passed to an unconditional model.
+    """
+    expected = (in_channels, image_size, image_size)
+    if x.ndim != 4 or tuple(x.shape[1:]) != expected:
+        raise ValueError(
+            f"{model} expects x of shape (N, {in_channels}, {image_size}, {image_size}), "
+            f"got {tuple(x.shape)}")
+    n = x.shape[0]
+    if not isinstance(t, Tensor):
+        t = torch.tensor(float(t), device=x.device)
+    if t.ndim == 0:
+        t = t.expand(n)
+    if tuple(t.shape) != (n,):
+        raise ValueError(f"{model} expects t of shape ({n},) to match x, got {tuple(t.shape)}")
+    if num_classes == 0:
+        if y is not None:
+            raise ValueError(
+                f"{model} was built unconditional (num_classes=0) but got class labels y; "
+                f"pass y=None or build with model.num_classes > 0")
+        return t, None
+    if y is None:
+        y = torch.full((n,), num_classes, dtype=torch.long, device=x.device)
+    elif tuple(y.shape) != (n,):
+        raise ValueError(f"{model} expects y of shape ({n},) to match x, got {tuple(y.shape)}")
+    return t, y
+
+
+# Prefixes added by wrappers whose parameter names the optimizer may see.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def lookup_depth(name: str, table: dict[str, int], model: str) -> int:
+    """Depth of parameter ``name`` from a {module-prefix: depth} table (longest prefix wins).
+
+    Wrapper prefixes (``module.`` from DDP, ``_orig_mod.`` from torch.compile) are stripped.
+
+    Raises:
+        KeyError: no prefix of the table matches ``name``.
+    """
+    stripped = True
+    while stripped:
+        stripped = False
+        for p in _WRAPPER_PREFIXES:
+            if name.startswith(p):
+                name, stripped = name[len(p):], True
+    best, depth = -1, None
+    for prefix, d in table.items():
+        if (name == prefix or name.startswith(prefix + ".")) and len(prefix) > best:
+            best, depth = len(prefix), d
+    if depth is None:
+        raise KeyError(f"{model}.param_depth: no depth known for parameter {name!r}")
+    return depth

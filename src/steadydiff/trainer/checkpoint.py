@@ -1,0 +1,319 @@
+"""Atomic, verified checkpoints.
+
+A checkpoint is a directory ``checkpoints/step_00001234/``:
+
+    model.safetensors   the unwrapped model's weights
+    ema.safetensors     the EMA weights
+    optimizer.pt        optimizer state (tensors, numbers, strings: loads with weights_only=True)
+    rng.pt              every RNG the run uses (python, numpy, torch CPU/CUDA)
+    state.json          step counters, data position, EMA/scaler state, the resolved config
+    manifest.json       size and sha256 of every file above; written last
+
+It is written to a hidden temporary directory, every file fsynced, then renamed into place,
+and the ``latest`` pointer is replaced atomically (``os.replace``). A kill at any moment leaves
+either the old or the new checkpoint complete, never a half-written one under a real name.
+Only checkpoints whose weights and EMA were checked finite are written at all, and rotation
+never deletes the last good checkpoint before a newer one is complete.
+
+Loading verifies the manifest first: a truncated file or a flipped byte is reported and the
+previous good checkpoint is used. Nothing is unpickled: tensors come from safetensors, and
+``torch.load`` is always called with an explicit ``weights_only=True`` (an explicit True
+survives ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``; the default does not).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+FILES = ("model.safetensors", "ema.safetensors", "optimizer.pt", "rng.pt", "state.json")
+_NAME = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be used (corrupt, incomplete, non-finite, or unsafe)."""
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems do not support fsync on directories
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
+    """Names of floating tensors in ``state_dict`` holding NaN or Inf (one host sync)."""
+    names = [k for k, v in state_dict.items() if v.is_floating_point()]
+    if not names:
+        return []
+    flags = torch.stack([torch.isfinite(state_dict[k]).all() for k in names]).cpu()
+    return [k for k, ok in zip(names, flags.tolist()) if not ok]
+
+
+def _tensor_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def capture_rng() -> dict[str, Any]:
+    """Every global RNG the run touches, in a form ``torch.load(weights_only=True)`` accepts."""
+    py = random.getstate()
+    np_state = np.random.get_state()
+    out: dict[str, Any] = {
+        "python": [py[0], list(py[1]), py[2]],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), int(np_state[2]),
+                  int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state_all()
+    return out
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    v, internal, gauss = state["python"]
+    random.setstate((v, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- save
+
+
+@dataclass
+class Checkpoint:
+    """A loaded checkpoint: tensors on the requested device, state as plain data."""
+
+    path: Path
+    model: dict[str, torch.Tensor]
+    ema: dict[str, torch.Tensor]
+    optimizer: dict[str, Any] | None
+    rng: dict[str, Any] | None
+    state: dict[str, Any]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, ema: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, state: dict[str, Any],
+                    keep: int = 3) -> Path:
+    """Write a verified checkpoint for ``step`` under ``root`` and point ``latest`` at it.
+
+    Raises :class:`CheckpointError` (and writes nothing) if the model or EMA holds a
+    non-finite value: a diverged state must never replace the last good checkpoint.
+    Returns the checkpoint directory.
+    """
+    model_sd, ema_sd = _tensor_dict(model), _tensor_dict(ema)
+    bad = nonfinite_tensors(model_sd) + [f"ema:{k}" for k in nonfinite_tensors(ema_sd)]
+    if bad:
+        raise CheckpointError(
+            f"refusing to write checkpoint at step {step}: non-finite values in "
+            f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+
+    root.mkdir(parents=True, exist_ok=True)
+    name = checkpoint_name(step)
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        save_file({k: v.cpu() for k, v in model_sd.items()}, str(tmp / "model.safetensors"))
+        save_file({k: v.cpu() for k, v in ema_sd.items()}, str(tmp / "ema.safetensors"))
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(capture_rng(), tmp / "rng.pt")
+        _write_json(tmp / "state.json", {**state, "step": step, "format": FORMAT_VERSION})
+        manifest = {"format": FORMAT_VERSION, "step": step, "finite": True, "files": {}}
+        for f in FILES:
+            _fsync_file(tmp / f)
+            manifest["files"][f] = {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
+        _write_json(tmp / "manifest.json", manifest)
+        _fsync_file(tmp / "manifest.json")
+        _fsync_dir(tmp)
+        if final.exists():  # the same step saved again (e.g. a rerun): swap, then drop the old
+            old = root / f".old-{name}-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _set_latest(root, name)
+    _rotate(root, keep, protect=name)
+    return final
+
+
+def _set_latest(root: Path, name: str) -> None:
+    tmp = root / f".latest-{os.getpid()}"
+    tmp.write_text(name + "\n")
+    _fsync_file(tmp)
+    os.replace(tmp, root / "latest")
+    _fsync_dir(root)
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Checkpoint directories under ``root``, newest step first (temporaries excluded)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if p.is_dir() and (m := _NAME.match(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def _rotate(root: Path, keep: int, protect: str) -> None:
+    # Only complete (manifest-bearing) checkpoints count toward `keep`; the one just written
+    # is always among them, so the last good checkpoint is never deleted first.
+    complete = [p for p in list_checkpoints(root) if (p / "manifest.json").is_file()]
+    for p in complete[keep:]:
+        if p.name != protect:
+            shutil.rmtree(p, ignore_errors=True)
+    for p in root.iterdir():  # temporaries left by a killed writer
+        if p.name.startswith((".tmp-", ".old-")) and not p.name.endswith(f"-{os.getpid()}"):
+            shutil.rmtree(p, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- verify / load
+
+
+def verify_checkpoint(path: Path) -> list[str]:
+    """Problems found in the checkpoint at ``path`` (empty when it is intact)."""
+    mf = path / "manifest.json"
+    if not mf.is_file():
+        return [f"{path}: no manifest.json (incomplete or not a steadydiff checkpoint)"]
+    try:
+        manifest = json.loads(mf.read_text())
+        files = manifest["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return [f"{mf}: unreadable manifest ({e})"]
+    problems = []
+    for f in FILES:
+        entry = files.get(f)
+        p = path / f
+        if entry is None:
+            problems.append(f"{path}: manifest does not list {f}")
+        elif not p.is_file():
+            problems.append(f"{p}: missing")
+        elif p.stat().st_size != entry.get("size"):
+            problems.append(f"{p}: size {p.stat().st_size} bytes, manifest says {entry.get('size')}"
+                            " (truncated or replaced)")
+        elif _sha256(p) != entry.get("sha256"):
+            problems.append(f"{p}: sha256 does not match the manifest (corrupted)")
+    return problems
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Turn a run directory, a ``checkpoints/`` directory or a checkpoint into the newest
+    intact checkpoint directory; corrupt ones are reported and skipped."""
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"no such checkpoint or run directory: {p}")
+    if (p / "manifest.json").exists() or _NAME.match(p.name):
+        problems = verify_checkpoint(p)
+        if problems:
+            raise CheckpointError("checkpoint failed verification:\n  " + "\n  ".join(problems))
+        return p
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    found = latest_good(root)
+    if found is None:
+        raise CheckpointError(f"no intact checkpoint found under {root}")
+    return found
+
+
+def latest_good(root: Path) -> Path | None:
+    """The newest checkpoint under ``root`` that passes verification, or None.
+
+    The ``latest`` pointer is tried first; a checkpoint that fails verification is logged
+    with the reason and the next older one is tried.
+    """
+    candidates = list_checkpoints(root)
+    pointer = root / "latest"
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if named in candidates:
+            candidates.remove(named)
+            candidates.insert(0, named)
+    for c in candidates:
+        problems = verify_checkpoint(c)
+        if not problems:
+            return c
+        log.warning("skipping corrupt checkpoint %s: %s", c, "; ".join(problems))
+    return None
+
+
+def load_checkpoint(path: Path, device: torch.device | str = "cpu", *,
+                    weights_only: bool = False) -> Checkpoint:
+    """Load a verified checkpoint directory. ``weights_only`` skips optimizer and RNG."""
+    problems = verify_checkpoint(path)
+    if problems:
+        raise CheckpointError("checkpoint failed verification:\n  " + "\n  ".join(problems))
+    dev = str(device)
+    try:
+        state = json.loads((path / "state.json").read_text())
+        model = load_file(str(path / "model.safetensors"), device=dev)
+        ema = load_file(str(path / "ema.safetensors"), device=dev)
+        opt = rng = None
+        if not weights_only:
+            opt = torch.load(path / "optimizer.pt", map_location=dev, weights_only=True)
+            rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
+    except Exception as e:  # a doctored file: refuse it, say which and why
+        raise CheckpointError(f"{path}: cannot be loaded safely: {type(e).__name__}: {e}") from None
+    # safetensors loads NaN/Inf without complaint; a checkpoint is only usable if finite.
+    bad = nonfinite_tensors(model) + [f"ema:{k}" for k in nonfinite_tensors(ema)]
+    if bad:
+        raise CheckpointError(f"{path}: non-finite weights in {', '.join(bad[:5])}")
+    return Checkpoint(path, model, ema, opt, rng, state)

@@ -1,0 +1,64 @@
+"""Exponential moving average of the model weights (Polyak averaging).
+
+Updated only after a real optimizer step (a step skipped by the fp16 grad scaler or by the
+guard must not pull the average toward unchanged, or worse, non-finite weights).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..config import TrainConfig
+
+
+class EMA:
+    """A frozen copy of ``model`` whose parameters track ``decay``-weighted averages.
+
+    With ``warmup`` the effective decay is ``min(decay, (1 + n) / (10 + n))`` after ``n``
+    updates, so early averages are not dominated by the random init (as in the Karras/ADM
+    codebases). Buffers (e.g. fixed position embeddings) are copied, not averaged.
+    """
+
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = True, start: int = 0):
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        self.decay = decay
+        self.warmup = warmup
+        self.start = start
+        self.num_updates = 0
+        self._src: list[torch.Tensor] | None = None
+        self._dst: list[torch.Tensor] | None = None
+
+    @classmethod
+    def from_config(cls, model: nn.Module, cfg: TrainConfig) -> "EMA":
+        return cls(model, cfg.ema_decay, cfg.ema_warmup, cfg.ema_start)
+
+    def current_decay(self) -> float:
+        if not self.warmup:
+            return self.decay
+        n = self.num_updates
+        return min(self.decay, (1 + n) / (10 + n))
+
+    @torch.no_grad()
+    def update(self, model: nn.Module, step: int) -> None:
+        """Average ``model`` into the EMA; before ``start`` the EMA copies the model."""
+        if self._src is None:
+            self._src = [p for p in model.parameters()]
+            self._dst = [p for p in self.module.parameters()]
+        if step < self.start:
+            torch._foreach_copy_(self._dst, self._src)
+            return
+        d = self.current_decay()
+        # ema += (1 - d) * (p - ema), one fused kernel over all tensors
+        torch._foreach_lerp_(self._dst, self._src, 1.0 - d)
+        for b_ema, b in zip(self.module.buffers(), model.buffers()):
+            b_ema.copy_(b)
+        self.num_updates += 1
+
+    def state(self) -> dict:
+        return {"num_updates": self.num_updates}
+
+    def load_state(self, state: dict) -> None:
+        self.num_updates = int(state["num_updates"])

@@ -1,0 +1,73 @@
+"""AdamW with parameter groups, and the learning-rate schedule as a pure function of the step.
+
+The LR schedule is a function of the optimizer step, never a stateful scheduler object:
+resuming at step s gives the same LR as the run that was never stopped, and there is no
+hidden counter to drift (see STYLE.md, "a step counter hidden inside a scheduler object").
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import OptimConfig
+
+
+def _no_decay(module: nn.Module, name: str, p: nn.Parameter) -> bool:
+    # Weight decay on norms, biases and embeddings only shrinks things that set scales or
+    # identities, which hurts more than it regularizes (Loshchilov & Hutter 2019 practice).
+    return p.ndim <= 1 or isinstance(module, nn.Embedding) or name.endswith("pos_embed")
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Split the model's trainable parameters into AdamW groups.
+
+    Each group carries ``lr_scale`` (layer-wise LR decay, BEiT-style: ``decay ** (max_depth -
+    depth)`` when the model exposes ``param_depth``) and its weight decay (0 for norms, biases
+    and embeddings). Returns a list of dicts for ``torch.optim.AdamW``.
+    """
+    owners = {f"{mn}.{pn}" if mn else pn: m
+              for mn, m in model.named_modules() for pn, _ in m.named_parameters(recurse=False)}
+    use_depth = cfg.layer_decay < 1.0 and hasattr(model, "param_depth")
+    groups: dict[tuple[float, float], dict] = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        wd = 0.0 if _no_decay(owners[name], name, p) else cfg.weight_decay
+        scale = 1.0
+        if use_depth:
+            scale = cfg.layer_decay ** (model.max_depth - model.param_depth(name))
+        g = groups.setdefault((wd, scale), {"params": [], "names": [], "weight_decay": wd,
+                                            "lr_scale": scale})
+        g["params"].append(p)
+        g["names"].append(name)
+    return list(groups.values())
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    """AdamW over :func:`param_groups`. The LR is set each step by :func:`set_lr`."""
+    groups = param_groups(model, cfg)
+    if not groups:
+        raise ValueError("the model has no trainable parameters")
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step ``step`` (0-based): linear warmup, then constant or
+    cosine decay to ``min_lr_ratio * lr`` at ``total_steps``."""
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return cfg.lr
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Write ``lr`` (times each group's ``lr_scale``) into every parameter group."""
+    for g in optimizer.param_groups:
+        g["lr"] = lr * g.get("lr_scale", 1.0)

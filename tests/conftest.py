@@ -1,0 +1,17 @@
+"""Test-wide settings: one torch thread per process (two busy threads on these 2-core
+machines are 2-10x slower than one), deterministic seeds."""
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    yield

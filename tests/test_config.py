@@ -1,0 +1,83 @@
+"""Config validation: unknown keys, wrong types and out-of-range values name the key."""
+
+from pathlib import Path
+
+import pytest
+
+from steadydiff.config import (STABLE_KEYS, Config, ConfigError, apply_overrides, config_diff,
+                               load_config)
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def test_stable_keys_exist():
+    raw = Config().to_dict()
+    for key in STABLE_KEYS:
+        node = raw
+        for part in key.split("."):
+            assert part in node, key
+            node = node[part]
+
+
+def test_overrides_are_typed():
+    cfg = load_config(None, ["train.steps=7", "optim.lr=1e-3", "model.unet.channel_mult=[1,2]",
+                             "data.path=null", "train.deterministic=true"])
+    assert cfg.train.steps == 7 and cfg.optim.lr == 1e-3
+    assert cfg.model.unet.channel_mult == [1, 2] and cfg.train.deterministic is True
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("train.stepz=5", "train.stepz: unknown key; did you mean 'train.steps'?"),
+    ("model.unet.chanels=8", "did you mean 'model.unet.channels'?"),
+    ("traine.steps=5", "did you mean 'train'?"),
+    ("optim.lr=-1", "optim.lr: Input should be greater than 0, got -1 (expected float, > 0.0"),
+    ("train.batch_size=abc", "train.batch_size: Input should be a valid integer"),
+    ("model.kind=vit", "model.kind: Input should be 'unet' or 'dit'"),
+    ("train.precision=fp8", "'fp32', 'bf16' or 'fp16'"),
+    ("diffusion.cfg_dropout=1.5", "diffusion.cfg_dropout"),
+])
+def test_bad_values_name_the_key(override, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert expected in str(e.value)
+
+
+def test_cross_field_errors_say_what_to_change():
+    with pytest.raises(ConfigError, match="must be divisible by train.grad_accum"):
+        load_config(None, ["train.batch_size=10", "train.grad_accum=3"])
+    with pytest.raises(ConfigError, match="data.path is required"):
+        load_config(None, ["data.dataset=folder"])
+    with pytest.raises(ConfigError, match="beta_end .* must be greater"):
+        load_config(None, ["diffusion.beta_start=0.1", "diffusion.beta_end=0.01"])
+
+
+def test_malformed_overrides_and_files(tmp_path):
+    with pytest.raises(ConfigError, match="not of the form"):
+        apply_overrides({}, ["train.steps"])
+    with pytest.raises(ConfigError, match="is a value, not a section"):
+        apply_overrides({"train": 3}, ["train.steps=1"])
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="mapping of sections"):
+        load_config(bad)
+
+
+def test_yaml_round_trip_and_diff(tmp_path):
+    cfg = load_config(None, ["train.steps=3"])
+    p = tmp_path / "c.yaml"
+    p.write_text(cfg.to_yaml())
+    again = load_config(p)
+    assert again == cfg
+    changed = load_config(p, ["optim.lr=0.5", "model.unet.channels=8"])
+    assert config_diff(cfg, changed) == [("model.unet.channels", 64, 8), ("optim.lr", 2e-4, 0.5)]
