@@ -2,7 +2,8 @@
 
 Thin by design: parse arguments, build a config, call a library function. Exit codes:
 0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments),
-3 aborted because instability persisted past the recovery budget.
+3 aborted because instability persisted past the recovery budget, 4 a checkpoint could not be
+written (disk full, permission denied) with train.on_save_error=stop.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-EXIT_OK, EXIT_BAD_INPUT, EXIT_ABORTED = 0, 2, 3
+EXIT_OK, EXIT_BAD_INPUT, EXIT_ABORTED, EXIT_SAVE_FAILED = 0, 2, 3, 4
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -23,8 +24,8 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="steadydiff", formatter_class=_Formatter,
         description="Train diffusion models that do not crash.",
-        epilog="exit codes: 0 finished, 2 bad input, 3 aborted (instability past the "
-               "recovery budget)")
+        epilog="exit codes: 0 finished (with or without recoveries), 2 bad input, 3 aborted "
+               "(instability past the recovery budget), 4 could not write a checkpoint")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", formatter_class=_Formatter,
@@ -75,7 +76,11 @@ def cmd_train(a: argparse.Namespace) -> int:
 
     cfg = load_config(a.config, a.overrides)
     if a.dry_run:
+        from .lint import lint_report
+
         print(cfg.to_yaml(), end="")
+        # stderr, like the trainer's own warnings: stdout stays the config, valid YAML
+        print(lint_report(cfg), end="", file=sys.stderr)
         return EXIT_OK
     out = Path(a.out) if a.out else Path("runs") / Path(a.config).stem
     resume = a.resume if a.resume else (not a.no_resume)
@@ -116,7 +121,9 @@ def cmd_sample(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .data import DataError
+    from .guard import GuardAbort
     from .trainer.checkpoint import CheckpointError
+    from .trainer.loop import CheckpointSaveError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
@@ -126,6 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except GuardAbort as e:
+        print(f"aborted: {e}", file=sys.stderr)
+        return EXIT_ABORTED
+    except CheckpointSaveError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_SAVE_FAILED
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -123,7 +123,10 @@ class OptimConfig(Section):
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine floor, x lr")
     layer_decay: float = Field(1.0, gt=0.0, le=1.0,
                                description="layer-wise LR decay; 1.0 disables it")
-    grad_clip: float = Field(1.0, ge=0.0, description="global-norm clipping; 0 disables it")
+    grad_clip: float = Field(
+        1.0, ge=0.0, description="clip threshold: the max norm (global, per_layer), the "
+        "max ratio |g|/|w| per unit (agc), or the z-score (zclip); 0 disables clipping")
+    clip_mode: Literal["global", "per_layer", "agc", "zclip"] = "global"
 
     @model_validator(mode="after")
     def _check(self) -> "OptimConfig":
@@ -153,6 +156,9 @@ class TrainConfig(Section):
     ema_decay: float = Field(0.999, ge=0.0, lt=1.0)
     ema_warmup: bool = Field(True, description="decay ramps as min(decay, (1+n)/(10+n))")
     ema_start: int = Field(0, ge=0, description="first optimizer step that updates EMA")
+    on_save_error: Literal["retry", "stop"] = Field(
+        "retry", description="disk full / permission denied while saving a checkpoint: keep "
+        "training and retry at the next checkpoint (retry), or stop cleanly (stop)")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -185,6 +191,76 @@ class LoggingConfig(Section):
     tensorboard: bool = False
 
 
+# --------------------------------------------------------------------------- guard
+
+
+class GuardConfig(Section):
+    """The stability guard: detection thresholds, recovery policy, and its budget."""
+
+    enabled: bool = True
+    # detection
+    warmup_steps: int = Field(50, ge=0, description="spike detectors observe but do not fire")
+    momentum: float = Field(0.97, ge=0.0, lt=1.0,
+                            description="EMA momentum of the running mean/variance (ZClip)")
+    grad_z: float = Field(6.0, gt=0.0, description="grad-norm spike: z-score threshold")
+    loss_z: float = Field(6.0, gt=0.0, description="loss spike: z-score in its t-bucket")
+    loss_ratio: float = Field(3.0, ge=1.0,
+                              description="loss spike: also at least this x the bucket mean")
+    t_buckets: int = Field(10, ge=1, le=1000)
+    divergence_window: int = Field(1000, ge=0, description="steps; 0 disables the detector")
+    divergence_ratio: float = Field(1.5, gt=1.0,
+                                    description="smoothed loss risen this x above its best")
+    overflow_limit: int = Field(8, ge=1, description="fp16 overflow skips within "
+                                "overflow_window before falling back in precision")
+    overflow_window: int = Field(100, ge=1)
+    probe_every: int = Field(0, ge=0, description="attention/normalization probes every N "
+                             "steps; 0: only on incidents")
+    attn_logit_limit: float = Field(50.0, gt=0.0, description="max attention logit")
+    attn_entropy_min: float = Field(0.05, ge=0.0, description="nats; below: collapsed")
+    norm_var_ratio: float = Field(1.0, gt=0.0, description="norm input variance below this "
+                                  "x eps is the eps-dominated regime")
+    norm_affine_limit: float = Field(1e3, gt=0.0, description="max |affine| of a norm layer")
+    weight_jump: float = Field(10.0, gt=1.0, description="a parameter whose norm grows this "
+                               "x in one step (RMS floor 0.05) is corrupt: roll back")
+    provenance: bool = Field(True, description="replay a non-finite step to name the module")
+    # recovery
+    snapshot_every: int = Field(50, ge=1, description="steps between verified snapshots")
+    snapshots: int = Field(3, ge=1, le=100, description="snapshot ring size (in memory)")
+    skips_before_rollback: int = Field(3, ge=1, description="skips within skip_window "
+                                       "before escalating to a rollback")
+    skip_window: int = Field(50, ge=1)
+    skip_batches: int = Field(0, ge=0, description="after a rollback, skip at least this many "
+                              "batches from the snapshot's position (always at least through "
+                              "the failing batch)")
+    lr_backoff: float = Field(0.5, gt=0.0, le=1.0, description="LR factor after a rollback")
+    lr_backoff_steps: int = Field(200, ge=0, description="steps before the LR is restored")
+    precision_fallback: bool = Field(True, description="fp16 -> bf16 -> fp32 on persistent "
+                                     "overflow")
+    oom_backoff: bool = Field(True, description="on out-of-memory, halve the micro-batch and "
+                              "double gradient accumulation")
+    max_rollbacks: int = Field(5, ge=0, description="rollbacks per budget_window, then abort")
+    max_skips: int = Field(100, ge=0, description="skipped steps per budget_window, then abort")
+    budget_window: int = Field(1000, ge=1)
+
+
+# --------------------------------------------------------------------------- faults
+
+
+class FaultConfig(Section):
+    """One injected fault (for tests and the stability benchmark; see docs/faults.md)."""
+
+    kind: Literal["nan_batch", "outlier_batch", "loss_scale", "lr_scale", "param_nan",
+                  "param_huge", "grad_nan", "fp16_overflow", "oom", "kill"]
+    step: int = Field(ge=0, description="optimizer step at which it fires")
+    factor: float = Field(1e4, description="outlier/loss/lr/huge multiplier; oom: the largest "
+                          "micro-batch that fits (0: half the current one)")
+    steps: int = Field(1, ge=1, description="lr_scale: for how many steps")
+    target: str | None = Field(None, description="parameter (param_*, grad_nan) or module "
+                               "(fp16_overflow) name; None: a default one")
+    where: Literal["before_step", "in_step", "in_checkpoint"] = Field(
+        "in_step", description="kill: where in the step the process is killed")
+
+
 class Config(Section):
     data: DataConfig = DataConfig()
     model: ModelConfig = ModelConfig()
@@ -193,6 +269,8 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     sample: SampleConfig = SampleConfig()
     logging: LoggingConfig = LoggingConfig()
+    guard: GuardConfig = GuardConfig()
+    faults: list[FaultConfig] = Field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

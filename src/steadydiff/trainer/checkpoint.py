@@ -32,7 +32,7 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -148,12 +148,13 @@ def checkpoint_name(step: int) -> str:
 
 def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, ema: torch.nn.Module,
                     optimizer: torch.optim.Optimizer, state: dict[str, Any],
-                    keep: int = 3) -> Path:
+                    keep: int = 3, on_file: Callable[[str], None] | None = None) -> Path:
     """Write a verified checkpoint for ``step`` under ``root`` and point ``latest`` at it.
 
     Raises :class:`CheckpointError` (and writes nothing) if the model or EMA holds a
     non-finite value: a diverged state must never replace the last good checkpoint.
-    Returns the checkpoint directory.
+    ``on_file(name)`` is called once the model weights are written, mid-save (fault
+    injection kills the process there). Returns the checkpoint directory.
     """
     model_sd, ema_sd = _tensor_dict(model), _tensor_dict(ema)
     bad = nonfinite_tensors(model_sd) + [f"ema:{k}" for k in nonfinite_tensors(ema_sd)]
@@ -171,6 +172,8 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, ema: torch
     tmp.mkdir()
     try:
         save_file({k: v.cpu() for k, v in model_sd.items()}, str(tmp / "model.safetensors"))
+        if on_file:
+            on_file("model.safetensors")
         save_file({k: v.cpu() for k, v in ema_sd.items()}, str(tmp / "ema.safetensors"))
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         torch.save(capture_rng(), tmp / "rng.pt")

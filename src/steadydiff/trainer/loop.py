@@ -11,6 +11,7 @@ rank), so a resumed run replays the same timesteps, noise and label dropout.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -29,6 +30,8 @@ from ..config import Config, ConfigError, config_diff
 from ..data import as_pairs, build_dataset, make_loader
 from ..diffusion import Schedule, diffusion_loss, make_schedule, sample
 from ..eval.grid import grid_nrow, save_grid
+from ..guard import Decision, Guard, GuardAbort, clipping
+from ..guard.faults import FaultInjector, make_injector
 from ..models import build_model
 from . import checkpoint as ckpt
 from . import precision as prec
@@ -40,7 +43,7 @@ log = logging.getLogger(__name__)
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
 RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
-               "data.path", "sample.", "logging.")
+               "data.path", "train.on_save_error", "sample.", "logging.", "faults")
 
 
 @dataclass
@@ -54,20 +57,29 @@ class TrainState:
     scaler: torch.amp.GradScaler | None
     schedule: Schedule
     device: torch.device
+    precision: str                # the runtime precision (the guard may fall back from fp16)
+    grad_accum: int               # runtime micro-batches per step (OOM backoff doubles it)
     step: int = 0                 # optimizer steps completed
     batches_consumed: int = 0     # data position: global batches drawn from the stream
     rank: int = 0
+    guard: Guard | None = None
+    faults: FaultInjector | None = None  # None unless faults are configured: zero cost
 
 
 @dataclass
 class StepOutput:
-    """What one optimizer step produced. Tensors stay on the device (no host sync)."""
+    """What one call of :func:`train_step` produced. Tensors stay on the device."""
 
     loss: torch.Tensor            # 0-dim, mean over the global batch
     grad_norm: torch.Tensor       # 0-dim, global norm before clipping
     per_sample_loss: torch.Tensor  # (B,)
     t: torch.Tensor               # (B,) timesteps
     lr: float
+    decision: Decision | None = None  # the guard's decision (None when the guard is off)
+
+    @property
+    def stepped(self) -> bool:
+        return self.decision is None or self.decision.action == "step"
 
 
 @dataclass
@@ -81,42 +93,108 @@ class RunResult:
     samples: list[Path] = field(default_factory=list)
     resumed_from: Path | None = None
     seconds: float = 0.0
+    incidents: int = 0
+    guard_summary: str | None = None
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint could not be written (disk full, permission denied); exit code 4."""
 
 
 # --------------------------------------------------------------------------- one step
 
 
+def _micro_loss(state: TrainState, xm: torch.Tensor, ym: torch.Tensor | None, step: int,
+                micro: int, weight: float):
+    """Forward pass of one micro-batch; every random draw from the (seed, step, micro, rank)
+    generator, so calling it again replays it exactly (the guard's provenance does)."""
+    faults = state.faults
+    gen = seeding.generator(state.device, state.cfg.train.seed, step, micro, state.rank)
+    if faults:
+        faults.micro_batch(step, xm.shape[0])
+    with prec.autocast(state.precision, state.device), \
+            (faults.forward(step, state.model) if faults else contextlib.nullcontext()):
+        out = diffusion_loss(state.model, xm, ym, state.schedule, state.cfg.diffusion, gen)
+    loss, per_sample = out.loss.float() * weight, out.per_sample.detach().float()
+    if faults:
+        loss, per_sample = faults.loss(step, loss), faults.loss(step, per_sample)
+    return loss, per_sample, out.t
+
+
 def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput:
     """One optimizer step on a global batch ``(x, y, idx)``: micro-batches with gradient
-    accumulation, autocast, the fp16 grad scaler, global-norm clipping, AdamW, EMA.
+    accumulation, autocast, the fp16 grad scaler, clipping, AdamW, EMA.
 
-    Randomness (t, noise, label dropout) comes from a generator seeded by (seed, step,
-    micro, rank), so replaying the same batch at the same step reproduces it exactly.
+    With a guard, the guard inspects the step after the backward pass and applies, skips or
+    rolls back the update (see :class:`Guard`); an out-of-memory error halves the micro-batch
+    and retries. Randomness comes from generators seeded by (seed, step, micro, rank), so the
+    same batch at the same step reproduces exactly.
     """
-    cfg, model, opt = state.cfg, state.model, state.optimizer
+    cfg, model, opt, faults, guard = state.cfg, state.model, state.optimizer, state.faults, \
+        state.guard
+    step = state.step
+    if faults:
+        faults.kill(step, "before_step")
     x, y = batch[0].to(state.device, non_blocking=True), batch[1].to(state.device)
     y = y if model.num_classes else None
-    lr = lr_at(state.step, cfg.optim, cfg.train.steps)
+    lr = lr_at(step, cfg.optim, cfg.train.steps)
+    if faults:
+        x, lr = faults.batch(step, x), faults.lr(step, lr)
     set_lr(opt, lr)
 
-    accum = cfg.train.grad_accum
-    losses, ts = [], []
-    for micro, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum) if y is not None
-                                         else [None] * accum)):
-        gen = seeding.generator(state.device, cfg.train.seed, state.step, micro, state.rank)
-        with prec.autocast(cfg.train.precision, state.device):
-            out = diffusion_loss(model, xm, ym, state.schedule, cfg.diffusion, gen)
-        loss = out.loss.float() / accum
-        (state.scaler.scale(loss) if state.scaler else loss).backward()
-        losses.append(out.per_sample.detach().float())
-        ts.append(out.t)
+    while True:  # retried only after an out-of-memory backoff
+        xs, ys = x.chunk(state.grad_accum), (y.chunk(state.grad_accum) if y is not None
+                                            else [None] * state.grad_accum)
+        try:
+            losses, ts = [], []
+            for micro, (xm, ym) in enumerate(zip(xs, ys)):
+                loss, per_sample, t = _micro_loss(state, xm, ym, step, micro,
+                                                  xm.shape[0] / x.shape[0])
+                (state.scaler.scale(loss) if state.scaler else loss).backward()
+                losses.append(per_sample)
+                ts.append(t)
+            break
+        except torch.OutOfMemoryError as e:
+            if guard is None:
+                raise
+            new = guard.handle_oom(xs[0].shape[0], e)
+            if new is None:
+                raise GuardAbort(f"out of memory at step {step} with a micro-batch of "
+                                 f"{xs[0].shape[0]}: {e}", guard.incidents[-1]) from None
+            state.grad_accum = -(-x.shape[0] // new)
+    if faults:
+        faults.grads(step, model)
+        faults.kill(step, "in_step")
+    per_sample = torch.cat(losses)
+    t_all = torch.cat(ts)
 
+    if guard is not None:
+        def replay(i: int) -> torch.Tensor:
+            loss_i = _micro_loss(state, xs[i], ys[i], step, i, xs[i].shape[0] / x.shape[0])[0]
+            return state.scaler.scale(loss_i) if state.scaler else loss_i
+
+        def probe_forward():
+            return _micro_loss(state, xs[0], ys[0], step, 0, 1.0)
+
+        d = guard.step(per_sample.mean(), t=t_all, per_sample_loss=per_sample, inputs=x,
+                       replay=replay, num_micro=len(xs),
+                       after_backward=(lambda: faults.grads(step, model)) if faults else None,
+                       after_update=(lambda: faults.params(step, model)) if faults else None,
+                       probe_forward=probe_forward)
+        if faults:
+            faults.end_step(step)
+            if d.action == "rollback":
+                faults.rollback()
+        return StepOutput(per_sample.mean(), torch.tensor(d.grad_norm if d.grad_norm is not None
+                                                          else float("nan")),
+                          per_sample, t_all, lr, d)
+
+    # ---- no guard: what every other trainer does
+    params = [p for g in opt.param_groups for p in g["params"]]
     if state.scaler:
         state.scaler.unscale_(opt)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    max_norm = cfg.optim.grad_clip if cfg.optim.grad_clip > 0 else math.inf
-    grad_norm = nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
-
+    grad_norm = clipping.total_norm(params)
+    clipping.clip(params, cfg.optim.clip_mode, cfg.optim.grad_clip, grad_norm)
     stepped = True
     if state.scaler:
         scale = state.scaler.get_scale()  # host sync, fp16 only
@@ -125,14 +203,15 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
         stepped = state.scaler.get_scale() >= scale  # a lowered scale means inf grads: skipped
     else:
         opt.step()
+    if faults:
+        faults.params(step, model)
+        faults.end_step(step)
     opt.zero_grad(set_to_none=True)
     if stepped:
-        state.ema.update(model, state.step)
-
+        state.ema.update(model, step)
     state.step += 1
     state.batches_consumed += 1
-    per_sample = torch.cat(losses)
-    return StepOutput(per_sample.mean(), grad_norm.detach(), per_sample, torch.cat(ts), lr)
+    return StepOutput(per_sample.mean(), grad_norm.detach(), per_sample, t_all, lr)
 
 
 # --------------------------------------------------------------------------- setup
@@ -179,7 +258,32 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device) -> 
         cfg=cfg, model=model, ema=EMA.from_config(model, cfg.train),
         optimizer=build_optimizer(model, cfg.optim),
         scaler=prec.make_scaler(cfg.train.precision, device),
-        schedule=make_schedule(cfg.diffusion), device=device)
+        schedule=make_schedule(cfg.diffusion), device=device,
+        precision=cfg.train.precision, grad_accum=cfg.train.grad_accum,
+        faults=make_injector(cfg.faults))
+
+
+def attach_guard(state: TrainState, run_dir: Path | None) -> Guard | None:
+    """Build the guard over ``state`` (after any resume: its first snapshot is this state)."""
+    cfg = state.cfg
+    if not cfg.guard.enabled:
+        return None
+    state.guard = Guard(state.model, state.optimizer, scaler=state.scaler, ema=state.ema,
+                        config=cfg.guard, run_dir=run_dir, clip_mode=cfg.optim.clip_mode,
+                        clip=cfg.optim.grad_clip, num_timesteps=cfg.diffusion.timesteps,
+                        precision=state.precision, progress=state, device=state.device)
+    return state.guard
+
+
+def set_precision(state: TrainState, precision: str) -> None:
+    """Switch the runtime precision (a guard fallback): fp16 keeps a scaler, others none."""
+    print(f"precision fallback: {state.precision} -> {precision}")
+    state.precision = precision
+    if precision != "fp16":
+        state.scaler = None
+    if state.guard is not None:
+        state.guard.scaler = state.scaler
+        state.guard.precision = precision
 
 
 def state_dict(state: TrainState) -> dict[str, Any]:
@@ -189,15 +293,33 @@ def state_dict(state: TrainState) -> dict[str, Any]:
         "images_seen": state.step * state.cfg.train.batch_size,
         "ema": state.ema.state(),
         "scaler": state.scaler.state_dict() if state.scaler else None,
+        "precision": state.precision, "grad_accum": state.grad_accum,
+        "guard": state.guard.state_dict() if state.guard else None,
         "config": state.cfg.to_dict(), "torch": torch.__version__,
     }
 
 
-def save(state: TrainState, run_dir: Path) -> Path:
-    return ckpt.save_checkpoint(
-        run_dir / "checkpoints", state.step, model=state.model, ema=state.ema.module,
-        optimizer=state.optimizer, state=state_dict(state),
-        keep=state.cfg.train.keep_checkpoints)
+def save(state: TrainState, run_dir: Path) -> Path | None:
+    """Write a checkpoint. On disk full / permission denied the previous checkpoint stays
+    intact; ``train.on_save_error`` decides between retrying at the next checkpoint
+    (returns None) and stopping (raises :class:`CheckpointSaveError`)."""
+    faults = state.faults
+    on_file = (lambda _name: faults.kill(state.step, "in_checkpoint")) if faults else None
+    try:
+        return ckpt.save_checkpoint(
+            run_dir / "checkpoints", state.step, model=state.model, ema=state.ema.module,
+            optimizer=state.optimizer, state=state_dict(state),
+            keep=state.cfg.train.keep_checkpoints, on_file=on_file)
+    except OSError as e:
+        prev = ckpt.latest_good(run_dir / "checkpoints")
+        msg = (f"could not write checkpoint at step {state.step}: {e}; the previous "
+               f"checkpoint ({prev or 'none'}) is intact")
+        if state.cfg.train.on_save_error == "stop":
+            raise CheckpointSaveError(msg + " (train.on_save_error=stop)") from None
+        log.error("%s; training continues and retries at the next checkpoint "
+                  "(train.on_save_error=retry)", msg)
+        print(f"warning: {msg}; retrying at the next checkpoint")
+        return None
 
 
 def restore(state: TrainState, c: ckpt.Checkpoint) -> None:
@@ -210,6 +332,12 @@ def restore(state: TrainState, c: ckpt.Checkpoint) -> None:
         state.scaler.load_state_dict(c.state["scaler"])
     state.step = int(c.state["step"])
     state.batches_consumed = int(c.state["batches_consumed"])
+    state.grad_accum = int(c.state.get("grad_accum") or state.grad_accum)
+    precision = c.state.get("precision") or state.precision
+    if precision != state.precision:  # the guard fell back before this checkpoint
+        state.precision = precision
+        if precision != "fp16":
+            state.scaler = None
     if c.rng is not None:
         ckpt.restore_rng(c.rng)
 
@@ -275,17 +403,22 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
         print(f"resumed from {source} at step {state.step}"
               + ("; config changes:\n" + "\n".join(changes) if changes else ""))
 
+    guard = attach_guard(state, run_dir)
+    if guard is not None and source is not None and c.state.get("guard"):
+        guard.load_state_dict(c.state["guard"])
+
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     metrics_path = run_dir / "metrics.jsonl"
     _truncate_metrics(metrics_path, state.step)
 
-    loader = make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
-                         start_batch=state.batches_consumed, hflip=cfg.data.hflip,
-                         num_workers=cfg.data.num_workers,
-                         pin_memory=device.type == "cuda")
-    batches = iter(loader)
+    def batches_from(position: int):
+        return iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
+                                start_batch=position, hflip=cfg.data.hflip,
+                                num_workers=cfg.data.num_workers,
+                                pin_memory=device.type == "cuda"))
 
+    batches = batches_from(state.batches_consumed)
     samples: list[Path] = []
     last_ckpt: Path | None = source
     total = cfg.train.steps
@@ -294,42 +427,102 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     window: list[StepOutput] = []
     tick = time.perf_counter()
     last_loss: float | None = None
-    with open(metrics_path, "a") as metrics:
-        while state.step < total:
-            out = train_step(state, next(batches))
-            window.append(out)
-            step = state.step
+    logged = saved = state.step
+    try:
+        with open(metrics_path, "a") as metrics:
+            while state.step < total:
+                out = train_step(state, next(batches))
+                d = out.decision
+                if d is not None:
+                    if d.precision:
+                        set_precision(state, d.precision)
+                    if d.action == "abort":
+                        raise GuardAbort(f"aborted at step {state.step}: "
+                                         f"{d.incident.diagnosis.get('why', d.incident.kind)}",
+                                         d.incident)
+                    if d.action == "rollback":
+                        bar.n = state.step
+                        print(f"guard: rolled back to step {state.step} "
+                              f"({d.incident.kind}); data continues at batch "
+                              f"{state.batches_consumed}")
+                        batches = batches_from(state.batches_consumed)
+                        window = []
+                        logged = saved = min(logged, state.step)
+                        continue
+                    if d.action == "skip":
+                        continue
+                window.append(out)
+                step = state.step
+                bar.update(1)
 
-            if step % cfg.logging.log_every == 0 or step == total:
-                # host sync here, once per logging interval, not per step
-                now = time.perf_counter()
-                row = _metrics_row(state, window, (now - tick) / len(window))
-                tick, window = now, []
-                last_loss = row["loss"]
-                metrics.write(json.dumps(row) + "\n")
-                metrics.flush()
-                bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=f"{row['grad_norm']:.3f}",
-                                lr=f"{row['lr']:.2e}", refresh=False)
-            bar.update(1)
+                if step % cfg.logging.log_every == 0 or step == total:
+                    # host sync here (without the guard), once per logging interval
+                    now = time.perf_counter()
+                    row = _metrics_row(state, window, (now - tick) / len(window),
+                                       getattr(data, "skipped", 0))
+                    tick, window, logged = now, [], step
+                    last_loss = row["loss"]
+                    metrics.write(json.dumps(row) + "\n")
+                    metrics.flush()
+                    bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=f"{row['grad_norm']:.3f}",
+                                    lr=f"{row['lr']:.2e}",
+                                    guard=row["incidents"], refresh=False)
 
-            if (cfg.train.sample_every and step % cfg.train.sample_every == 0) or step == total:
-                samples.append(write_sample_grid(state, run_dir / "samples" / f"step_{step:08d}.png"))
-            if (cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0) \
-                    or step == total:
+                if (cfg.train.sample_every and step % cfg.train.sample_every == 0) \
+                        or step == total:
+                    samples.append(write_sample_grid(
+                        state, run_dir / "samples" / f"step_{step:08d}.png"))
+                if ((cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
+                        or step == total) and step != saved:
+                    written = save(state, run_dir)
+                    if written is not None:
+                        last_ckpt, saved = written, step
+            if saved != state.step:  # the final checkpoint failed: one more try, then stop
                 last_ckpt = save(state, run_dir)
+                if last_ckpt is None:
+                    raise CheckpointSaveError(f"could not write the final checkpoint at step "
+                                              f"{state.step}; see the errors above")
+    except GuardAbort:
+        bar.close()
+        if guard is not None:
+            print(guard.summary())
+        raise
     bar.close()
+    summary = guard.summary() if guard is not None else None
+    if summary:
+        print(summary)
     return RunResult(run_dir, state.step, last_loss, last_ckpt, samples, resumed_from,
-                     time.perf_counter() - t_start)
+                     time.perf_counter() - t_start,
+                     incidents=len(guard.incidents) if guard else 0, guard_summary=summary)
 
 
-def _metrics_row(state: TrainState, window: list[StepOutput], sec_per_step: float) -> dict:
-    stats = torch.stack([torch.stack([o.loss.float(), o.grad_norm.float()]) for o in window])
-    loss, gnorm = stats.mean(0).tolist()
+METRIC_KEYS = ("step", "images_seen", "loss", "grad_norm", "lr", "lr_factor", "sec_per_step",
+               "ema_decay", "grad_scale", "precision", "micro_batch", "incidents",
+               "skipped_steps", "rollbacks", "data_skipped")
+
+
+def _metrics_row(state: TrainState, window: list[StepOutput], sec_per_step: float,
+                 data_skipped: int) -> dict:
+    """One metrics.jsonl row with the fixed keys :data:`METRIC_KEYS`."""
+    if all(o.decision is not None for o in window):  # the guard already synced these
+        loss = sum(o.decision.loss for o in window) / len(window)
+        gnorm = sum(o.decision.grad_norm for o in window) / len(window)
+    else:
+        stats = torch.stack([torch.stack([o.loss.float(), o.grad_norm.float().to(o.loss.device)])
+                             for o in window])
+        loss, gnorm = stats.mean(0).tolist()
+    g = state.guard
     return {
         "step": state.step, "images_seen": state.step * state.cfg.train.batch_size,
         "loss": loss, "grad_norm": gnorm, "lr": window[-1].lr,
-        "sec_per_step": sec_per_step, "ema_decay": state.ema.current_decay(),
+        "lr_factor": g.lr_factor if g else 1.0, "sec_per_step": sec_per_step,
+        "ema_decay": state.ema.current_decay(),
         "grad_scale": state.scaler.get_scale() if state.scaler else None,
+        "precision": state.precision,
+        "micro_batch": -(-state.cfg.train.batch_size // state.grad_accum),
+        "incidents": len(g.incidents) if g else 0,
+        "skipped_steps": g.counts["skips"] + g.scaler_skips if g else 0,
+        "rollbacks": g.counts["rollbacks"] if g else 0, "data_skipped": data_skipped,
     }
 
 

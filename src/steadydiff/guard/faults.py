@@ -1,0 +1,167 @@
+"""Fault injection: the failures the guard must survive, on demand, in the real step.
+
+Configured as a ``faults:`` list (see docs/faults.md). With no faults configured the trainer
+holds no injector at all (``None``), so the hot path pays nothing.
+
+Firing rules. A fault fires at optimizer step ``step`` and is *spent* once that step has
+ended (stepped, skipped or rolled back), so a rollback that replays step ``step`` does not
+meet it again: it models a transient event (a corrupt batch, a cosmic-ray bit flip, a bad LR
+for a while). Inside its step it fires for every replay the guard makes (provenance), so the
+diagnosis sees what really happened. ``oom`` is the exception: it models a memory limit and
+stays in force from ``step`` on, until the micro-batch fits.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from ..config import FaultConfig
+
+FP16_MAX = 65504.0
+
+
+class SimulatedOOM(torch.OutOfMemoryError):
+    """Raised by the ``oom`` fault; handled exactly like a real CUDA out-of-memory error."""
+
+
+def _default_param(model: nn.Module) -> str:
+    # the largest weight matrix in the middle of the network: a plausible victim
+    names = [n for n, p in model.named_parameters() if p.ndim > 1]
+    return names[len(names) // 2]
+
+
+def _default_module(model: nn.Module) -> str:
+    # a block in the middle of the network (its output feeds everything after it)
+    names = [n for n, m in model.named_modules() if n and len(list(m.children())) > 0]
+    return names[len(names) // 2]
+
+
+class FaultInjector:
+    """Applies the configured faults at their steps. All methods are no-ops off-step."""
+
+    def __init__(self, faults: list[FaultConfig]):
+        self.faults = list(faults)
+        self.spent: set[int] = set()
+        self.started: set[int] = set()
+        self.fired: list[dict] = []  # what was injected, for the benchmark's ground truth
+
+    def _active(self, step: int, kinds: tuple[str, ...]) -> Iterator[tuple[int, FaultConfig]]:
+        for i, f in enumerate(self.faults):
+            if f.kind in kinds and i not in self.spent:
+                span = f.steps if f.kind == "lr_scale" else 1
+                if f.step <= step < f.step + span or (f.kind == "oom" and step >= f.step):
+                    self.started.add(i)
+                    yield i, f
+
+    def _record(self, f: FaultConfig, step: int, **info) -> None:
+        if not any(r["kind"] == f.kind and r["step"] == step for r in self.fired):
+            self.fired.append({"kind": f.kind, "step": step, **info})
+
+    def end_step(self, step: int) -> None:
+        """Mark the faults of ``step`` spent (called once the step is over, whatever happened)."""
+        for i, f in enumerate(self.faults):
+            last = f.step + (f.steps - 1 if f.kind == "lr_scale" else 0)
+            if f.kind not in ("oom",) and step >= last:
+                self.spent.add(i)
+
+    def rollback(self) -> None:
+        """After a rollback, faults that already began are spent (transient events do not
+        recur when the steps are redone); ``oom`` stays (a memory limit persists)."""
+        self.spent |= {i for i in self.started if self.faults[i].kind != "oom"}
+
+    # ---- the hooks, in the order the step calls them
+
+    def kill(self, step: int, where: str) -> None:
+        for _, f in self._active(step, ("kill",)):
+            if f.where == where:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def lr(self, step: int, lr: float) -> float:
+        for _, f in self._active(step, ("lr_scale",)):
+            self._record(f, step, factor=f.factor)
+            lr *= f.factor
+        return lr
+
+    def batch(self, step: int, x: torch.Tensor) -> torch.Tensor:
+        for _, f in self._active(step, ("nan_batch", "outlier_batch")):
+            x = x.clone()
+            if f.kind == "nan_batch":
+                x.view(-1)[0] = float("nan")  # a single NaN pixel
+            else:
+                x = x * f.factor
+            self._record(f, step, factor=f.factor)
+        return x
+
+    def micro_batch(self, step: int, size: int) -> None:
+        for _, f in self._active(step, ("oom",)):
+            limit = int(f.factor) if f.factor >= 1 else None
+            if limit is None:  # "half the current one": fixed the first time it fires
+                limit = max(1, size // 2)
+                f.factor = float(limit)
+            if size > limit:
+                self._record(f, step, limit=limit)
+                raise SimulatedOOM(f"simulated out of memory: micro-batch {size} > {limit}")
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        for _, f in self._active(step, ("loss_scale",)):
+            self._record(f, step, factor=f.factor)
+            loss = loss * f.factor
+        return loss
+
+    @contextmanager
+    def forward(self, step: int, model: nn.Module) -> Iterator[None]:
+        """During the forward pass: ``fp16_overflow`` scales one module's output past the
+        fp16 range (x 1e5 beyond its max), as an overflowing activation would."""
+        handles = []
+        for _, f in self._active(step, ("fp16_overflow",)):
+            name = f.target or _default_module(model)
+            module = dict(model.named_modules()).get(name)
+            if module is None:
+                raise ValueError(f"fault fp16_overflow: no module named {name!r}")
+            self._record(f, step, module=name)
+
+            def hook(_m, _inp, out, scale=f.factor if f.factor > 1 else 1e5):
+                amax = out.detach().abs().amax().clamp_min(1e-3)
+                return out * (FP16_MAX * 2 * scale / amax)
+
+            # prepend: run before any other hook (the provenance trace must see the result)
+            handles.append(module.register_forward_hook(hook, prepend=True))
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    def grads(self, step: int, model: nn.Module) -> None:
+        for _, f in self._active(step, ("grad_nan",)):
+            name = f.target or _default_param(model)
+            p = dict(model.named_parameters())[name]
+            if p.grad is not None:
+                p.grad.view(-1)[0] = float("nan")
+            self._record(f, step, param=name)
+
+    @torch.no_grad()
+    def params(self, step: int, model: nn.Module) -> None:
+        """After the optimizer step: corrupt a parameter (NaN, or scaled by ``factor``)."""
+        for _, f in self._active(step, ("param_nan", "param_huge")):
+            params = dict(model.named_parameters())
+            name = f.target or _default_param(model)
+            if name not in params:
+                raise ValueError(f"fault {f.kind}: no parameter named {name!r}")
+            p = params[name]
+            if f.kind == "param_nan":
+                p.view(-1)[0] = float("nan")
+            else:
+                p.mul_(f.factor)
+            self._record(f, step, param=name, factor=f.factor)
+
+
+def make_injector(faults: list[FaultConfig]) -> FaultInjector | None:
+    """An injector for ``faults``, or None when there are none (zero cost)."""
+    return FaultInjector(faults) if faults else None

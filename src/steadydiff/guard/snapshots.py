@@ -1,0 +1,94 @@
+"""The rollback ring: in-memory snapshots of the training state, verified finite.
+
+A snapshot is taken only after the model and EMA weights were checked finite, so a rollback
+always lands on a usable state. Tensors are copied to CPU memory (the GPU stays free) and
+restored bit for bit. Cost: one copy of weights, EMA and optimizer moments every
+``snapshot_every`` steps; for a 1M-parameter model a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def _to_cpu(obj: Any) -> Any:
+    """Deep copy of a (nested) state dict with every tensor cloned to the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return copy.deepcopy(obj)
+
+
+@dataclass
+class Snapshot:
+    """Everything a rollback restores."""
+
+    step: int
+    batches_consumed: int
+    model: dict[str, torch.Tensor]
+    ema: dict[str, Any] | None
+    optimizer: dict[str, Any]
+    scheduler: dict[str, Any] | None
+    scaler: dict[str, Any] | None
+    rng: torch.Tensor
+    cuda_rng: list[torch.Tensor] | None
+
+
+class SnapshotRing:
+    """A ring of the last ``size`` verified snapshots (newest last)."""
+
+    def __init__(self, size: int):
+        self.ring: deque[Snapshot] = deque(maxlen=size)
+
+    def __len__(self) -> int:
+        return len(self.ring)
+
+    def take(self, *, step: int, batches_consumed: int, model: torch.nn.Module,
+             ema_state: dict[str, Any] | None, optimizer: torch.optim.Optimizer,
+             scheduler: Any = None, scaler: Any = None) -> Snapshot:
+        snap = Snapshot(
+            step=step, batches_consumed=batches_consumed,
+            model=_to_cpu(model.state_dict()), ema=_to_cpu(ema_state),
+            optimizer=_to_cpu(optimizer.state_dict()),
+            scheduler=_to_cpu(scheduler.state_dict()) if scheduler is not None else None,
+            scaler=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
+            rng=torch.get_rng_state(),
+            cuda_rng=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+        # a newer snapshot of the same step (e.g. right after a rollback) replaces the old one
+        while self.ring and self.ring[-1].step >= step:
+            self.ring.pop()
+        self.ring.append(snap)
+        return snap
+
+    def newest(self) -> Snapshot | None:
+        return self.ring[-1] if self.ring else None
+
+    def oldest(self) -> Snapshot | None:
+        return self.ring[0] if self.ring else None
+
+    def drop_after(self, step: int) -> None:
+        """Forget snapshots newer than ``step`` (after rolling back past them)."""
+        while self.ring and self.ring[-1].step > step:
+            self.ring.pop()
+
+
+def restore_into(snap: Snapshot, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any = None, scaler: Any = None) -> None:
+    """Restore model, optimizer, scheduler, scaler and RNG from ``snap`` (EMA: the caller)."""
+    model.load_state_dict(snap.model)
+    optimizer.load_state_dict(_to_cpu(snap.optimizer))  # torch moves state to param devices
+    if scheduler is not None and snap.scheduler is not None:
+        scheduler.load_state_dict(snap.scheduler)
+    if scaler is not None and snap.scaler is not None:
+        scaler.load_state_dict(snap.scaler)
+    torch.set_rng_state(snap.rng)
+    if snap.cuda_rng is not None:
+        torch.cuda.set_rng_state_all(snap.cuda_rng)
