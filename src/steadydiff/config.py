@@ -186,9 +186,14 @@ class SampleConfig(Section):
 
 
 class LoggingConfig(Section):
-    log_every: int = Field(25, ge=1)
+    log_every: int = Field(25, ge=1, description="steps between metrics.jsonl rows")
     progress: bool = True
-    tensorboard: bool = False
+    tensorboard: bool = Field(False, description="also write TensorBoard event files "
+                              "(pip install 'steadydiff[tensorboard]')")
+    layer_stats_every: int = Field(100, ge=0, description="steps between per-layer statistics "
+                                   "(layers.jsonl: grad/weight norms, attention and norm "
+                                   "probes); 0 disables them")
+    report: bool = Field(True, description="write report.html at the end of the run")
 
 
 # --------------------------------------------------------------------------- guard
@@ -271,6 +276,14 @@ class Config(Section):
     logging: LoggingConfig = LoggingConfig()
     guard: GuardConfig = GuardConfig()
     faults: list[FaultConfig] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Config":
+        if self.optim.clip_mode == "zclip" and not self.guard.enabled:
+            raise ValueError("optim.clip_mode=zclip takes its threshold from the guard's "
+                             "grad-norm statistics; set guard.enabled=true or choose "
+                             "optim.clip_mode global, per_layer or agc")
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

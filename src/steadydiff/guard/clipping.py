@@ -29,7 +29,7 @@ def total_norm(params: list[torch.Tensor]) -> torch.Tensor:
 
 @torch.no_grad()
 def clip(params: list[torch.Tensor], mode: Mode, threshold: float, norm: torch.Tensor,
-         zclip_value: float | None = None) -> None:
+         zclip_value: float | None = None) -> torch.Tensor:
     """Clip the gradients of ``params`` in place.
 
     Args:
@@ -40,18 +40,22 @@ def clip(params: list[torch.Tensor], mode: Mode, threshold: float, norm: torch.T
         norm: the pre-clip global norm from :func:`total_norm`.
         zclip_value: zclip's current max norm (None while its statistics warm up: then the
             global ``threshold`` applies, if set).
+
+    Returns:
+        The global gradient norm after clipping (0-dim tensor on the device; for global and
+        zclip it is ``min(norm, limit)`` without another reduction).
     """
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
-        return
-    if mode == "zclip":
-        limit = zclip_value if zclip_value is not None else threshold
-        if limit:
-            torch.nn.utils.clip_grads_with_norm_(grads, limit, norm, foreach=True)
-    elif mode == "global":
-        if threshold:
-            torch.nn.utils.clip_grads_with_norm_(grads, threshold, norm, foreach=True)
-    elif mode == "per_layer":
+        return norm
+    if mode in ("global", "zclip"):
+        limit = (zclip_value if zclip_value is not None else threshold) if mode == "zclip" \
+            else threshold
+        if not limit:
+            return norm
+        torch.nn.utils.clip_grads_with_norm_(grads, limit, norm, foreach=True)
+        return torch.clamp(norm, max=limit)
+    if mode == "per_layer":
         if threshold:
             norms = torch._foreach_norm(grads)
             scales = [torch.clamp(threshold / (n + 1e-6), max=1.0) for n in norms]
@@ -68,3 +72,4 @@ def clip(params: list[torch.Tensor], mode: Mode, threshold: float, norm: torch.T
                 p.grad.mul_(torch.where(g > max_g, max_g / g.clamp_min(1e-6), 1.0))
     else:
         raise ValueError(f"unknown clip mode {mode!r}; valid: global, per_layer, agc, zclip")
+    return total_norm(params) if threshold else norm

@@ -91,6 +91,8 @@ class Decision:
     skipped_batches: range | None = None
     precision: str | None = None
     micro_batch: int | None = None
+    grad_norm_clipped: float | None = None
+    loss_t: list[float | None] | None = None  # mean loss per timestep bucket (this step)
 
 
 @dataclass
@@ -320,8 +322,8 @@ class Guard:
             return self._skip(finding, loss_v, gnorm_v)
 
         # ---- healthy: clip, update, check, EMA
-        clipping.clip(self._params, self.clip_mode, self.clip, gnorm,
-                      zclip_value=self.grad.clip_value() if self.clip_mode == "zclip" else None)
+        zlimit = self.grad.clip_value() if self.clip_mode == "zclip" else None
+        clipped = clipping.clip(self._params, self.clip_mode, self.clip, gnorm, zclip_value=zlimit)
         if prog.step >= self.backoff_until:
             self.lr_factor = 1.0
         self._apply_update()
@@ -367,7 +369,15 @@ class Guard:
             self.snapshot()
         if c.probe_every and prog.step % c.probe_every == 0 and probe_forward is not None:
             self._probe(probe_forward)
-        return Decision("step", prog.step, prog.batches_consumed, loss_v, gnorm_v)
+        if self.clip_mode in ("global", "zclip"):
+            limit = (zlimit if zlimit is not None else self.clip) if self.clip_mode == "zclip" \
+                else self.clip
+            clipped_v = min(gnorm_v, limit) if limit else gnorm_v
+        else:
+            clipped_v = float(clipped)  # host sync: per_layer/agc only
+        return Decision("step", prog.step, prog.batches_consumed, loss_v, gnorm_v,
+                        grad_norm_clipped=clipped_v,
+                        loss_t=buckets if t is not None and per_sample_loss is not None else None)
 
     # ------------------------------------------------------------------ actions
 
@@ -672,6 +682,8 @@ class Guard:
         """A one-screen account of what the guard did."""
         n = len(self.incidents)
         c = self.counts
+        if n == 0 and not self.scaler_skips:
+            return "guard: healthy run, no incidents"
         head = (f"guard: {n} incident{'s' if n != 1 else ''}; {c['skips']} skipped step(s), "
                 f"{c['rollbacks']} rollback(s) ({c['steps_redone']} steps redone, "
                 f"{c['batches_skipped']} batches skipped), {c['warnings']} health warning(s)")

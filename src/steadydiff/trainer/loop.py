@@ -32,10 +32,12 @@ from ..diffusion import Schedule, diffusion_loss, make_schedule, sample
 from ..eval.grid import grid_nrow, save_grid
 from ..guard import Decision, Guard, GuardAbort, clipping
 from ..guard.faults import FaultInjector, make_injector
+from ..lint import lint
 from ..models import build_model
 from . import checkpoint as ckpt
 from . import precision as prec
 from .ema import EMA
+from . import telemetry
 from .optim import build_optimizer, lr_at, set_lr
 
 log = logging.getLogger(__name__)
@@ -75,7 +77,10 @@ class StepOutput:
     per_sample_loss: torch.Tensor  # (B,)
     t: torch.Tensor               # (B,) timesteps
     lr: float
+    grad_norm_clipped: torch.Tensor | None = None  # without the guard (the guard has it)
     decision: Decision | None = None  # the guard's decision (None when the guard is off)
+    layer_grad_norms: torch.Tensor | None = None  # (P,) on layer-statistics steps only
+    probe_forward: Any = None  # one forward pass on this batch, for the health probes
 
     @property
     def stepped(self) -> bool:
@@ -167,14 +172,22 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
         faults.kill(step, "in_step")
     per_sample = torch.cat(losses)
     t_all = torch.cat(ts)
+    every = cfg.logging.layer_stats_every
+    layer_grads = None
+    if every and (step + 1) % every == 0:  # per-layer gradient norms, before clipping
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p)
+                 for p in model.parameters() if p.requires_grad]
+        layer_grads = torch.stack(torch._foreach_norm(grads))
+        if state.scaler:
+            layer_grads = layer_grads / state.scaler.get_scale()
+
+    def probe_forward():
+        return _micro_loss(state, xs[0], ys[0], step, 0, 1.0)
 
     if guard is not None:
         def replay(i: int) -> torch.Tensor:
             loss_i = _micro_loss(state, xs[i], ys[i], step, i, xs[i].shape[0] / x.shape[0])[0]
             return state.scaler.scale(loss_i) if state.scaler else loss_i
-
-        def probe_forward():
-            return _micro_loss(state, xs[0], ys[0], step, 0, 1.0)
 
         d = guard.step(per_sample.mean(), t=t_all, per_sample_loss=per_sample, inputs=x,
                        replay=replay, num_micro=len(xs),
@@ -187,14 +200,15 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
                 faults.rollback()
         return StepOutput(per_sample.mean(), torch.tensor(d.grad_norm if d.grad_norm is not None
                                                           else float("nan")),
-                          per_sample, t_all, lr, d)
+                          per_sample, t_all, lr, decision=d, layer_grad_norms=layer_grads,
+                          probe_forward=probe_forward if layer_grads is not None else None)
 
     # ---- no guard: what every other trainer does
     params = [p for g in opt.param_groups for p in g["params"]]
     if state.scaler:
         state.scaler.unscale_(opt)
     grad_norm = clipping.total_norm(params)
-    clipping.clip(params, cfg.optim.clip_mode, cfg.optim.grad_clip, grad_norm)
+    clipped = clipping.clip(params, cfg.optim.clip_mode, cfg.optim.grad_clip, grad_norm)
     stepped = True
     if state.scaler:
         scale = state.scaler.get_scale()  # host sync, fp16 only
@@ -211,7 +225,9 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
         state.ema.update(model, step)
     state.step += 1
     state.batches_consumed += 1
-    return StepOutput(per_sample.mean(), grad_norm.detach(), per_sample, t_all, lr)
+    return StepOutput(per_sample.mean(), grad_norm.detach(), per_sample, t_all, lr,
+                      grad_norm_clipped=clipped.detach(), layer_grad_norms=layer_grads,
+                      probe_forward=probe_forward if layer_grads is not None else None)
 
 
 # --------------------------------------------------------------------------- setup
@@ -379,6 +395,8 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     run_dir = Path(run_dir)
     device = resolve_device(cfg.train.device)
     prec.check_precision(cfg.train.precision, device, cfg.train.allow_slow_precision)
+    for warning in lint(cfg, device):  # dangerous but legal settings: say why, at start
+        print(f"warning: {warning}")
     configure_runtime(cfg, device)
 
     data = as_pairs(dataset) if dataset is not None else build_dataset(cfg.data)
@@ -409,8 +427,9 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    metrics_path = run_dir / "metrics.jsonl"
-    _truncate_metrics(metrics_path, state.step)
+    for name in ("metrics.jsonl", "layers.jsonl", "incidents.jsonl"):
+        telemetry.truncate_jsonl(run_dir / name, state.step)
+    tb = telemetry.TensorBoard(run_dir) if cfg.logging.tensorboard else None
 
     def batches_from(position: int):
         return iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
@@ -427,13 +446,14 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     window: list[StepOutput] = []
     tick = time.perf_counter()
     last_loss: float | None = None
-    logged = saved = state.step
+    saved = state.step
     try:
-        with open(metrics_path, "a") as metrics:
+        with open(run_dir / "metrics.jsonl", "a") as metrics, \
+                open(run_dir / "layers.jsonl", "a") as layers:
             while state.step < total:
                 out = train_step(state, next(batches))
                 d = out.decision
-                if d is not None:
+                if d is not None and d.action != "step":
                     if d.precision:
                         set_precision(state, d.precision)
                     if d.action == "abort":
@@ -442,36 +462,36 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                                          d.incident)
                     if d.action == "rollback":
                         bar.n = state.step
-                        print(f"guard: rolled back to step {state.step} "
-                              f"({d.incident.kind}); data continues at batch "
-                              f"{state.batches_consumed}")
+                        print(f"guard: rolled back to step {state.step} ({d.incident.kind}); "
+                              f"data continues at batch {state.batches_consumed}")
                         batches = batches_from(state.batches_consumed)
-                        window = []
-                        logged = saved = min(logged, state.step)
-                        continue
-                    if d.action == "skip":
-                        continue
+                        window, saved = [], min(saved, state.step)
+                    continue
                 window.append(out)
                 step = state.step
                 bar.update(1)
 
+                if out.layer_grad_norms is not None:  # a layer-statistics step
+                    layers.write(json.dumps(telemetry.layer_stats(state, out)) + "\n")
+                    layers.flush()
                 if step % cfg.logging.log_every == 0 or step == total:
-                    # host sync here (without the guard), once per logging interval
                     now = time.perf_counter()
-                    row = _metrics_row(state, window, (now - tick) / len(window),
-                                       getattr(data, "skipped", 0))
-                    tick, window, logged = now, [], step
+                    row = telemetry.metrics_row(state, window, (now - tick) / len(window),
+                                                getattr(data, "skipped", 0))
+                    tick, window = now, []
                     last_loss = row["loss"]
                     metrics.write(json.dumps(row) + "\n")
                     metrics.flush()
-                    bar.set_postfix(loss=f"{row['loss']:.4f}", gnorm=f"{row['grad_norm']:.3f}",
-                                    lr=f"{row['lr']:.2e}",
-                                    guard=row["incidents"], refresh=False)
+                    if tb:
+                        tb.scalars(row)
+                    bar.set_postfix_str(_status(row), refresh=False)
 
                 if (cfg.train.sample_every and step % cfg.train.sample_every == 0) \
                         or step == total:
                     samples.append(write_sample_grid(
                         state, run_dir / "samples" / f"step_{step:08d}.png"))
+                    if tb:
+                        tb.image(samples[-1], step)
                 if ((cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
                         or step == total) and step != saved:
                     written = save(state, run_dir)
@@ -482,62 +502,45 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                 if last_ckpt is None:
                     raise CheckpointSaveError(f"could not write the final checkpoint at step "
                                               f"{state.step}; see the errors above")
-    except GuardAbort:
+    except GuardAbort as e:
         bar.close()
-        if guard is not None:
-            print(guard.summary())
+        _finish(state, run_dir, "aborted", reason=str(e), tb=tb)
         raise
     bar.close()
-    summary = guard.summary() if guard is not None else None
-    if summary:
-        print(summary)
+    summary = _finish(state, run_dir, "finished", tb=tb)
     return RunResult(run_dir, state.step, last_loss, last_ckpt, samples, resumed_from,
                      time.perf_counter() - t_start,
                      incidents=len(guard.incidents) if guard else 0, guard_summary=summary)
 
 
-METRIC_KEYS = ("step", "images_seen", "loss", "grad_norm", "lr", "lr_factor", "sec_per_step",
-               "ema_decay", "grad_scale", "precision", "micro_batch", "incidents",
-               "skipped_steps", "rollbacks", "data_skipped")
+def _status(row: dict) -> str:
+    """The progress bar's status line (tqdm adds step, speed and ETA)."""
+    s = (f"loss {row['loss']:.4f} | gnorm {row['grad_norm']:.3g}"
+         f"->{row['grad_norm_clipped']:.3g} | lr {row['lr'] * row['lr_factor']:.2e}")
+    if row["incidents"]:
+        s += (f" | guard {row['incidents']} incident(s), {row['skipped_steps']} skip(s), "
+              f"{row['rollbacks']} rollback(s)")
+    return s
 
 
-def _metrics_row(state: TrainState, window: list[StepOutput], sec_per_step: float,
-                 data_skipped: int) -> dict:
-    """One metrics.jsonl row with the fixed keys :data:`METRIC_KEYS`."""
-    if all(o.decision is not None for o in window):  # the guard already synced these
-        loss = sum(o.decision.loss for o in window) / len(window)
-        gnorm = sum(o.decision.grad_norm for o in window) / len(window)
-    else:
-        stats = torch.stack([torch.stack([o.loss.float(), o.grad_norm.float().to(o.loss.device)])
-                             for o in window])
-        loss, gnorm = stats.mean(0).tolist()
-    g = state.guard
-    return {
-        "step": state.step, "images_seen": state.step * state.cfg.train.batch_size,
-        "loss": loss, "grad_norm": gnorm, "lr": window[-1].lr,
-        "lr_factor": g.lr_factor if g else 1.0, "sec_per_step": sec_per_step,
-        "ema_decay": state.ema.current_decay(),
-        "grad_scale": state.scaler.get_scale() if state.scaler else None,
-        "precision": state.precision,
-        "micro_batch": -(-state.cfg.train.batch_size // state.grad_accum),
-        "incidents": len(g.incidents) if g else 0,
-        "skipped_steps": g.counts["skips"] + g.scaler_skips if g else 0,
-        "rollbacks": g.counts["rollbacks"] if g else 0, "data_skipped": data_skipped,
-    }
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume at ``step``, drop rows the resumed run will write again."""
-    if not path.exists():
-        return
-    keep = []
-    for line in path.read_text().splitlines():
+def _finish(state: TrainState, run_dir: Path, status: str, reason: str | None = None,
+            tb: telemetry.TensorBoard | None = None) -> str | None:
+    """End of a run (finished or aborted): summary.json, the guard's one-screen summary,
+    the health report."""
+    summary = state.guard.summary() if state.guard is not None else None
+    telemetry.write_summary(run_dir, status, state.step,
+                            len(state.guard.incidents) if state.guard else 0, summary, reason)
+    if summary:
+        print(summary)
+    if tb:
+        tb.close()
+    if state.cfg.logging.report:
         try:
-            if json.loads(line)["step"] <= step:
-                keep.append(line)
-        except (ValueError, KeyError, TypeError):
-            continue  # a row cut short by a kill
-    path.write_text("".join(k + "\n" for k in keep))
+            from ..report import write_report
+            print(f"report: {write_report(run_dir)}")
+        except Exception as e:  # the report must never take a finished run down
+            log.warning("could not write report.html: %s: %s", type(e).__name__, e)
+    return summary
 
 
 @torch.no_grad()

@@ -1,0 +1,372 @@
+"""Throughput: the trainer's full step against a bare PyTorch loop, the guard's overhead, and
+sampling speed per sampler, on the quick-start model (configs/digits_cond.yaml).
+
+Three training variants run side by side in one process, interleaved (bare, off, guard, bare,
+off, guard, ...) so that load from other processes on the machine falls on all of them alike:
+
+- ``bare``:  a plain PyTorch loop with the same model (same init), batches, objective and
+  AdamW (same parameter groups): forward, backward, ``clip_grad_norm_(1.0)``, ``opt.step()``,
+  a fused EMA lerp, and a ``.item()`` of the mean loss at each logging tick.
+- ``off``:   steadydiff's ``train_step`` with the guard disabled, plus what ``run`` does per
+  step (the metrics row every ``logging.log_every`` steps, the progress bar).
+- ``guard``: the same with the guard on (its per-step host sync, weight check, snapshots
+  every ``guard.snapshot_every`` steps).
+
+Every variant draws from the same pre-loaded list of batches (taken from the trainer's own
+loader), so data loading is excluded from all three; its cost per batch is reported apart.
+Each repeat times ``--steps`` consecutive steps of one variant; the figure is the median of
+``--repeats`` repeats after ``--warmup`` untimed steps.
+
+Sampling speed: images/s for each sampler at its usual step count (ddpm 1000, ddim 50,
+dpmpp_2m 20, euler 50), on the quick-start model with the quick-start ``sample`` settings
+(classifier-free guidance at scale 2.0 doubles every model batch). Weights do not change the
+speed, so a freshly initialised model is used unless ``--checkpoint`` is given.
+
+    python bench/throughput.py                    # full run (~6 minutes on 2 cores)
+    python bench/throughput.py --steps 2 --repeats 1 --warmup 1 --sample-steps-scale 0.02 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: one busy thread each
+
+import torch  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CONFIG = REPO / "configs" / "digits_cond.yaml"
+
+# sampler -> steps (model evaluations), as the benchmark reports them
+SAMPLER_STEPS = {"ddpm": 1000, "ddim": 50, "dpmpp_2m": 20, "euler": 50}
+
+
+# --------------------------------------------------------------------------- shared helpers
+# (bench/samplers.py and bench/stability.py import these)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def env_info() -> dict[str, Any]:
+    """The machine and the versions, for the JSON line every bench script ends with."""
+    import steadydiff
+    return {
+        "machine": {"cpu": cpu_model(), "cores": os.cpu_count(),
+                    "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+                    "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available()
+                    else None},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "steadydiff": steadydiff.__version__},
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    }
+
+
+def print_table(rows: list[list[Any]], header: list[str]) -> None:
+    """A plain left-aligned text table."""
+    cells = [[str(c) for c in r] for r in [header] + rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    for k, r in enumerate(cells):
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def load_cfg(path: str | Path, overrides: list[str]):
+    from steadydiff.config import load_config
+    return load_config(path, overrides)
+
+
+# --------------------------------------------------------------------------- training variants
+
+
+class Variant:
+    """One training loop, advanced ``n`` steps at a time over a shared list of batches."""
+
+    name: str
+
+    def run(self, batches: list, start: int, n: int) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+
+class TrainerVariant(Variant):
+    """steadydiff's ``train_step`` plus the per-step bookkeeping of ``loop.run``."""
+
+    def __init__(self, cfg, device: torch.device, init_state: dict, guard: bool):
+        from tqdm import tqdm
+
+        from steadydiff.trainer import loop
+        self.loop = loop
+        self.name = "guard" if guard else "off"
+        cfg = cfg.model_copy(deep=True)
+        cfg.guard.enabled = guard
+        self.cfg = cfg
+        self.state = loop.build_state(cfg, cfg.model.num_classes, device)
+        self.state.model.load_state_dict(init_state)
+        self.state.ema.module.load_state_dict(init_state)
+        loop.attach_guard(self.state, None)  # None when the guard is off
+        self.window: list = []
+        self.tick = time.perf_counter()
+        self.sink = open(os.devnull, "w")
+        self.bar = tqdm(total=10**9, file=self.sink, dynamic_ncols=False, desc="train")
+
+    def run(self, batches: list, start: int, n: int) -> None:
+        loop, state, log_every = self.loop, self.state, self.cfg.logging.log_every
+        for i in range(start, start + n):
+            out = loop.train_step(state, batches[i % len(batches)])
+            d = out.decision
+            if d is not None and d.action != "step":
+                raise RuntimeError(f"guard intervened in the clean benchmark: {d.action} "
+                                   f"({d.incident.kind if d.incident else ''})")
+            self.window.append(out)
+            self.bar.update(1)
+            if state.step % log_every == 0:  # the trainer's status tick (host sync off-guard)
+                now = time.perf_counter()
+                row = loop._metrics_row(state, self.window, (now - self.tick) / len(self.window),
+                                        0)
+                self.sink.write(json.dumps(row) + "\n")
+                self.bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
+                self.tick, self.window = now, []
+
+
+class BareVariant(Variant):
+    """What a careful hand-written PyTorch loop does, nothing more."""
+
+    name = "bare"
+
+    def __init__(self, cfg, device: torch.device, init_state: dict):
+        from steadydiff.diffusion import make_schedule
+        from steadydiff.models import build_model
+        from steadydiff.trainer.optim import lr_at, param_groups
+        self.cfg, self.device, self.lr_at = cfg, device, lr_at
+        self.model = build_model(cfg.model, image_size=cfg.data.image_size,
+                                 channels=cfg.data.channels).to(device)
+        self.model.load_state_dict(init_state)
+        self.ema = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.opt = torch.optim.AdamW(param_groups(self.model, cfg.optim), lr=cfg.optim.lr,
+                                     betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+        self.params = list(self.model.parameters())
+        self.ema_params = list(self.ema.parameters())
+        self.schedule = make_schedule(cfg.diffusion)
+        self.gen = torch.Generator(device=device).manual_seed(cfg.train.seed)
+        self.step = 0
+        self.losses: list[torch.Tensor] = []
+        self.last_loss = float("nan")
+
+    def run(self, batches: list, start: int, n: int) -> None:
+        from steadydiff.diffusion import diffusion_loss
+        cfg, model, opt = self.cfg, self.model, self.opt
+        for i in range(start, start + n):
+            x, y, _ = batches[i % len(batches)]
+            x, y = x.to(self.device), y.to(self.device)
+            lr = self.lr_at(self.step, cfg.optim, cfg.train.steps)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            loss = diffusion_loss(model, x, y, self.schedule, cfg.diffusion, self.gen).loss
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():
+                d = min(cfg.train.ema_decay, (1 + self.step) / (10 + self.step))
+                torch._foreach_lerp_(self.ema_params, self.params, 1.0 - d)
+            self.losses.append(loss.detach())
+            self.step += 1
+            if self.step % cfg.logging.log_every == 0:
+                self.last_loss = torch.stack(self.losses).mean().item()  # host sync
+                self.losses = []
+
+
+def bench_training(cfg, *, steps: int, repeats: int, warmup: int, variants: list[str],
+                   num_batches: int, device: torch.device) -> dict[str, Any]:
+    """Median sec/step of each variant, measured interleaved."""
+    from steadydiff.data import build_dataset, make_loader
+    from steadydiff.models import build_model
+
+    data = build_dataset(cfg.data)
+    loader = iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
+                              hflip=cfg.data.hflip))
+    t0 = time.perf_counter()
+    batches = [next(loader) for _ in range(num_batches)]
+    load_s = (time.perf_counter() - t0) / num_batches
+
+    torch.manual_seed(cfg.train.seed)
+    init = build_model(cfg.model, image_size=cfg.data.image_size,
+                       channels=cfg.data.channels).state_dict()
+    make: dict[str, Callable[[], Variant]] = {
+        "bare": lambda: BareVariant(cfg, device, init),
+        "off": lambda: TrainerVariant(cfg, device, init, guard=False),
+        "guard": lambda: TrainerVariant(cfg, device, init, guard=True),
+    }
+    vs = [make[v]() for v in variants]
+    pos = {v.name: 0 for v in vs}
+    for v in vs:  # warm-up: allocator, kernels, first snapshots, guard detector warm-up
+        v.run(batches, 0, warmup)
+        pos[v.name] = warmup
+    times: dict[str, list[float]] = {v.name: [] for v in vs}
+    for _ in range(repeats):
+        for v in vs:  # interleaved: bare, off, guard, bare, off, guard, ...
+            t0 = time.perf_counter()
+            v.run(batches, pos[v.name], steps)
+            times[v.name].append((time.perf_counter() - t0) / steps)
+            pos[v.name] += steps
+    med = {k: statistics.median(t) for k, t in times.items()}
+    out: dict[str, Any] = {"sec_per_step": med, "repeats_sec_per_step": times,
+                           "data_loading_sec_per_batch": load_s,
+                           "steps_per_repeat": steps, "repeats": repeats, "warmup": warmup,
+                           "batch_size": cfg.train.batch_size}
+    if "bare" in med and "guard" in med:
+        out["ratio_guard_vs_bare"] = med["guard"] / med["bare"]
+    if "bare" in med and "off" in med:
+        out["ratio_off_vs_bare"] = med["off"] / med["bare"]
+    if "off" in med and "guard" in med:
+        out["guard_overhead"] = med["guard"] / med["off"] - 1.0
+        # per-repeat paired ratios (neighbours in time): a second view robust to load drift
+        out["guard_overhead_paired_median"] = statistics.median(
+            g / o for g, o in zip(times["guard"], times["off"])) - 1.0
+    if "bare" in med and "guard" in med:
+        out["ratio_guard_vs_bare_paired_median"] = statistics.median(
+            g / b for g, b in zip(times["guard"], times["bare"]))
+    return out
+
+
+# --------------------------------------------------------------------------- sampling
+
+
+def bench_sampling(cfg, *, samplers: dict[str, int], num: int, repeats: int,
+                   device: torch.device, checkpoint: str | None) -> dict[str, Any]:
+    """Images/s of each sampler (median of ``repeats`` after one short warm-up call)."""
+    from steadydiff import seeding
+    from steadydiff.diffusion import make_schedule, sample
+    from steadydiff.models import build_model
+
+    if checkpoint:
+        from steadydiff import load
+        pipe = load(checkpoint, device=device)
+        model, schedule, cfg = pipe.model, pipe.schedule, pipe.config
+    else:
+        torch.manual_seed(cfg.train.seed)
+        model = build_model(cfg.model, image_size=cfg.data.image_size,
+                            channels=cfg.data.channels).to(device).eval().requires_grad_(False)
+        schedule = make_schedule(cfg.diffusion)
+    s = cfg.sample
+    shape = (num, model.in_channels, model.image_size, model.image_size)
+    y = torch.arange(num, device=device) % model.num_classes if model.num_classes else None
+
+    def once(name: str, steps: int) -> float:
+        gen = seeding.generator(device, s.seed)
+        t0 = time.perf_counter()
+        sample(model, schedule, cfg.diffusion.prediction, shape, sampler=name, steps=steps,
+               y=y, cfg_scale=s.cfg_scale, eta=s.eta, generator=gen, device=device)
+        return time.perf_counter() - t0
+
+    once("dpmpp_2m", 2)  # warm-up
+    res: dict[str, Any] = {}
+    times: dict[str, list[float]] = {k: [] for k in samplers}
+    for _ in range(repeats):
+        for name, steps in samplers.items():  # interleaved across samplers
+            times[name].append(once(name, steps))
+    for name, steps in samplers.items():
+        sec = statistics.median(times[name])
+        res[name] = {"steps": steps, "num": num, "seconds": sec, "images_per_sec": num / sec,
+                     "sec_per_model_eval": sec / steps, "cfg_scale": s.cfg_scale,
+                     "model_batch": num * (2 if y is not None and s.cfg_scale != 1 else 1)}
+    return res
+
+
+# --------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="training config")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="config overrides, as `steadydiff train --set`")
+    p.add_argument("--steps", type=int, default=25,
+                   help="timed steps per repeat (25 = one logging interval)")
+    p.add_argument("--repeats", type=int, default=10, help="timed repeats per variant")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps per variant first")
+    p.add_argument("--variants", default="bare,off,guard",
+                   help="comma list of bare, off (guard off), guard (guard on)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (1: the machine is shared; 0 keeps torch's default)")
+    p.add_argument("--samplers", default=",".join(SAMPLER_STEPS),
+                   help="comma list of samplers to time ('' skips sampling)")
+    p.add_argument("--sample-num", type=int, default=100,
+                   help="images per sampling call (quick-start grid size)")
+    p.add_argument("--sample-repeats", type=int, default=3)
+    p.add_argument("--sample-steps-scale", type=float, default=1.0,
+                   help="multiply every sampler's step count (smoke tests)")
+    p.add_argument("--checkpoint", default=None,
+                   help="sample from this checkpoint/run dir instead of a fresh model")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", action="store_true", help="end with one JSON line")
+    a = p.parse_args(argv)
+
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    device = torch.device(a.device)
+    cfg = load_cfg(a.config, a.set)
+    variants = [v for v in a.variants.split(",") if v]
+    result: dict[str, Any] = {"bench": "throughput", "config": str(a.config),
+                              "overrides": a.set}
+    result.update(env_info())
+
+    if variants:
+        num_batches = max(8, min(64, a.warmup + a.steps * a.repeats))
+        tr = bench_training(cfg, steps=a.steps, repeats=a.repeats, warmup=a.warmup,
+                            variants=variants, num_batches=num_batches, device=device)
+        result["training"] = tr
+        med = tr["sec_per_step"]
+        print(f"training step, {cfg.train.batch_size} images of "
+              f"{cfg.data.image_size}x{cfg.data.image_size}, median of {a.repeats} x "
+              f"{a.steps} steps, torch threads {torch.get_num_threads()}:")
+        base = med.get("bare")
+        print_table([[k, f"{v * 1000:.1f}", f"{v / base:.3f}x" if base else "-"]
+                     for k, v in med.items()], ["variant", "ms/step", "vs bare"])
+        if "ratio_guard_vs_bare" in tr:
+            print(f"trainer (guard on) vs bare loop: {tr['ratio_guard_vs_bare']:.3f}x "
+                  f"(paired median {tr['ratio_guard_vs_bare_paired_median']:.3f}x; "
+                  "aim <= 1.10x)")
+        if "guard_overhead" in tr:
+            print(f"guard overhead (on vs off): {tr['guard_overhead']:+.1%} "
+                  f"(paired median {tr['guard_overhead_paired_median']:+.1%}; aim <= 3%)")
+        print(f"data loading (excluded above): {tr['data_loading_sec_per_batch'] * 1000:.1f} "
+              "ms/batch")
+
+    samplers = {s: max(1, round(SAMPLER_STEPS[s] * a.sample_steps_scale))
+                for s in a.samplers.split(",") if s}
+    if samplers:
+        sp = bench_sampling(cfg, samplers=samplers, num=a.sample_num, repeats=a.sample_repeats,
+                            device=device, checkpoint=a.checkpoint)
+        result["sampling"] = sp
+        print(f"\nsampling {a.sample_num} images (cfg scale {cfg.sample.cfg_scale}: model batch "
+              f"{next(iter(sp.values()))['model_batch']}), median of {a.sample_repeats}:")
+        print_table([[k, v["steps"], f"{v['seconds']:.2f}", f"{v['images_per_sec']:.1f}",
+                      f"{v['sec_per_model_eval'] * 1000:.1f}"] for k, v in sp.items()],
+                    ["sampler", "steps", "seconds", "images/s", "ms/model eval"])
+    if a.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
