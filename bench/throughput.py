@@ -126,8 +126,16 @@ class TrainerVariant(Variant):
         self.tick = time.perf_counter()
         self.sink = open(os.devnull, "w")
         self.bar = tqdm(total=10**9, file=self.sink, dynamic_ncols=False, desc="train")
+        try:  # the loop's helpers moved to trainer/telemetry.py; accept either layout
+            from steadydiff.trainer import telemetry
+        except ImportError:
+            telemetry = None
+        self.telemetry = telemetry
+        self.metrics_row = getattr(loop, "_metrics_row", None) or telemetry.metrics_row
+        self.status = getattr(loop, "_status", None) or (lambda row: f"loss {row['loss']:.4f}")
 
     def run(self, batches: list, start: int, n: int) -> None:
+        # mirrors the body of loop.run's while-loop (metrics row, layer statistics, bar)
         loop, state, log_every = self.loop, self.state, self.cfg.logging.log_every
         for i in range(start, start + n):
             out = loop.train_step(state, batches[i % len(batches)])
@@ -137,12 +145,14 @@ class TrainerVariant(Variant):
                                    f"({d.incident.kind if d.incident else ''})")
             self.window.append(out)
             self.bar.update(1)
+            if getattr(out, "layer_grad_norms", None) is not None and self.telemetry:
+                self.sink.write(json.dumps(self.telemetry.layer_stats(state, out)) + "\n")
             if state.step % log_every == 0:  # the trainer's status tick (host sync off-guard)
                 now = time.perf_counter()
-                row = loop._metrics_row(state, self.window, (now - self.tick) / len(self.window),
-                                        0)
+                row = self.metrics_row(state, self.window, (now - self.tick) / len(self.window),
+                                       0)
                 self.sink.write(json.dumps(row) + "\n")
-                self.bar.set_postfix(loss=f"{row['loss']:.4f}", refresh=False)
+                self.bar.set_postfix_str(self.status(row), refresh=False)
                 self.tick, self.window = now, []
 
 
@@ -174,8 +184,8 @@ class BareVariant(Variant):
         from steadydiff.diffusion import diffusion_loss
         cfg, model, opt = self.cfg, self.model, self.opt
         for i in range(start, start + n):
-            x, y, _ = batches[i % len(batches)]
-            x, y = x.to(self.device), y.to(self.device)
+            batch = batches[i % len(batches)]
+            x, y = batch[0].to(self.device), batch[1].to(self.device)
             lr = self.lr_at(self.step, cfg.optim, cfg.train.steps)
             for g in opt.param_groups:
                 g["lr"] = lr

@@ -363,7 +363,7 @@ def test_sampler_dataset_smaller_than_batch():
     stream = b0 + b1
     for e in range(5):  # positions 0..14 are five whole epochs
         assert sorted(i for i, ep in stream if ep == e) == [0, 1, 2]
-    x, y, idx = next(iter(make_loader(DigitsDataset(8), batch_size=4, seed=0)))
+    x, y, idx, bad = next(iter(make_loader(DigitsDataset(8), batch_size=4, seed=0)))
     assert x.shape == (4, 1, 8, 8)
 
 
@@ -392,7 +392,7 @@ def test_seeded_view_flip_is_keyed_not_global(digits):
     view = SeededView(digits, seed=0, hflip=True)
     flips = 0
     for i in range(64):
-        x, y, idx = view[(i, 0)]
+        x, y, idx, bad = view[(i, 0)]
         assert idx == i and int(y) == int(digits.labels[i])
         if torch.equal(x, digits.images[i].flip(-1)) and not torch.equal(x, digits.images[i]):
             flips += 1
@@ -411,11 +411,11 @@ def test_loader_reproducible_resumable_and_worker_independent(digits):
     tail = _take(make_loader(digits, start_batch=4, **kw), 2)
     workers = _take(make_loader(digits, num_workers=2, **kw), 6)
     for got in (b, workers):
-        for (x1, y1, i1), (x2, y2, i2) in zip(a, got):
+        for (x1, y1, i1, _), (x2, y2, i2, _) in zip(a, got):
             assert torch.equal(x1, x2) and torch.equal(y1, y2) and torch.equal(i1, i2)
-    for (x1, _, i1), (x2, _, i2) in zip(a[4:], tail):
+    for (x1, _, i1, _), (x2, _, i2, _) in zip(a[4:], tail):
         assert torch.equal(x1, x2) and torch.equal(i1, i2)
-    x, y, idx = a[0]
+    x, y, idx, bad = a[0]
     assert x.shape == (16, 1, 16, 16) and y.shape == (16,) and idx.shape == (16,)
     assert y.dtype == idx.dtype == torch.int64
     # Some images are flipped in the batch (seeded), the rest untouched.

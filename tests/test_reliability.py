@@ -477,10 +477,6 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path, images, finished, fi
     assert pipe.step == 2 and not marker.exists()
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoint.load_checkpoint wraps torch's "
-                   "UnpicklingError text verbatim: it names the checkpoint directory, not the "
-                   "file, and passes on torch's advice to re-run torch.load with "
-                   "weights_only=False, which for a hostile file runs the payload")
 def test_pickle_refusal_names_the_file_and_gives_no_unsafe_advice(tmp_path, finished):
     _, c, _ = _evil_copy(tmp_path, finished, "rng.pt")
     with pytest.raises(ckpt.CheckpointError) as e:
@@ -533,9 +529,6 @@ def test_doctored_state_json_is_refused_by_resume_cli(tmp_path, capsys, images, 
     assert needle in capsys.readouterr().err
 
 
-@pytest.mark.xfail(strict=True, reason="loop.run validates the checkpoint's config with "
-                   "Config.model_validate, so resume raises a raw pydantic ValidationError "
-                   "instead of a ConfigError naming state.json (steadydiff.load uses validate())")
 def test_doctored_state_json_resume_error_is_a_config_error(tmp_path, images, finished):
     run = tmp_path / "run"
     shutil.copytree(finished, run)
@@ -606,10 +599,6 @@ def test_bad_images_are_skipped_counted_and_the_run_finishes(tmp_path, monkeypat
     assert rows[-1]["data_skipped"] == 4  # visible in the run's metrics
 
 
-@pytest.mark.xfail(strict=True, reason="with data.num_workers>0 a file found bad at load "
-                   "time is marked in the worker's copy of the dataset; the metrics row reads "
-                   "the main process's ImageFolderDataset.skipped, so the truncated JPEG is "
-                   "not counted (data_skipped 3, not 4)")
 def test_bad_images_counted_with_workers(tmp_path, monkeypatch):
     root = _bad_image_folder(tmp_path, monkeypatch)
     res = steadydiff.train(validate(apply_overrides({}, [

@@ -171,3 +171,9 @@ def test_help(cmd):
     assert r.returncode == 0 and "usage: steadydiff" in r.stdout
     if cmd:
         assert "default" in r.stdout  # defaults are shown
+
+
+def test_resume_with_more_steps_refused_under_cosine(tmp_path):
+    steadydiff.train(tiny("train.steps=3", "optim.schedule=cosine"), out_dir=tmp_path / "c")
+    with pytest.raises(ConfigError, match="changes the LR schedule of the remaining steps"):
+        steadydiff.train(tiny("optim.schedule=cosine"), out_dir=tmp_path / "c")

@@ -1,4 +1,4 @@
-"""The command line: ``steadydiff train | sample``.
+"""The command line: ``steadydiff train | sample | report | doctor``.
 
 Thin by design: parse arguments, build a config, call a library function. Exit codes:
 0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments),
@@ -67,6 +67,31 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True,
                    help="output: a .png grid, or .npz with 'samples' (N,C,H,W) float32 in "
                         "[-1,1] (and 'labels' when class-conditional)")
+
+    r = sub.add_parser("report", formatter_class=_Formatter,
+                       help="write a run's self-contained HTML health report",
+                       description="Write RUN_DIR/report.html: verdict, loss/gradient/LR "
+                                   "plots, incidents on the timeline, per-layer gradient heat "
+                                   "map, sample grids and the incident table, in one file "
+                                   "that opens in any browser with no network.")
+    r.add_argument("run_dir", help="run directory (a partial or aborted run is fine)")
+    r.add_argument("--out", default=None, help="output file (default: RUN_DIR/report.html)")
+
+    d = sub.add_parser("doctor", formatter_class=_Formatter,
+                       help="post-mortem: name the likely causes of a run's trouble",
+                       description="Examine a run directory or a checkpoint (weights, EMA, a "
+                                   "probe forward pass, the run's incidents and metrics, the "
+                                   "config) and list the likely causes, ranked, with evidence "
+                                   "and recommendations.",
+                       epilog="exit codes: 0 healthy or warnings only, 1 critical findings, "
+                              "2 bad input (no such path, not a run or checkpoint)")
+    d.add_argument("path", help="run directory (its newest intact checkpoint) or checkpoint "
+                                "directory")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.add_argument("--no-probe", action="store_true",
+                   help="skip the probe forward pass (weights and history only)")
+    d.add_argument("--verbose", action="store_true", help="also list info findings")
+    d.add_argument("--device", default="cpu", help="where the probe forward pass runs")
     return p
 
 
@@ -118,6 +143,27 @@ def cmd_sample(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_report(a: argparse.Namespace) -> int:
+    from .report import write_report
+
+    path = write_report(a.run_dir, a.out)
+    print(f"wrote {path}")
+    return EXIT_OK
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    import json
+
+    from .doctor import diagnose, format_diagnosis
+
+    d = diagnose(a.path, probe=not a.no_probe, device=a.device)
+    if a.json:
+        print(json.dumps(d.to_dict(), indent=1))
+    else:
+        print(format_diagnosis(d, verbose=a.verbose), end="")
+    return d.exit_code  # 0 healthy / warnings only, 1 critical findings
+
+
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .data import DataError
@@ -127,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
-    handlers = {"train": cmd_train, "sample": cmd_sample}
+    handlers = {"train": cmd_train, "sample": cmd_sample, "report": cmd_report,
+                "doctor": cmd_doctor}
     try:
         return handlers[args.command](args)
     except (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:

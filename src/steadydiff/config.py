@@ -125,7 +125,8 @@ class OptimConfig(Section):
                                description="layer-wise LR decay; 1.0 disables it")
     grad_clip: float = Field(
         1.0, ge=0.0, description="clip threshold: the max norm (global, per_layer), the "
-        "max ratio |g|/|w| per unit (agc), or the z-score (zclip); 0 disables clipping")
+        "max ratio |g|/|w| per unit (agc); zclip: the max norm while its statistics warm up "
+        "(its z-threshold is guard.grad_z); 0 disables clipping")
     clip_mode: Literal["global", "per_layer", "agc", "zclip"] = "global"
 
     @model_validator(mode="after")
@@ -257,8 +258,9 @@ class FaultConfig(Section):
     kind: Literal["nan_batch", "outlier_batch", "loss_scale", "lr_scale", "param_nan",
                   "param_huge", "grad_nan", "fp16_overflow", "oom", "kill"]
     step: int = Field(ge=0, description="optimizer step at which it fires")
-    factor: float = Field(1e4, description="outlier/loss/lr/huge multiplier; oom: the largest "
-                          "micro-batch that fits (0: half the current one)")
+    factor: float | None = Field(None, description="outlier/loss/lr/huge multiplier (default "
+                                 "1e4; fp16_overflow 1e5); oom: the largest micro-batch that "
+                                 "fits (default: half the current one)")
     steps: int = Field(1, ge=1, description="lr_scale: for how many steps")
     target: str | None = Field(None, description="parameter (param_*, grad_nan) or module "
                                "(fp16_overflow) name; None: a default one")

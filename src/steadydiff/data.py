@@ -379,6 +379,13 @@ class ImageFolderDataset(Dataset):
         return len(self.paths)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y, _ = self.fetch(i)
+        return x, y
+
+    def fetch(self, i: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Like ``self[i]``, plus whether image ``i`` itself was bad (and replaced). The flag
+        travels with the batch, so the main process counts bad files even when they were
+        found inside a data-loader worker (whose ``bad_paths`` it never sees)."""
         n = len(self.paths)
         i = int(i)
         if not -n <= i < n:
@@ -397,7 +404,7 @@ class ImageFolderDataset(Dataset):
                 self._mark_bad(self.paths[j], _reason(e) + " (at load time; replaced by the "
                                "next good image)")
                 continue
-            return x, torch.tensor(self.labels[j], dtype=torch.int64)
+            return x, torch.tensor(self.labels[j], dtype=torch.int64), j != i
         raise DataError(f"image folder {str(self.root)!r}: every image failed to load "
                         f"(e.g. {next(iter(self.bad_paths.items()))})")
 
@@ -622,7 +629,9 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
 class SeededView(Dataset):
     """A dataset indexed by ``(index, epoch)`` keys, with seeded per-sample augmentation.
 
-    ``view[(i, e)]`` returns ``(image, label, i)``. Augmentation draws from a generator seeded
+    ``view[(i, e)]`` returns ``(image, label, i, bad)``, ``bad`` True when image ``i`` could
+    not be loaded and was replaced (datasets with a ``fetch`` method report it; others never
+    do). Augmentation draws from a generator seeded
     by a hash of ``(seed, e, i)``, never from the global RNG, so it is the same in every
     worker, after every resume, and for any batch size.
 
@@ -640,9 +649,10 @@ class SeededView(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, key: StreamKey) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def __getitem__(self, key: StreamKey) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
         i, e = key
-        x, y = self.dataset[i]
+        fetch = getattr(self.dataset, "fetch", None)
+        x, y, bad = fetch(i) if fetch is not None else (*self.dataset[i], False)
         if self.hflip:
             # A fresh generator + derive_seed cost ~15 µs, nothing next to decoding an image.
             # Keep the draw order fixed when adding augmentations (append new draws after
@@ -650,7 +660,7 @@ class SeededView(Dataset):
             g = torch.Generator().manual_seed(derive_seed(_TAG_AUG, self.seed, e, i))
             if torch.rand((), generator=g).item() < 0.5:
                 x = x.flip(-1)
-        return x, y, int(i)
+        return x, y, int(i), bool(bad)
 
 
 def _worker_init(_: int) -> None:
@@ -662,7 +672,8 @@ def _worker_init(_: int) -> None:
 def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: int = 0,
                 hflip: bool = False, num_workers: int = 0, rank: int = 0, world_size: int = 1,
                 pin_memory: bool = False) -> DataLoader:
-    """An endless loader of ``(x (b,C,H,W), y (b,), idx (b,))`` batches, resumable exactly.
+    """An endless loader of ``(x (b,C,H,W), y (b,), idx (b,), bad (b,))`` batches, resumable
+    exactly (``bad`` flags samples whose image failed to load and was replaced).
 
     Args:
         dataset: any dataset accepted by ``as_pairs``.

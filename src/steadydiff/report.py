@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-__all__ = ["RunLog", "read_jsonl", "read_run", "verdict", "write_report"]
+__all__ = ["MetricSeries", "RunLog", "Verdict", "evidence_summary", "metric_series",
+           "read_jsonl", "read_run", "render", "verdict", "write_report"]
 
 # Colours per guard action (the incident markers and the legend use the same table).
 ACTION_COLORS = {
@@ -239,7 +240,7 @@ def verdict(log: RunLog) -> Verdict:
         if aborts:
             a = aborts[-1]
             details.insert(0, f"last incident: {a.get('kind')} at step {a.get('step')}"
-                           + (f" ({_evidence_summary(a)})" if _evidence_summary(a) else ""))
+                           + (f" ({evidence_summary(a)})" if evidence_summary(a) else ""))
         return Verdict("aborted", f"Aborted at step {step}: {why or 'reason not recorded'}",
                        details)
 
@@ -290,7 +291,7 @@ def fmt(v: Any) -> str:
     return f"{x:.4g}"
 
 
-def _evidence_summary(inc: dict[str, Any]) -> str:
+def evidence_summary(inc: dict[str, Any]) -> str:
     """The evidence of one incident in one line: the module, values and thresholds."""
     e = inc.get("evidence") or {}
     if not isinstance(e, dict):
@@ -366,14 +367,23 @@ def _diagnosis_summary(inc: dict[str, Any]) -> str:
 # --------------------------------------------------------------------------- plotting
 
 
-def _figure(height: float, width: float = 11.0):
-    # The object-oriented API with the Agg canvas: no pyplot global state, no backend switch
-    # in the caller's process (a notebook keeps its inline backend).
+FIG_WIDTH = 11.0                  # inches, at 80 dpi: 880 px, the page's figure width
+AXES_LEFT, AXES_RIGHT = 0.85, 2.0  # inches of margin: every timeline plot shares its x axis
+                                   # position, so steps line up down the page
+
+
+def _figure(height: float, *, left: float = AXES_LEFT, right: float = AXES_RIGHT,
+            hspace: float = 0.45):
+    """A figure with fixed margins (in inches). The object-oriented API with the Agg canvas:
+    no pyplot global state, no backend switch in the caller's process (a notebook keeps its
+    inline backend); fixed margins instead of a layout engine (one draw, not several)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(width, height), dpi=80, layout="constrained")
+    fig = Figure(figsize=(FIG_WIDTH, height), dpi=80)
     FigureCanvasAgg(fig)
+    fig.subplots_adjust(left=left / FIG_WIDTH, right=1 - right / FIG_WIDTH,
+                        top=1 - 0.32 / height, bottom=0.5 / height, hspace=hspace)
     return fig
 
 
@@ -396,7 +406,7 @@ def _smooth(y: list[float], span: float) -> list[float]:
 
 
 @dataclass
-class _Series:
+class MetricSeries:
     """The metrics rows as plot-ready columns: the kept rows (last write of each step) and the
     rows a rollback discarded."""
 
@@ -408,7 +418,7 @@ class _Series:
         return [v if (v := num(r.get(key))) is not None else float("nan") for r in self.rows]
 
 
-def _series(metrics: list[dict[str, Any]]) -> _Series:
+def metric_series(metrics: list[dict[str, Any]]) -> MetricSeries:
     """After a rollback the trainer logs the redone steps again: keep the last row of each
     step on the curve, the superseded ones as 'discarded by rollback'."""
     good = [r for r in metrics if isinstance(r.get("step"), int)]
@@ -416,7 +426,7 @@ def _series(metrics: list[dict[str, Any]]) -> _Series:
     kept = sorted((r for i, r in enumerate(good) if last_idx[r["step"]] == i),
                   key=lambda r: r["step"])
     discarded = [r for i, r in enumerate(good) if last_idx[r["step"]] != i]
-    return _Series([r["step"] for r in kept], kept, discarded)
+    return MetricSeries([r["step"] for r in kept], kept, discarded)
 
 
 def _mark_incidents(ax, incidents: list[dict[str, Any]]) -> None:
@@ -442,8 +452,8 @@ def _logscale_if_wide(ax, values: list[float], ratio: float = 30.0) -> None:
 def _nonfinite_marks(ax, steps: list[int], values: list[float], label: str) -> None:
     bad = [s for s, v in zip(steps, values) if not math.isfinite(v)]
     if bad:
-        ax.plot(bad, [1.0] * len(bad), "x", color="#d62728", ms=7, transform=ax.get_xaxis_transform(),
-                clip_on=False, label=f"{label} non-finite")
+        ax.plot(bad, [1.0] * len(bad), "x", color="#d62728", ms=7, clip_on=False,
+                transform=ax.get_xaxis_transform(), label=f"{label} non-finite")
 
 
 def _plot_timeline(log: RunLog, xlim: tuple[float, float]) -> str | None:
@@ -451,7 +461,7 @@ def _plot_timeline(log: RunLog, xlim: tuple[float, float]) -> str | None:
     if not incs:
         return None
     kinds = list(dict.fromkeys(str(i.get("kind")) for i in incs))
-    fig = _figure(0.55 + 0.3 * len(kinds))
+    fig = _figure(1.0 + 0.3 * max(len(kinds), 2))
     ax = fig.add_subplot()
     seen = set()
     for inc in incs:
@@ -461,18 +471,23 @@ def _plot_timeline(log: RunLog, xlim: tuple[float, float]) -> str | None:
                    marker="X" if a in ("abort", "rollback") else "o", zorder=3,
                    edgecolor="white", linewidth=0.5, label=a if a not in seen else None)
         seen.add(a)
-    ax.set_yticks(range(len(kinds)), kinds)
-    ax.set_ylim(-0.6, len(kinds) - 0.4)
+    # kind names inside the axes (not as tick labels), so the x axis lines up with the
+    # plots below whatever the names' length
+    ax.set_yticks(range(len(kinds)), [""] * len(kinds))
+    for y, k in enumerate(kinds):
+        ax.text(0.004, y + 0.28, k, transform=ax.get_yaxis_transform(), fontsize=8,
+                va="center", color="#333333")
+    ax.set_ylim(-0.6, len(kinds) - 0.3)
     ax.set_xlim(*xlim)
     ax.set_xlabel("step")
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, title="action",
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, title="action",
               title_fontsize=8, frameon=False)
     ax.set_title("incidents (colour = the guard's action)", fontsize=10, loc="left")
     return _png(fig)
 
 
-def _plot_loss(log: RunLog, ser: _Series, xlim) -> str | None:
+def _plot_loss(log: RunLog, ser: MetricSeries, xlim) -> str | None:
     if not ser.rows:
         return None
     loss = ser.col("loss")
@@ -493,7 +508,7 @@ def _plot_loss(log: RunLog, ser: _Series, xlim) -> str | None:
     ax.set_xlim(*xlim)
     ax.set_ylabel("loss")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     ax.set_title("training loss (dashed lines: incidents)", fontsize=10, loc="left")
     if has_t:
         from matplotlib import colormaps
@@ -519,7 +534,7 @@ def _plot_loss(log: RunLog, ser: _Series, xlim) -> str | None:
         ax2.set_ylabel("loss per t-bucket")
         ax2.set_xlabel("step")
         ax2.grid(alpha=0.3)
-        ax2.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.0, 1.0),
+        ax2.legend(fontsize=7, ncol=1, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                    frameon=False)
         ax2.set_title("loss per timestep bucket (smoothed)", fontsize=10, loc="left")
     else:
@@ -527,7 +542,7 @@ def _plot_loss(log: RunLog, ser: _Series, xlim) -> str | None:
     return _png(fig)
 
 
-def _plot_grad(log: RunLog, ser: _Series, xlim) -> str | None:
+def _plot_grad(log: RunLog, ser: MetricSeries, xlim) -> str | None:
     g = ser.col("grad_norm")
     if not any(math.isfinite(v) for v in g) and not any(not math.isfinite(v) for v in g):
         return None
@@ -550,41 +565,50 @@ def _plot_grad(log: RunLog, ser: _Series, xlim) -> str | None:
     ax.set_xlabel("step")
     ax.set_ylabel("global grad norm")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     title = "gradient norm" + (f" (clip mode {mode})" if mode else "")
     ax.set_title(title, fontsize=10, loc="left")
     return _png(fig)
 
 
-def _plot_lr(log: RunLog, ser: _Series, xlim) -> str | None:
+def _plot_lr(log: RunLog, ser: MetricSeries, xlim) -> str | None:
     lr = ser.col("lr")
     if not any(math.isfinite(v) for v in lr):
         return None
     fig = _figure(2.6)
     ax = fig.add_subplot()
-    ax.plot(ser.steps, lr, color="#9467bd", lw=1.5, label="lr (applied)")
+    from matplotlib.ticker import FuncFormatter
+
+    ax.plot(ser.steps, lr, color="#9467bd", lw=1.5, label="lr (schedule)")
     ax.set_ylabel("learning rate")
-    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    # the exponent in every label: matplotlib's offset text would sit on the title
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.1e}" if v else "0"))
+    ax.tick_params(axis="y", labelsize=8)
     fac = ser.col("lr_factor")
-    handles, labels = ax.get_legend_handles_labels()
-    if any(math.isfinite(v) and v != 1.0 for v in fac):
+    backoff = any(math.isfinite(v) and v != 1.0 for v in fac)
+    if backoff:
         ax2 = ax.twinx()
-        ax2.plot(ser.steps, fac, color="#8c564b", lw=1, ls="--", label="guard lr_factor")
+        ax2.plot(ser.steps, fac, color="#8c564b", lw=1, ls="--", label="lr_factor")
+        ax.plot(ser.steps, [a * f for a, f in zip(lr, fac)], color="#9467bd", lw=1, ls=":",
+                label="lr × lr_factor")  # what the optimizer applied
         ax2.set_ylabel("lr_factor")
         ax2.set_ylim(0, 1.05)
+    handles, labels = ax.get_legend_handles_labels()
+    if backoff:
         h2, l2 = ax2.get_legend_handles_labels()
         handles, labels = handles + h2, labels + l2
     _mark_incidents(ax, log.incidents)
     ax.set_xlim(*xlim)
     ax.set_xlabel("step")
     ax.grid(alpha=0.3)
-    ax.legend(handles, labels, fontsize=8, loc="upper right")
+    ax.legend(handles, labels, fontsize=7, loc="upper left",
+              bbox_to_anchor=(1.1 if backoff else 1.01, 1.0), frameon=False)
     ax.set_title("learning-rate schedule (lr_factor: the guard's backoff after a rollback)",
                  fontsize=10, loc="left")
     return _png(fig)
 
 
-def _plot_scale(log: RunLog, ser: _Series, xlim) -> str | None:
+def _plot_scale(log: RunLog, ser: MetricSeries, xlim) -> str | None:
     sc = ser.col("grad_scale")
     if not any(math.isfinite(v) for v in sc):
         return None
@@ -643,12 +667,12 @@ def _plot_heatmap(log: RunLog, xlim) -> tuple[str | None, str]:
     with np.errstate(divide="ignore"):
         lv = np.where(val > 0, np.log10(np.where(val > 0, val, 1.0)), np.nan)
     lv = np.ma.masked_invalid(lv)
-    fig = _figure(min(1.4 + 0.13 * len(keys), 14.0))
+    height = min(1.0 + 0.13 * len(keys), 14.0)
+    fig = _figure(height, left=0.06 * max(map(len, keys)) + 0.2, right=1.2)
     ax = fig.add_subplot()
     from matplotlib import colormaps
 
-    cmap = colormaps["magma"].copy()
-    cmap.set_bad("#dddddd")
+    cmap = colormaps["magma"].with_extremes(bad="#dddddd")
     steps = [r["step"] for r in rows]
     # cell edges halfway between logged steps, so uneven intervals are drawn to scale
     edges = [steps[0] - 0.5] + [(a + b) / 2 for a, b in zip(steps, steps[1:])] + \
@@ -658,14 +682,15 @@ def _plot_heatmap(log: RunLog, xlim) -> tuple[str | None, str]:
         ii, jj = np.nonzero(bad)
         ax.scatter([steps[j] for j in jj], [i + 0.5 for i in ii], marker="x", color="#00e5ff",
                    s=25, label="non-finite")
-        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.1, 1.0), frameon=False)
+        ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     ax.set_yticks(np.arange(len(keys)) + 0.5, keys, fontsize=6 if len(keys) > 30 else 8)
     ax.invert_yaxis()
     lo, hi = xlim
     ax.set_xlim(min(lo, edges[0]), max(hi, edges[-1]))
     _mark_incidents(ax, log.incidents)
     ax.set_xlabel("step")
-    cb = fig.colorbar(mesh, ax=ax, pad=0.01, fraction=0.03)
+    cb = fig.colorbar(mesh, cax=fig.add_axes((1 - 1.05 / FIG_WIDTH, 0.5 / height, 0.15 / FIG_WIDTH,
+                                                   1 - 0.82 / height)))
     cb.set_label("log10 grad norm")
     grouped = " (grouped by block)" if group is _block_of else ""
     ax.set_title(f"per-module gradient norm before clipping{grouped}; grey = no gradient",
@@ -701,6 +726,7 @@ def _plot_probes(log: RunLog, xlim) -> str | None:
         if lim:
             ax.axhline(lim, color="#d62728", ls="-.", lw=1, label=f"limit {fmt(lim)}")
         ax.set_ylabel("max attention logit")
+        _mark_incidents(ax, log.incidents)
         ax.set_xlim(*xlim)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
@@ -723,6 +749,7 @@ def _plot_probes(log: RunLog, xlim) -> str | None:
                    lw=1, label="eps-dominated below")
         ax.set_yscale("log")
         ax.set_ylabel("median input var / eps")
+        _mark_incidents(ax, log.incidents)
         ax.set_xlim(*xlim)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
@@ -735,20 +762,25 @@ def _plot_probes(log: RunLog, xlim) -> str | None:
 # --------------------------------------------------------------------------- samples
 
 
-def _embed_image(path: Path) -> str | None:
-    """A PNG file as a data URI; large ones are downscaled, anything else re-encoded."""
+def _embed_image(path: Path) -> tuple[str, int] | None:
+    """A PNG file as a data URI and the display width in CSS pixels (small grids are shown
+    enlarged by an integer factor, pixelated, to at most 520×300); large files are
+    downscaled, other formats re-encoded. None if the file cannot be read as an image."""
     try:
-        data = path.read_bytes()
-        if data[:8] != b"\x89PNG\r\n\x1a\n" or len(data) > MAX_EMBED_BYTES:
-            from PIL import Image
+        from PIL import Image
 
-            img = Image.open(io.BytesIO(data))
-            img.load()
+        data = path.read_bytes()
+        img = Image.open(io.BytesIO(data))
+        img.load()
+        if data[:8] != b"\x89PNG\r\n\x1a\n" or len(data) > MAX_EMBED_BYTES:
             img.thumbnail((768, 768))
             buf = io.BytesIO()
             img.save(buf, format="PNG")
             data = buf.getvalue()
-        return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+        w, h = img.size
+        scale = max(1, int(min(520 / max(w, 1), 300 / max(h, 1))))
+        return ("data:image/png;base64," + base64.b64encode(data).decode("ascii"),
+                min(w * scale, 520) if w * scale > 520 else w * scale)
     except Exception:
         return None
 
@@ -791,8 +823,8 @@ details summary{cursor:pointer;color:#3a5ea8;font-size:12px}
 pre{white-space:pre-wrap;word-break:break-word;font-size:11.5px;background:#f3f4f7;padding:6px;
  margin:4px 0;border-radius:4px;max-height:420px;overflow:auto}
 .samples{display:flex;flex-wrap:wrap;gap:12px}
-.samples figure{width:240px;margin:0;text-align:center}
-.samples img{image-rendering:pixelated;width:100%}
+.samples figure{margin:0;text-align:center;width:auto;max-width:100%}
+.samples img{image-rendering:pixelated;max-width:100%;height:auto;margin:0 auto}
 .samples figcaption{font-size:12px;color:#5b6372}
 .legend span{margin-right:12px;font-size:12px}
 """
@@ -817,7 +849,7 @@ def _safe_plot(fn: Callable[[], str | None], what: str) -> tuple[str | None, str
         return None, f"could not draw the {what}: {type(e).__name__}: {e}"
 
 
-def _cards(log: RunLog, ser: _Series) -> str:
+def _cards(log: RunLog, ser: MetricSeries) -> str:
     last = ser.rows[-1] if ser.rows else {}
     cards = []
     planned = log.planned_steps
@@ -854,7 +886,7 @@ def _incident_table(incs: list[dict[str, Any]]) -> str:
         out.append(
             f'<tr><td class="num">{esc(inc.get("step"))}</td><td>{esc(inc.get("kind"))}</td>'
             f'<td>{esc(inc.get("severity", ""))}</td><td>{_action_badge(inc.get("action"))}</td>'
-            f"<td>{esc(_evidence_summary(inc))}<details><summary>all evidence</summary>"
+            f"<td>{esc(evidence_summary(inc))}<details><summary>all evidence</summary>"
             f"<pre>{esc(full)}</pre></details></td>"
             f"<td>{esc(_cost_summary(inc))}</td><td>{esc(_diagnosis_summary(inc))}</td></tr>")
     out.append("</table>")
@@ -902,7 +934,7 @@ def render(log: RunLog) -> str:
     from . import __version__
 
     v = verdict(log)
-    ser = _series(log.metrics)
+    ser = metric_series(log.metrics)
     steps = ser.steps + [int(s) for i in log.incidents if (s := num(i.get("step"))) is not None]
     steps += [r["step"] for r in log.layers if isinstance(r.get("step"), int)]
     lo, hi = (min(steps), max(steps)) if steps else (0, 1)
@@ -954,12 +986,14 @@ def render(log: RunLog) -> str:
     picked = _pick(log.samples, MAX_SAMPLE_GRIDS)
     figs = []
     for step, path in picked:
-        uri = _embed_image(path)
-        if uri is None:
+        img = _embed_image(path)
+        if img is None:
             figs.append(f'<figure><p class="note">{esc(path.name)}: unreadable</p></figure>')
         else:
-            figs.append(f'<figure><img src="{uri}" alt="samples at step {step}">'
-                        f"<figcaption>step {step}</figcaption></figure>")
+            uri, width = img
+            figs.append(f'<figure><img src="{uri}" alt="samples at step {step}" '
+                        f'style="width:{width}px"><figcaption>step {step}</figcaption>'
+                        "</figure>")
     if figs:
         more = (f'<p class="note">{len(picked)} of {len(log.samples)} grids shown, evenly '
                 "spaced.</p>" if len(picked) < len(log.samples) else "")

@@ -45,7 +45,8 @@ def clip(params: list[torch.Tensor], mode: Mode, threshold: float, norm: torch.T
         The global gradient norm after clipping (0-dim tensor on the device; for global and
         zclip it is ``min(norm, limit)`` without another reduction).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    with_grad = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in with_grad]
     if not grads:
         return norm
     if mode in ("global", "zclip"):
@@ -53,7 +54,8 @@ def clip(params: list[torch.Tensor], mode: Mode, threshold: float, norm: torch.T
             else threshold
         if not limit:
             return norm
-        torch.nn.utils.clip_grads_with_norm_(grads, limit, norm, foreach=True)
+        # takes the parameters (it scales their .grad), with the norm computed once already
+        torch.nn.utils.clip_grads_with_norm_(with_grad, limit, norm, foreach=True)
         return torch.clamp(norm, max=limit)
     if mode == "per_layer":
         if threshold:

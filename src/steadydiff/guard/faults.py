@@ -26,6 +26,11 @@ from ..config import FaultConfig
 FP16_MAX = 65504.0
 
 
+# default strength per kind when ``factor`` is not given
+DEFAULT_FACTOR = {"outlier_batch": 1e4, "loss_scale": 1e4, "lr_scale": 1e4, "param_huge": 1e4,
+                  "fp16_overflow": 1e5}
+
+
 class SimulatedOOM(torch.OutOfMemoryError):
     """Raised by the ``oom`` fault; handled exactly like a real CUDA out-of-memory error."""
 
@@ -46,7 +51,9 @@ class FaultInjector:
     """Applies the configured faults at their steps. All methods are no-ops off-step."""
 
     def __init__(self, faults: list[FaultConfig]):
-        self.faults = list(faults)
+        self.faults = [f if f.factor is not None or f.kind not in DEFAULT_FACTOR
+                       else f.model_copy(update={"factor": DEFAULT_FACTOR[f.kind]})
+                       for f in faults]
         self.spent: set[int] = set()
         self.started: set[int] = set()
         self.fired: list[dict] = []  # what was injected, for the benchmark's ground truth
@@ -100,7 +107,7 @@ class FaultInjector:
 
     def micro_batch(self, step: int, size: int) -> None:
         for _, f in self._active(step, ("oom",)):
-            limit = int(f.factor) if f.factor >= 1 else None
+            limit = int(f.factor) if f.factor is not None and f.factor >= 1 else None
             if limit is None:  # "half the current one": fixed the first time it fires
                 limit = max(1, size // 2)
                 f.factor = float(limit)
@@ -126,7 +133,7 @@ class FaultInjector:
                 raise ValueError(f"fault fp16_overflow: no module named {name!r}")
             self._record(f, step, module=name)
 
-            def hook(_m, _inp, out, scale=f.factor if f.factor > 1 else 1e5):
+            def hook(_m, _inp, out, scale=f.factor):
                 amax = out.detach().abs().amax().clamp_min(1e-3)
                 return out * (FP16_MAX * 2 * scale / amax)
 
@@ -141,7 +148,9 @@ class FaultInjector:
     def grads(self, step: int, model: nn.Module) -> None:
         for _, f in self._active(step, ("grad_nan",)):
             name = f.target or _default_param(model)
-            p = dict(model.named_parameters())[name]
+            p = dict(model.named_parameters()).get(name)
+            if p is None:
+                raise ValueError(f"fault grad_nan: no parameter named {name!r}")
             if p.grad is not None:
                 p.grad.view(-1)[0] = float("nan")
             self._record(f, step, param=name)

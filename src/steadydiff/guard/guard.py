@@ -214,7 +214,8 @@ class Guard:
         self.overflow = Overflow(c.overflow_limit, c.overflow_window)
         self.inputs = RunningStats(0.99)  # log max|x| of batches
         self.ring = SnapshotRing(c.snapshots)
-        self.incidents: list[Incident] = []
+        self.incidents: list[Incident] = []   # this process's incidents
+        self.incidents_before = 0              # incidents of the run before a resume
         self.skips: deque[int] = deque()       # steps of recent skips (escalation + budget)
         self.rollbacks: deque[int] = deque()   # steps of recent rollbacks (budget)
         self.lr_factor = 1.0
@@ -650,8 +651,9 @@ class Guard:
     # ------------------------------------------------------------------ state / report
 
     @property
-    def lr_scale(self) -> float:
-        return self.lr_factor
+    def num_incidents(self) -> int:
+        """Incidents of the whole run (across resumes)."""
+        return self.incidents_before + len(self.incidents)
 
     def state_dict(self) -> dict[str, Any]:
         """Detector statistics, budgets and backoff (what exact resume needs)."""
@@ -662,7 +664,7 @@ class Guard:
             "skips": list(self.skips), "rollbacks": list(self.rollbacks),
             "lr_factor": self.lr_factor, "backoff_until": self.backoff_until,
             "precision": self.precision, "counts": dict(self.counts),
-            "scaler_skips": self.scaler_skips, "incidents": len(self.incidents),
+            "scaler_skips": self.scaler_skips, "incidents": self.num_incidents,
         }
 
     def load_state_dict(self, s: dict[str, Any]) -> None:
@@ -677,10 +679,11 @@ class Guard:
         self.precision = s["precision"]
         self.counts.update(s["counts"])
         self.scaler_skips = s.get("scaler_skips", 0)
+        self.incidents_before = int(s.get("incidents", 0))
 
     def summary(self) -> str:
         """A one-screen account of what the guard did."""
-        n = len(self.incidents)
+        n = self.num_incidents
         c = self.counts
         if n == 0 and not self.scaler_skips:
             return "guard: healthy run, no incidents"
@@ -693,8 +696,9 @@ class Guard:
         for inc in self.incidents[-12:]:
             lines.append(f"  step {inc.step:>6}  {inc.kind:<24} -> {inc.action:<18} "
                          f"{_one_line(inc)}")
-        if n > 12:
-            lines.insert(1, f"  ({n - 12} earlier incidents in incidents.jsonl)")
+        if n > len(self.incidents[-12:]):
+            lines.insert(1, f"  ({n - len(self.incidents[-12:])} earlier incidents in "
+                            "incidents.jsonl)")
         return "\n".join(lines)
 
 

@@ -305,16 +305,27 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", *,
     if problems:
         raise CheckpointError("checkpoint failed verification:\n  " + "\n  ".join(problems))
     dev = str(device)
-    try:
-        state = json.loads((path / "state.json").read_text())
-        model = load_file(str(path / "model.safetensors"), device=dev)
-        ema = load_file(str(path / "ema.safetensors"), device=dev)
-        opt = rng = None
-        if not weights_only:
-            opt = torch.load(path / "optimizer.pt", map_location=dev, weights_only=True)
-            rng = torch.load(path / "rng.pt", map_location="cpu", weights_only=True)
-    except Exception as e:  # a doctored file: refuse it, say which and why
-        raise CheckpointError(f"{path}: cannot be loaded safely: {type(e).__name__}: {e}") from None
+
+    def safely(name: str, load):
+        try:
+            return load(path / name)
+        except Exception as e:  # a doctored file: refuse it, say which and why
+            first = str(e).strip().splitlines()
+            # torch's own advice ("re-run with weights_only=False") is exactly wrong for a
+            # hostile file: keep only the line that says what was refused
+            why = next((ln.strip() for ln in first if "Unsupported global" in ln),
+                       first[0] if first else "")
+            raise CheckpointError(f"{path / name}: cannot be loaded safely ({type(e).__name__}: "
+                                  f"{why}); it was not unpickled. Do not load this file with "
+                                  f"weights_only=False unless you made it yourself.") from None
+
+    state = safely("state.json", lambda p: json.loads(p.read_text()))
+    model = safely("model.safetensors", lambda p: load_file(str(p), device=dev))
+    ema = safely("ema.safetensors", lambda p: load_file(str(p), device=dev))
+    opt = rng = None
+    if not weights_only:
+        opt = safely("optimizer.pt", lambda p: torch.load(p, map_location=dev, weights_only=True))
+        rng = safely("rng.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
     # safetensors loads NaN/Inf without complaint; a checkpoint is only usable if finite.
     bad = nonfinite_tensors(model) + [f"ema:{k}" for k in nonfinite_tensors(ema)]
     if bad:

@@ -26,7 +26,7 @@ from torch import nn
 from tqdm import tqdm
 
 from .. import seeding
-from ..config import Config, ConfigError, config_diff
+from ..config import Config, ConfigError, config_diff, validate
 from ..data import as_pairs, build_dataset, make_loader
 from ..diffusion import Schedule, diffusion_loss, make_schedule, sample
 from ..eval.grid import grid_nrow, save_grid
@@ -63,6 +63,7 @@ class TrainState:
     grad_accum: int               # runtime micro-batches per step (OOM backoff doubles it)
     step: int = 0                 # optimizer steps completed
     batches_consumed: int = 0     # data position: global batches drawn from the stream
+    bad_images: set[int] = field(default_factory=set)  # indices found unloadable in training
     rank: int = 0
     guard: Guard | None = None
     faults: FaultInjector | None = None  # None unless faults are configured: zero cost
@@ -141,6 +142,8 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
     if faults:
         faults.kill(step, "before_step")
     x, y = batch[0].to(state.device, non_blocking=True), batch[1].to(state.device)
+    if len(batch) > 3 and batch[3].any():  # images replaced because they failed to load
+        state.bad_images.update(batch[2][batch[3]].tolist())
     y = y if model.num_classes else None
     lr = lr_at(step, cfg.optim, cfg.train.steps)
     if faults:
@@ -310,6 +313,7 @@ def state_dict(state: TrainState) -> dict[str, Any]:
         "ema": state.ema.state(),
         "scaler": state.scaler.state_dict() if state.scaler else None,
         "precision": state.precision, "grad_accum": state.grad_accum,
+        "bad_images": sorted(state.bad_images),
         "guard": state.guard.state_dict() if state.guard else None,
         "config": state.cfg.to_dict(), "torch": torch.__version__,
     }
@@ -349,6 +353,7 @@ def restore(state: TrainState, c: ckpt.Checkpoint) -> None:
     state.step = int(c.state["step"])
     state.batches_consumed = int(c.state["batches_consumed"])
     state.grad_accum = int(c.state.get("grad_accum") or state.grad_accum)
+    state.bad_images = set(c.state.get("bad_images", []))
     precision = c.state.get("precision") or state.precision
     if precision != state.precision:  # the guard fell back before this checkpoint
         state.precision = precision
@@ -363,6 +368,13 @@ def check_resume_config(saved: Config, cfg: Config, allow_change: bool) -> list[
     changes = config_diff(saved, cfg)
     lines = [f"  {k}: {a!r} -> {b!r}" for k, a, b in changes]
     unsafe = [k for k, _, _ in changes if not k.startswith(RESUME_SAFE)]
+    # the cosine schedule (and an unfinished warmup) is a function of train.steps
+    if any(k == "train.steps" for k, _, _ in changes) and (
+            cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > min(saved.train.steps,
+                                                                           cfg.train.steps)):
+        unsafe.append("train.steps")
+        lines = [ln + ("  (changes the LR schedule of the remaining steps)"
+                       if ln.strip().startswith("train.steps:") else "") for ln in lines]
     if unsafe and not allow_change:
         raise ConfigError(
             "the config differs from the checkpoint's in fields that change the training "
@@ -400,6 +412,7 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     configure_runtime(cfg, device)
 
     data = as_pairs(dataset) if dataset is not None else build_dataset(cfg.data)
+    skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, getattr(data, "num_classes", 0), device)
 
     # ---- resume: the same command again continues the run
@@ -414,8 +427,8 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                           "--out directory (nothing there is overwritten)")
     if source is not None:
         c = ckpt.load_checkpoint(source, device)
-        changes = check_resume_config(Config.model_validate(c.state["config"]), cfg,
-                                      allow_config_change)
+        changes = check_resume_config(validate(c.state["config"], f"{source}/state.json config"),
+                                      cfg, allow_config_change)
         restore(state, c)
         resumed_from = source
         print(f"resumed from {source} at step {state.step}"
@@ -477,7 +490,7 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                 if step % cfg.logging.log_every == 0 or step == total:
                     now = time.perf_counter()
                     row = telemetry.metrics_row(state, window, (now - tick) / len(window),
-                                                getattr(data, "skipped", 0))
+                                                skipped_at_scan + len(state.bad_images))
                     tick, window = now, []
                     last_loss = row["loss"]
                     metrics.write(json.dumps(row) + "\n")
@@ -510,7 +523,7 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     summary = _finish(state, run_dir, "finished", tb=tb)
     return RunResult(run_dir, state.step, last_loss, last_ckpt, samples, resumed_from,
                      time.perf_counter() - t_start,
-                     incidents=len(guard.incidents) if guard else 0, guard_summary=summary)
+                     incidents=guard.num_incidents if guard else 0, guard_summary=summary)
 
 
 def _status(row: dict) -> str:
@@ -529,7 +542,7 @@ def _finish(state: TrainState, run_dir: Path, status: str, reason: str | None = 
     the health report."""
     summary = state.guard.summary() if state.guard is not None else None
     telemetry.write_summary(run_dir, status, state.step,
-                            len(state.guard.incidents) if state.guard else 0, summary, reason)
+                            state.guard.num_incidents if state.guard else 0, summary, reason)
     if summary:
         print(summary)
     if tb:

@@ -75,7 +75,7 @@ def metrics_row(state: "TrainState", window: list["StepOutput"], sec_per_step: f
         "grad_scale": state.scaler.get_scale() if state.scaler else None,
         "precision": state.precision,
         "micro_batch": -(-cfg.train.batch_size // state.grad_accum),
-        "incidents": len(g.incidents) if g else 0,
+        "incidents": g.num_incidents if g else 0,
         "skipped_steps": g.counts["skips"] + g.scaler_skips if g else 0,
         "rollbacks": g.counts["rollbacks"] if g else 0, "data_skipped": data_skipped,
         "memory_mb": memory_mb(state.device),

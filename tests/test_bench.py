@@ -1,0 +1,116 @@
+"""Smoke tests of the bench/ scripts: each runs in a subprocess with tiny settings and
+``--json``, and its last line must be one JSON object with the documented keys (the figures,
+the machine, the versions). They check the plumbing, not the numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "bench"
+
+
+def _run(script: str, *args: str, timeout: int = 300, check: bool = True):
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    p = subprocess.run([sys.executable, str(BENCH / script), *args], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return p
+
+
+def _last_json(stdout: str) -> dict:
+    last = stdout.strip().splitlines()[-1]
+    out = json.loads(last)
+    assert isinstance(out, dict)
+    for key in ("machine", "versions"):
+        assert key in out
+    assert {"cpu", "cores"} <= set(out["machine"])
+    assert {"python", "torch", "steadydiff"} <= set(out["versions"])
+    return out
+
+
+@pytest.mark.parametrize("script", ["throughput.py", "samplers.py", "stability.py"])
+def test_help(script):
+    p = _run(script, "--help", timeout=60)
+    assert "--json" in p.stdout
+
+
+def test_throughput_smoke():
+    p = _run("throughput.py", "--steps", "1", "--repeats", "1", "--warmup", "0",
+             "--sample-steps-scale", "0.01", "--sample-num", "4", "--sample-repeats", "1",
+             "--json")
+    out = _last_json(p.stdout)
+    tr = out["training"]
+    assert set(tr["sec_per_step"]) == {"bare", "off", "guard"}
+    for key in ("ratio_guard_vs_bare", "guard_overhead", "data_loading_sec_per_batch"):
+        assert isinstance(tr[key], float)
+    assert set(out["sampling"]) == {"ddpm", "ddim", "dpmpp_2m", "euler"}
+    for v in out["sampling"].values():
+        assert v["images_per_sec"] > 0 and v["steps"] >= 1
+    assert "trainer (guard on) vs bare loop" in p.stdout  # the human-readable table
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """A digits checkpoint after two steps of a narrow quick-start model (seconds)."""
+    out = tmp_path_factory.mktemp("bench") / "run"
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    cmd = [sys.executable, "-m", "steadydiff.cli", "train", str(REPO / "configs" /
+                                                                 "digits_cond.yaml"),
+           "--out", str(out), "--set", "train.steps=2", "train.sample_every=0",
+           "train.num_threads=1", "logging.progress=false", "logging.report=false",
+           "sample.num=10", "sample.steps=2", "model.unet.channels=8"]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return out
+
+
+def test_samplers_smoke(tiny_checkpoint):
+    p = _run("samplers.py", str(tiny_checkpoint), "--num", "10", "--steps-scale", "0.01",
+             "--json")
+    out = _last_json(p.stdout)
+    assert set(out["samplers"]) == {"dpmpp_2m", "ddpm", "ddim", "euler"}
+    for v in out["samplers"].values():
+        assert {"confident_rate", "class_coverage", "label_accuracy", "steps",
+                "images_per_sec"} <= set(v)
+    assert {"real_held_out", "uniform_noise", "smoothed_noise"} <= set(out["reference"])
+    assert {"confident_rate_diff", "as_good"} <= set(out["dpmpp_vs_ddpm"])
+
+
+def test_samplers_missing_checkpoint_says_how_to_make_it(tmp_path):
+    p = _run("samplers.py", str(tmp_path / "nothing"), "--json", check=False)
+    assert p.returncode == 2
+    assert "make quickstart" in p.stderr
+
+
+def test_stability_smoke(tmp_path):
+    p = _run("stability.py", "--scenarios", "clean", "--modes", "guard,bare", "--steps", "3",
+             "--out", str(tmp_path), "--json")
+    out = _last_json(p.stdout)
+    rows = out["scenarios"]
+    assert [(r["name"], r["mode"]) for r in rows] == [("clean", "guard"), ("clean", "bare")]
+    for r in rows:
+        assert {"name", "mode", "finished", "finite", "eval_loss_ratio", "diagnosis_ok",
+                "incidents"} <= set(r)
+        assert r["finished"] and r["finite"] and r["eval_loss_ratio"] == 1.0
+    assert rows[0]["diagnosis_ok"] is True and rows[0]["incidents"] == 0
+
+
+@pytest.mark.slow
+def test_stability_nan_batch_three_ways(tmp_path):
+    """A single NaN pixel: the guard skips the batch and names it; the bare loop ends with
+    NaN weights and no error (issue 3's motivating failure)."""
+    p = _run("stability.py", "--scenarios", "nan_batch", "--steps", "6", "--out",
+             str(tmp_path), "--json", timeout=600)
+    rows = {(r["name"], r["mode"]): r for r in _last_json(p.stdout)["scenarios"]}
+    g, bare = rows[("nan_batch", "guard")], rows[("nan_batch", "bare")]
+    assert g["finished"] and g["finite"] and g["diagnosis_ok"]
+    assert "bad_batch" in g["incident_kinds"]
+    assert bare["finished"] and not bare["finite"]

@@ -1,0 +1,351 @@
+"""``steadydiff.Guard`` in loops that are not our trainer.
+
+(a) a plain PyTorch loop: a small conv denoiser, AdamW, ``LambdaLR``, ``AveragedModel`` as
+    the EMA, timesteps and noise drawn by the loop itself;
+(b) an accelerate-style loop (the shape of accelerate's API, not the package): a wrapped
+    optimizer, ``accelerator.backward(loss)``, a diffusers-style ``EMAModel``; in fp32 and,
+    with a GradScaler, in fp16.
+
+Each loop is run through the fault scenarios by corrupting the batch, the loss, a parameter
+or a gradient by hand at a chosen step. The loops are the ones docs/guard.md shows: the
+guard adds the ``Guard(...)`` line and the two lines after ``backward``.
+"""
+
+import contextlib
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from steadydiff import Guard
+
+T, B, STEPS = 100, 8, 30
+ALPHA_BAR = torch.cumprod(1 - torch.linspace(1e-4, 0.02, T), 0)
+# the tiny loops need the guard's clocks scaled down with them
+CFG = dict(warmup_steps=5, snapshot_every=5)
+
+
+def dataset(n=64):
+    """Smooth 8x8 images in [-1, 1] (blurred noise): something a denoiser can learn."""
+    g = torch.Generator().manual_seed(0)
+    x = F.avg_pool2d(torch.randn(n, 1, 12, 12, generator=g), 5, 1)
+    return (x / x.abs().amax()).clamp(-1, 1)
+
+
+DATA = dataset()
+
+
+def batch_at(position):
+    """The batch at a data position (the loop's own data order)."""
+    i = (position * B) % len(DATA)
+    return DATA[i:i + B]
+
+
+class Denoiser(nn.Module):
+    """(x_t, t) -> predicted noise: conv, GroupNorm, SiLU, conv."""
+
+    def __init__(self, ch=16):
+        super().__init__()
+        self.inp = nn.Conv2d(2, ch, 3, padding=1)
+        self.norm = nn.GroupNorm(4, ch)
+        self.out = nn.Conv2d(ch, 1, 3, padding=1)
+
+    def forward(self, x, t):
+        tt = (t.float() / T).view(-1, 1, 1, 1).expand_as(x)
+        return self.out(F.silu(self.norm(self.inp(torch.cat([x, tt], 1)))))
+
+
+class Faults:
+    """Hand-made faults: ``fire(kind)`` is true once, at the kind's step (a transient event:
+    a step redone after a rollback does not meet it again)."""
+
+    def __init__(self, guard, **at):
+        self.guard, self.at = guard, dict(at)
+
+    def fire(self, kind):
+        if self.at.get(kind) == self.guard.progress.step:
+            del self.at[kind]
+            return True
+        return False
+
+    def corrupt_batch(self, x0):
+        if self.fire("nan_batch"):
+            x0 = x0.clone()
+            x0[0, 0, 0, 0] = float("nan")  # one NaN pixel
+        return x0
+
+    def corrupt_param(self, model):
+        if self.fire("param_nan"):
+            with torch.no_grad():
+                model.out.weight.view(-1)[0] = float("nan")  # stays NaN until a rollback
+
+    def corrupt_loss(self, loss):
+        return loss * 1e8 if self.fire("loss_spike") else loss
+
+    def corrupt_grad(self, model):
+        if self.fire("grad_nan"):
+            model.inp.weight.grad.view(-1)[0] = float("nan")
+
+
+def noisy(x0):
+    """The forward process q(x_t | x_0), drawn by the loop itself."""
+    t = torch.randint(0, T, (x0.shape[0],))
+    noise = torch.randn_like(x0)
+    ab = ALPHA_BAR[t].view(-1, 1, 1, 1)
+    return ab.sqrt() * x0 + (1 - ab).sqrt() * noise, t, noise
+
+
+# ---------------------------------------------------------------------- (a) a plain loop
+
+
+def plain_loop(run_dir, steps=STEPS, **faults):
+    torch.manual_seed(0)
+    model = Denoiser()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.99))
+    guard = Guard(model, opt, lr_scheduler=sched, ema=ema, run_dir=run_dir, config=CFG)
+    fx, decisions = Faults(guard, **faults), []
+    while guard.progress.step < steps:             # the guard's counters drive the loop
+        x0 = fx.corrupt_batch(batch_at(guard.progress.batches_consumed))
+        fx.corrupt_param(model)
+        xt, t, noise = noisy(x0)
+        loss = fx.corrupt_loss(F.mse_loss(model(xt, t), noise))
+        loss.backward()
+        fx.corrupt_grad(model)
+        d = guard.step(loss)                        # clip, opt.step, sched.step, EMA: or not
+        decisions.append(d)
+        if d.action == "abort":
+            break
+    return model, ema, sched, guard, decisions
+
+
+def finite_module(m):
+    return all(bool(torch.isfinite(p).all()) for p in m.parameters())
+
+
+def rows(run_dir):
+    p = run_dir / "incidents.jsonl"
+    return [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
+
+
+def acted(decisions):
+    return [(d.step, d.action, d.incident.kind if d.incident else None)
+            for d in decisions if d.action != "step"]
+
+
+def test_plain_loop_clean(tmp_path):
+    model, ema, sched, guard, ds = plain_loop(tmp_path)
+    assert acted(ds) == [] and rows(tmp_path) == []
+    assert guard.progress.step == STEPS and sched.last_epoch == STEPS
+    assert ds[-1].loss < ds[0].loss  # it learns
+    assert "no incidents" in guard.summary()
+
+
+# fault, at step, expected (step, action, kind) decisions, first incident's evidence check
+PLAIN = {
+    # no inputs= given: the guard sees the NaN loss, not the batch
+    "nan_batch": (12, [(12, "skip", "nonfinite_loss")],
+                  lambda e: e["loss"] == "nan"),
+    # no t= given: the grad-norm z-score catches what the loss did to the gradient
+    "loss_spike": (12, [(12, "skip", "grad_spike")],
+                   lambda e: e["z"] > 6 and e["top_grad_layers"][0]["param"]),
+    "grad_nan": (12, [(12, "skip", "nonfinite_grad")],
+                 lambda e: e["provenance"]["nonfinite_grad_params"] == ["inp.weight"]),
+    # a NaN weight poisons every step until the state is restored: two skips, then the
+    # third incident in the skip window escalates to a rollback to the step-10 snapshot
+    "param_nan": (12, [(12, "skip", "nonfinite_loss"), (12, "skip", "nonfinite_loss"),
+                       (10, "rollback", "nonfinite_loss")],
+                  lambda e: math.isnan(float(e["loss"]))),
+}
+
+
+@pytest.mark.parametrize("fault", list(PLAIN))
+def test_plain_loop_faults(tmp_path, fault):
+    at, want, check = PLAIN[fault]
+    model, ema, sched, guard, ds = plain_loop(tmp_path, **{fault: at})
+    assert acted(ds) == want
+    assert guard.progress.step == STEPS
+    assert finite_module(model) and finite_module(ema)
+    assert sched.last_epoch == STEPS  # the scheduler stepped only with applied updates
+    (first, *_) = rows(tmp_path)
+    assert first["step"] == at and check(first["evidence"]), first
+    if fault == "param_nan":
+        d = ds[-1] if ds[-1].action == "rollback" else next(d for d in ds
+                                                           if d.action == "rollback")
+        # failure at data position 14 (12 steps + 2 skipped batches); snapshot at 10
+        assert d.skipped_batches == range(10, 15) and d.data_position == 15
+        assert d.incident.cost["steps_redone"] == 2
+        assert guard.lr_factor == 0.5  # backed off for lr_backoff_steps after the rollback
+    assert f"{len(rows(tmp_path))} incident" in guard.summary()
+
+
+def test_plain_loop_abort_when_fault_persists(tmp_path):
+    """A fault the loop re-injects every step (a NaN weight set again after each rollback):
+    the rollback budget runs out and the guard says abort; the loop breaks."""
+    torch.manual_seed(0)
+    model = Denoiser()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, opt, run_dir=tmp_path, config=dict(CFG, max_rollbacks=1))
+    ds = []
+    while guard.progress.step < STEPS:
+        if guard.progress.step >= 7:
+            with torch.no_grad():
+                model.out.weight.view(-1)[0] = float("nan")
+        xt, t, noise = noisy(batch_at(guard.progress.batches_consumed))
+        loss = F.mse_loss(model(xt, t), noise)
+        loss.backward()
+        d = guard.step(loss)
+        ds.append(d)
+        if d.action == "abort":
+            break
+    assert ds[-1].action == "abort" and "rollbacks within" in ds[-1].incident.diagnosis["why"]
+    assert [r["action"] for r in rows(tmp_path)].count("rollback") == 1
+    assert rows(tmp_path)[-1]["action"] == "abort"
+
+
+# ------------------------------------------------------------ (b) an accelerate-style loop
+
+
+class AcceleratedOptimizer:
+    """The shape of accelerate's optimizer wrapper: it forwards to the wrapped optimizer."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def step(self, closure=None):
+        self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state)
+
+
+class Accelerator:
+    """The shape of ``accelerate.Accelerator``: prepare, backward, autocast; fp16 holds a
+    GradScaler that the guard steps."""
+
+    def __init__(self, mixed_precision="no"):
+        self.fp16 = mixed_precision == "fp16"
+        self.scaler = torch.amp.GradScaler("cpu") if self.fp16 else None
+
+    def prepare(self, model, optimizer, scheduler):
+        return model, AcceleratedOptimizer(optimizer), scheduler
+
+    def backward(self, loss):
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def autocast(self):
+        return (torch.autocast("cpu", dtype=torch.float16) if self.fp16
+                else contextlib.nullcontext())
+
+
+class EMAModel:
+    """The shape of diffusers' ``EMAModel``: ``step(parameters)``, ``shadow_params``."""
+
+    def __init__(self, parameters, decay=0.99):
+        self.decay = decay
+        self.shadow_params = [p.detach().clone() for p in parameters]
+
+    @torch.no_grad()
+    def step(self, parameters):
+        for s, p in zip(self.shadow_params, parameters):
+            s.lerp_(p, 1 - self.decay)
+
+    def state_dict(self):
+        return {"decay": self.decay, "shadow_params": self.shadow_params}
+
+    def load_state_dict(self, state):
+        self.decay = state["decay"]
+        self.shadow_params = [t.clone() for t in state["shadow_params"]]
+
+
+def accelerate_loop(run_dir, mixed_precision="no", steps=STEPS, **faults):
+    torch.manual_seed(0)
+    accelerator = Accelerator(mixed_precision)
+    model = Denoiser()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    model, opt, sched = accelerator.prepare(model, opt, sched)
+    ema = EMAModel(model.parameters())
+    guard = Guard(model, opt, lr_scheduler=sched, ema=ema, scaler=accelerator.scaler,
+                  run_dir=run_dir, config=CFG)
+    fx, decisions = Faults(guard, **faults), []
+    while guard.progress.step < steps:
+        x0 = fx.corrupt_batch(batch_at(guard.progress.batches_consumed))
+        fx.corrupt_param(model)
+        xt, t, noise = noisy(x0)
+        with accelerator.autocast():
+            loss = fx.corrupt_loss(F.mse_loss(model(xt, t).float(), noise))
+        accelerator.backward(loss)
+        fx.corrupt_grad(model)
+        d = guard.step(loss)
+        decisions.append(d)
+        if d.action == "abort":
+            break
+    return model, ema, guard, decisions
+
+
+def finite_ema(ema):
+    return all(bool(torch.isfinite(s).all()) for s in ema.shadow_params)
+
+
+ACCEL = {
+    "nan_batch": (12, [(12, "skip", "nonfinite_loss")]),
+    "loss_spike": (12, [(12, "skip", "grad_spike")]),
+    "grad_nan": (12, [(12, "skip", "nonfinite_grad")]),
+    "param_nan": (12, [(12, "skip", "nonfinite_loss"), (12, "skip", "nonfinite_loss"),
+                       (10, "rollback", "nonfinite_loss")]),
+}
+
+
+@pytest.mark.parametrize("fault", [None, *ACCEL])
+def test_accelerate_style_loop_fp32(tmp_path, fault):
+    model, ema, guard, ds = accelerate_loop(tmp_path, **({fault: ACCEL[fault][0]}
+                                                          if fault else {}))
+    assert acted(ds) == (ACCEL[fault][1] if fault else [])
+    assert guard.progress.step == STEPS
+    assert finite_module(model) and finite_ema(ema)
+    assert len(rows(tmp_path)) == len(acted(ds))
+
+
+# fp16: a gradient overflow is the GradScaler's business (skip the step, halve the scale,
+# no incident); a NaN batch is an incident; a NaN weight escalates to a rollback
+FP16 = {
+    None: (None, []),
+    "grad_nan": (12, [(12, "skip", None)]),
+    "nan_batch": (12, [(12, "skip", "nonfinite_loss")]),
+    "param_nan": (12, [(12, "skip", "nonfinite_loss"), (12, "skip", "nonfinite_loss"),
+                       (10, "rollback", "nonfinite_loss")]),
+}
+
+
+@pytest.mark.parametrize("fault", list(FP16))
+def test_accelerate_style_loop_fp16_grad_scaler(tmp_path, fault):
+    at, want = FP16[fault]
+    model, ema, guard, ds = accelerate_loop(tmp_path, "fp16", steps=16,
+                                            **({fault: at} if fault else {}))
+    assert acted(ds) == want
+    assert guard.progress.step == 16
+    assert finite_module(model) and finite_ema(ema)
+    if fault == "grad_nan":
+        assert guard.scaler_skips == 1 and guard.scaler.get_scale() == 32768.0
+        assert rows(tmp_path) == []
