@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 quickstart: install
 	$(VENV)/bin/steadydiff train configs/digits_cond.yaml --out runs/quickstart
-	$(PY) -m steadydiff.eval.digits runs/quickstart --out runs/quickstart/eval.json
+	$(VENV)/bin/steadydiff eval runs/quickstart --out runs/quickstart/eval.json
 
 test: install
 	$(PY) -m pytest -q

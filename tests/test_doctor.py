@@ -25,13 +25,11 @@ from steadydiff.config import load_config
 from steadydiff.doctor import Cause, diagnose, diagnose_model, ks_distance, rank, robust_z
 from steadydiff.trainer import checkpoint as ckpt
 
-TINY = [
-    "data.image_size=8", "model.num_classes=10",
-    "model.unet.channels=8", "model.unet.channel_mult=[1,2]", "model.unet.num_res_blocks=1",
-    "model.unet.attention_resolutions=[4]", "model.unet.head_channels=8",
-    "model.unet.norm_groups=4", "diffusion.timesteps=100",
-    "train.batch_size=8", "train.steps=6", "train.checkpoint_every=3", "train.sample_every=0",
-    "sample.num=4", "sample.steps=2", "logging.log_every=2", "logging.progress=false",
+from tiny import TINY_MODEL  # noqa: E402  (tests/tiny.py)
+
+TINY = TINY_MODEL + [
+    "train.steps=6", "train.checkpoint_every=3", "sample.num=4", "sample.steps=2",
+    "logging.log_every=2",
     "train.ema_decay=0.9",
 ]
 

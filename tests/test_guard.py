@@ -33,13 +33,11 @@ from steadydiff.trainer.loop import attach_guard, build_state, configure_runtime
     train_step
 from steadydiff.trainer.optim import lr_at
 
-TINY = [
-    "data.image_size=8", "model.num_classes=10",
-    "model.unet.channels=8", "model.unet.channel_mult=[1,2]", "model.unet.num_res_blocks=1",
-    "model.unet.attention_resolutions=[4]", "model.unet.head_channels=8",
-    "model.unet.norm_groups=4", "diffusion.timesteps=100",
-    "train.batch_size=8", "train.steps=12", "train.checkpoint_every=4", "train.sample_every=0",
-    "sample.num=2", "sample.steps=2", "logging.log_every=1", "logging.progress=false",
+from tiny import TINY_MODEL  # noqa: E402  (tests/tiny.py)
+
+TINY = TINY_MODEL + [
+    "train.steps=12", "train.checkpoint_every=4", "sample.num=2", "sample.steps=2",
+    "logging.log_every=1",
     # a tiny run needs the guard's clocks scaled down with it
     "guard.warmup_steps=4", "guard.snapshot_every=3",
 ]

@@ -18,13 +18,10 @@ from steadydiff.cli import main
 from steadydiff.config import load_config
 from steadydiff.report import read_run, verdict, write_report
 
-TINY = [
-    "data.image_size=8", "model.num_classes=10",
-    "model.unet.channels=8", "model.unet.channel_mult=[1,2]", "model.unet.num_res_blocks=1",
-    "model.unet.attention_resolutions=[4]", "model.unet.head_channels=8",
-    "model.unet.norm_groups=4", "diffusion.timesteps=100",
-    "train.batch_size=8", "train.sample_every=0", "sample.num=4", "sample.steps=2",
-    "logging.log_every=1", "logging.progress=false",
+from tiny import TINY_MODEL  # noqa: E402  (tests/tiny.py)
+
+TINY = TINY_MODEL + [
+    "sample.num=4", "sample.steps=2", "logging.log_every=1",
 ]
 EVIL = '<img src="x.png" onerror="alert(1)"><script>alert(2)</script>'
 

@@ -13,13 +13,11 @@ from steadydiff.cli import main
 from steadydiff.config import ConfigError, load_config
 from steadydiff.trainer import checkpoint as ckpt
 
-TINY = [
-    "data.image_size=8", "model.num_classes=10",
-    "model.unet.channels=8", "model.unet.channel_mult=[1,2]", "model.unet.num_res_blocks=1",
-    "model.unet.attention_resolutions=[4]", "model.unet.head_channels=8",
-    "model.unet.norm_groups=4", "diffusion.timesteps=100",
-    "train.batch_size=8", "train.steps=6", "train.checkpoint_every=3", "train.sample_every=0",
-    "sample.num=10", "sample.steps=4", "logging.log_every=2", "logging.progress=false",
+from tiny import TINY_MODEL  # noqa: E402  (tests/tiny.py)
+
+TINY = TINY_MODEL + [
+    "train.steps=6", "train.checkpoint_every=3", "sample.num=10", "sample.steps=4",
+    "logging.log_every=2",
 ]
 
 
@@ -164,7 +162,7 @@ def test_cli_sample_png_and_npz(tmp_path, capsys):
     assert main(["sample", run, "--out", str(tmp_path / "b.jpg")]) == 2
 
 
-@pytest.mark.parametrize("cmd", [[], ["train"], ["sample"]])
+@pytest.mark.parametrize("cmd", [[], ["train"], ["sample"], ["eval"], ["report"], ["doctor"]])
 def test_help(cmd):
     r = subprocess.run([sys.executable, "-m", "steadydiff.cli", *cmd, "--help"],
                        capture_output=True, text=True)
@@ -177,3 +175,15 @@ def test_resume_with_more_steps_refused_under_cosine(tmp_path):
     steadydiff.train(tiny("train.steps=3", "optim.schedule=cosine"), out_dir=tmp_path / "c")
     with pytest.raises(ConfigError, match="changes the LR schedule of the remaining steps"):
         steadydiff.train(tiny("optim.schedule=cosine"), out_dir=tmp_path / "c")
+
+
+def test_cli_eval_digits(tmp_path, capsys):
+    steadydiff.train(tiny("train.steps=1", "train.checkpoint_every=0"), out_dir=tmp_path / "r")
+    out = tmp_path / "e.json"
+    assert main(["eval", str(tmp_path / "r"), "--num", "20", "--steps", "3",
+                 "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["num"] == 20 and 0 <= res["confident_rate"] <= 1
+    assert "label_accuracy" in res and res["reference"]["real_held_out"]["confident_rate"] > 0.5
+    assert "digits classifier on 20 samples" in capsys.readouterr().out
+    assert main(["eval", str(tmp_path / "r"), "--num", "0"]) == 2

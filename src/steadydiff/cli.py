@@ -1,4 +1,4 @@
-"""The command line: ``steadydiff train | sample | report | doctor``.
+"""The command line: ``steadydiff train | sample | eval | report | doctor``.
 
 Thin by design: parse arguments, build a config, call a library function. Exit codes:
 0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments),
@@ -68,6 +68,16 @@ def _parser() -> argparse.ArgumentParser:
                    help="output: a .png grid, or .npz with 'samples' (N,C,H,W) float32 in "
                         "[-1,1] (and 'labels' when class-conditional)")
 
+    e = sub.add_parser("eval", formatter_class=_Formatter,
+                       help="judge a digits model's samples with a real-digits classifier",
+                       description="Sample from a model trained on the bundled digits and "
+                                   "score the samples with a classifier trained on the real "
+                                   "digits: confident-classification rate, class coverage, "
+                                   "agreement with the requested class. (FID needs Inception "
+                                   "weights, which are not available offline.)")
+    from .eval.digits import add_arguments
+    add_arguments(e)
+
     r = sub.add_parser("report", formatter_class=_Formatter,
                        help="write a run's self-contained HTML health report",
                        description="Write RUN_DIR/report.html: verdict, loss/gradient/LR "
@@ -93,6 +103,12 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--verbose", action="store_true", help="also list info findings")
     d.add_argument("--device", default="cpu", help="where the probe forward pass runs")
     return p
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from .eval.digits import run_cli
+    run_cli(a)
+    return EXIT_OK
 
 
 def cmd_train(a: argparse.Namespace) -> int:
@@ -173,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
-    handlers = {"train": cmd_train, "sample": cmd_sample, "report": cmd_report,
-                "doctor": cmd_doctor}
+    handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval,
+                "report": cmd_report, "doctor": cmd_doctor}
     try:
         return handlers[args.command](args)
     except (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:

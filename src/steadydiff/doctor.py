@@ -42,6 +42,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .guard.provenance import tensors_in
 from .report import RunLog, evidence_summary, metric_series, num, read_run
 
 Severity = Literal["critical", "warning", "info"]
@@ -456,16 +457,6 @@ def probe_batch(cfg: Any, n: int = 8, *, seed: int = 0) -> tuple[torch.Tensor, t
         return x, None, f"noise ({type(e).__name__}: {e})"
 
 
-def _tensors(out: Any) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _tensors(o)]
-    if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
-    return []
-
-
 @torch.no_grad()
 def run_probe(model: nn.Module, cfg: Any, x0: torch.Tensor, y: torch.Tensor | None, *,
               seed: int = 0) -> dict[str, Any]:
@@ -506,7 +497,7 @@ def run_probe(model: nn.Module, cfg: Any, x0: torch.Tensor, y: torch.Tensor | No
 
     def fwd(m, _inp, out):
         name = names.get(m, "?")
-        ts = [o for o in _tensors(out) if o.is_floating_point()]
+        ts = [o for o in tensors_in(out) if o.is_floating_point()]
         for o in ts:
             producer_of.setdefault(o.data_ptr(), name)  # inner modules fire first
             keep.append(o)

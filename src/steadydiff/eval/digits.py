@@ -120,36 +120,58 @@ def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500, sampler: str 
     return res
 
 
+def format_result(res: dict) -> str:
+    """The human-readable summary of :func:`evaluate_checkpoint` (with ``reference``)."""
+    ref = res["reference"]["real_held_out"]
+    thr = res["threshold"]
+    lines = [
+        f"digits classifier on {res['num']} samples ({res['sampler']}, {res['steps']} steps, "
+        f"cfg {res['cfg_scale']}):",
+        f"  confidently classified (p >= {thr}): {res['confident_rate']:.1%}"
+        f"   [real held-out digits: {ref['confident_rate']:.1%}, "
+        f"noise: {res['reference']['smoothed_noise']['confident_rate']:.1%}]",
+        f"  classes covered: {res['class_coverage']}/10   histogram {res['class_histogram']}"]
+    if "label_accuracy" in res:
+        lines.append(f"  agrees with the requested class: {res['label_accuracy']:.1%}"
+                     f"   [real held-out digits: {ref['label_accuracy']:.1%}]")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint or run directory")
+    p.add_argument("--num", type=int, default=500, help="samples to draw")
+    p.add_argument("--sampler", default=None, choices=["ddpm", "ddim", "dpmpp_2m", "euler"],
+                   help="default: the checkpoint config's sample.sampler")
+    p.add_argument("--steps", type=int, default=None, help="default: sample.steps")
+    p.add_argument("--cfg-scale", type=float, default=None, help="default: sample.cfg_scale")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threshold", type=float, default=0.9,
+                   help="top-class probability that counts as confident")
+    p.add_argument("--out", default=None, help="also write the figures to this JSON file")
+
+
+def run_cli(a: argparse.Namespace) -> dict:
+    """Evaluate, print the summary, optionally write JSON; returns the figures."""
+    if a.num < 1:
+        raise ValueError(f"--num must be at least 1, got {a.num}")
+    res = evaluate_checkpoint(a.checkpoint, num=a.num, sampler=a.sampler, steps=a.steps,
+                              cfg_scale=a.cfg_scale, seed=a.seed, threshold=a.threshold)
+    res["reference"] = reference_scores(a.threshold)
+    print(format_result(res))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+        print(f"  figures: {a.out}")
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m steadydiff.eval.digits",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Judge a digits model's samples with a classifier trained on the real "
-                    "digits.")
-    p.add_argument("checkpoint", help="checkpoint or run directory")
-    p.add_argument("--num", type=int, default=500)
-    p.add_argument("--sampler", default=None)
-    p.add_argument("--steps", type=int, default=None)
-    p.add_argument("--cfg-scale", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threshold", type=float, default=0.9)
-    p.add_argument("--out", default=None, help="also write the figures to this JSON file")
-    a = p.parse_args(argv)
-    res = evaluate_checkpoint(a.checkpoint, num=a.num, sampler=a.sampler, steps=a.steps,
-                              cfg_scale=a.cfg_scale, seed=a.seed, threshold=a.threshold)
-    res["reference"] = reference_scores(a.threshold)
-    ref = res["reference"]["real_held_out"]
-    print(f"digits classifier on {res['num']} samples ({res['sampler']}, {res['steps']} steps):")
-    print(f"  confidently classified (p >= {a.threshold}): {res['confident_rate']:.1%}"
-          f"   [real held-out digits: {ref['confident_rate']:.1%}, "
-          f"noise: {res['reference']['smoothed_noise']['confident_rate']:.1%}]")
-    print(f"  classes covered: {res['class_coverage']}/10   histogram {res['class_histogram']}")
-    if "label_accuracy" in res:
-        print(f"  agrees with the requested class: {res['label_accuracy']:.1%}"
-              f"   [real held-out digits: {ref['label_accuracy']:.1%}]")
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
-        print(f"  figures: {a.out}")
+                    "digits (the same as `steadydiff eval`).")
+    add_arguments(p)
+    run_cli(p.parse_args(argv))
     return 0
 
 

@@ -23,13 +23,14 @@ from torch import nn
 FP16_MAX = 65504.0
 
 
-def _tensors(out: object) -> list[torch.Tensor]:
+def tensors_in(out: object) -> list[torch.Tensor]:
+    """Every tensor inside a module output (tensor, or nested list/tuple/dict)."""
     if isinstance(out, torch.Tensor):
         return [out]
     if isinstance(out, (list, tuple)):
-        return [t for o in out for t in _tensors(o)]
+        return [t for o in out for t in tensors_in(o)]
     if isinstance(out, dict):
-        return [t for o in out.values() for t in _tensors(o)]
+        return [t for o in out.values() for t in tensors_in(o)]
     return []
 
 
@@ -69,7 +70,7 @@ def trace(model: nn.Module, replay: Callable[[int], torch.Tensor], num_micro: in
     order: list[tuple[str, bool, bool]] = []  # (module, non-finite, overflow), execution order
 
     def hook(m, _inp, out):
-        ts = [t for t in _tensors(out) if t.is_floating_point()]
+        ts = [t for t in tensors_in(out) if t.is_floating_point()]
         if not ts:
             return
         amax = torch.stack([t.detach().abs().amax().float() for t in ts]).max()
