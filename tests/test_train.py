@@ -187,3 +187,35 @@ def test_cli_eval_digits(tmp_path, capsys):
     assert "label_accuracy" in res and res["reference"]["real_held_out"]["confident_rate"] > 0.5
     assert "digits classifier on 20 samples" in capsys.readouterr().out
     assert main(["eval", str(tmp_path / "r"), "--num", "0"]) == 2
+
+
+def test_tensorboard_event_files(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra (installed by make test)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    steadydiff.train(tiny("logging.tensorboard=true", "train.sample_every=3",
+                          "train.checkpoint_every=0"), out_dir=tmp_path / "tb")
+    acc = EventAccumulator(str(tmp_path / "tb" / "tensorboard"))
+    acc.Reload()
+    tags = acc.Tags()
+    assert {"train/loss", "train/grad_norm", "train/lr", "train/grad_norm_clipped"} <= set(
+        tags["scalars"])
+    assert [e.step for e in acc.Scalars("train/loss")] == [2, 4, 6]
+    assert any(t.startswith("loss_t/bucket_") for t in tags["scalars"])
+    assert "samples" in tags["images"]
+
+
+def test_dit_trains_samples_and_resumes_by_path(tmp_path, capsys):
+    dit = ["model.kind=dit", "model.qk_norm=true", "model.dit.preset=tiny", "model.dit.depth=2",
+           "model.dit.hidden_size=32", "model.dit.num_heads=2", "model.dit.patch_size=2"]
+    steadydiff.train(tiny(*dit, "train.steps=2", "train.checkpoint_every=2"),
+                     out_dir=tmp_path / "a")
+    # --resume PATH continues another run's checkpoint into a new directory
+    assert main(["train", "configs/dit.yaml", "--out", str(tmp_path / "b"),
+                 "--resume", str(tmp_path / "a"), "--allow-config-change",
+                 *sum((["--set", o] for o in TINY + dit + ["train.steps=3"]), [])]) == 0
+    assert "resumed from" in capsys.readouterr().out
+    pipe = steadydiff.load(tmp_path / "b")
+    assert pipe.step == 3 and type(pipe.model).__name__ == "DiT"
+    x, y = pipe.sample(4, steps=2)
+    assert x.shape == (4, 1, 8, 8) and y.tolist() == [0, 1, 2, 3]
