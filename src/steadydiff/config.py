@@ -209,8 +209,8 @@ class GuardConfig(Section):
     momentum: float = Field(0.97, ge=0.0, lt=1.0,
                             description="EMA momentum of the running mean/variance (ZClip)")
     grad_z: float = Field(6.0, gt=0.0, description="grad-norm spike: z-score threshold")
-    loss_z: float = Field(6.0, gt=0.0, description="loss spike: z-score in its t-bucket")
-    loss_ratio: float = Field(3.0, ge=1.0,
+    loss_z: float = Field(7.0, gt=0.0, description="loss spike: z-score in its t-bucket")
+    loss_ratio: float = Field(5.0, ge=1.0,
                               description="loss spike: also at least this x the bucket mean")
     t_buckets: int = Field(10, ge=1, le=1000)
     divergence_window: int = Field(1000, ge=0, description="steps; 0 disables the detector")
