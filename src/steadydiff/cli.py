@@ -33,8 +33,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train from a YAML config. Rerunning the same command "
                                    "resumes from the run's newest intact checkpoint.")
     t.add_argument("config", help="YAML config file (see configs/)")
-    t.add_argument("--set", dest="overrides", action="append", default=[],
-                   metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+    t.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
+                   metavar="SECTION.KEY=VALUE",
+                   help="override config values: --set a.b=1 c.d=2, or --set repeated")
     t.add_argument("--out", default=None,
                    help="run directory (default: runs/<config file name>)")
     t.add_argument("--dry-run", action="store_true",

@@ -317,6 +317,9 @@ class Guard:
                 # the fp16 range, and the first parameters whose gradients did
                 finding.evidence["provenance"] = self._provenance(replay, num_micro,
                                                                   after_backward)
+            if probe_forward is not None and finding.kind != "bad_batch":
+                # the expensive health probes run on every incident, not only every N steps
+                finding.evidence["health"] = self._health(probe_forward)
             escalate = self._recent(self.skips, c.skip_window) + 1 >= c.skips_before_rollback
             if escalate and finding.kind != "bad_batch":
                 return self._rollback(finding, loss_v, gnorm_v, reason="repeated incidents")
@@ -609,6 +612,17 @@ class Guard:
             self.counts["warnings"] += 1
             self._record(f, "warn")
         self.last_probe = stats
+
+    def _health(self, forward: Callable[[], object]) -> list[dict[str, Any]]:
+        """Attention/normalization findings on this batch, attached to an incident."""
+        c = self.cfg
+        try:
+            stats = probes.probe(self.net, forward)
+        except Exception as e:  # a non-finite forward must not stop the recovery
+            return [{"probe_error": f"{type(e).__name__}: {e}"}]
+        return [{"kind": f.kind, **f.evidence} for f in probes.findings(
+            stats, logit_limit=c.attn_logit_limit, entropy_min=c.attn_entropy_min,
+            var_ratio=c.norm_var_ratio, affine_limit=c.norm_affine_limit)]
 
     def probe_now(self, forward: Callable[[], object]) -> dict:
         """Run the attention/normalization probes on demand; returns the statistics."""
