@@ -219,3 +219,21 @@ def test_dit_trains_samples_and_resumes_by_path(tmp_path, capsys):
     assert pipe.step == 3 and type(pipe.model).__name__ == "DiT"
     x, y = pipe.sample(4, steps=2)
     assert x.shape == (4, 1, 8, 8) and y.tolist() == [0, 1, 2, 3]
+
+
+def test_unguarded_nan_run_stops_at_its_checkpoint(tmp_path):
+    """Without the guard a NaN run trains on until its next checkpoint (the progress bar and
+    metrics rows must not crash on the non-finite values), then stops: steadydiff never
+    writes a non-finite checkpoint, and the CLI says so with exit code 3."""
+    from steadydiff.trainer.loop import TrainingDiverged
+
+    cfg = tiny("guard.enabled=false", "logging.progress=true", "logging.report=false",
+               'faults=[{"kind": "param_nan", "step": 4}]')
+    with pytest.raises(TrainingDiverged, match="guard is off") as e:
+        steadydiff.train(cfg, out_dir=tmp_path / "nan")
+    assert "last good checkpoint is" in str(e.value) and "step_00000003" in str(e.value)
+    rows = [json.loads(l) for l in (tmp_path / "nan" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 6 and rows[-1]["loss"] == "nan"
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path / "nan" / "checkpoints")] == \
+        ["step_00000003"]
+    assert json.loads((tmp_path / "nan" / "summary.json").read_text())["status"] == "aborted"

@@ -226,6 +226,8 @@ class GuardConfig(Section):
     norm_var_ratio: float = Field(1.0, gt=0.0, description="norm input variance below this "
                                   "x eps is the eps-dominated regime")
     norm_affine_limit: float = Field(1e3, gt=0.0, description="max |affine| of a norm layer")
+    lr_jump: float = Field(10.0, gt=1.0, description="a learning rate this x above the "
+                           "largest applied so far is a schedule/config bug: skip the step")
     weight_jump: float = Field(10.0, gt=1.0, description="a parameter whose norm grows this "
                                "x in one step (RMS floor 0.05) is corrupt: roll back")
     provenance: bool = Field(True, description="replay a non-finite step to name the module")

@@ -220,6 +220,7 @@ class Guard:
         self.rollbacks: deque[int] = deque()   # steps of recent rollbacks (budget)
         self.lr_factor = 1.0
         self.backoff_until = -1
+        self.max_lr = 0.0   # the largest LR applied by a healthy step so far
         self.scaler_skips = 0
         self.counts = {"skips": 0, "rollbacks": 0, "steps_redone": 0, "batches_skipped": 0,
                        "warnings": 0}
@@ -302,6 +303,15 @@ class Guard:
                                              math.isfinite(loss_v))
             finding = Finding("nonfinite_loss" if not math.isfinite(loss_v) else "nonfinite_grad",
                               "fatal", {"loss": loss_v, "grad_norm": gnorm_v})
+        lr_now = max(g["lr"] for g in self.optimizer.param_groups) * self.lr_factor
+        if finding is None and self.max_lr > 0 and lr_now > c.lr_jump * self.max_lr:
+            # an LR far above anything applied before (warm-up and restarts stay below the
+            # peak): a schedule or config bug, and it would wreck the weights in one update
+            finding = Finding("lr_spike", "spike", {
+                "lr": lr_now, "max_lr_so_far": self.max_lr, "ratio": lr_now / self.max_lr,
+                "threshold": c.lr_jump,
+                "note": "the learning rate jumped far above its peak so far: check the LR "
+                        "schedule / scheduler state"})
         if finding is None:
             # a loss spike explains the gradient spike it causes: report it as the cause
             g_spike, l_spike = self.grad.check(gnorm_v), self.loss.check(buckets)
@@ -365,6 +375,7 @@ class Guard:
         prog.batches_consumed += 1
         self.grad.observe(gnorm_v)
         self.loss.observe(buckets)
+        self.max_lr = max(self.max_lr, lr_now)
         trend = self.divergence.check_and_observe(loss_v)
         if trend is not None:
             return self._rollback(trend, loss_v, gnorm_v, reason="slow divergence",
@@ -677,6 +688,7 @@ class Guard:
             "divergence": self.divergence.state(), "overflow": list(self.overflow.events),
             "skips": list(self.skips), "rollbacks": list(self.rollbacks),
             "lr_factor": self.lr_factor, "backoff_until": self.backoff_until,
+            "max_lr": self.max_lr,
             "precision": self.precision, "counts": dict(self.counts),
             "scaler_skips": self.scaler_skips, "incidents": self.num_incidents,
         }
@@ -690,6 +702,7 @@ class Guard:
         self.overflow.events = deque(s["overflow"])
         self.skips, self.rollbacks = deque(s["skips"]), deque(s["rollbacks"])
         self.lr_factor, self.backoff_until = s["lr_factor"], s["backoff_until"]
+        self.max_lr = float(s.get("max_lr", 0.0))
         self.precision = s["precision"]
         self.counts.update(s["counts"])
         self.scaler_skips = s.get("scaler_skips", 0)
@@ -730,6 +743,8 @@ def _one_line(inc: Incident) -> str:
         return f"non-finite params: {', '.join(e['params'][:2])}"
     if "module" in e:
         return f"{e['module']}: {e.get('recommendation', '')[:60]}"
+    if "max_lr_so_far" in e:
+        return f"lr {e['lr']:.3g} = x{e['ratio']:.3g} the peak so far"
     if "t_bucket" in e:
         return f"loss x{e['ratio']:.3g} in t-bucket {e['t_bucket']} (z={e['z']:.1f})"
     if "z" in e:

@@ -107,6 +107,11 @@ class CheckpointSaveError(RuntimeError):
     """A checkpoint could not be written (disk full, permission denied); exit code 4."""
 
 
+class TrainingDiverged(GuardAbort):
+    """The weights went non-finite and nothing recovered them (the guard is off): the run
+    stops instead of writing, or training on, a NaN model. Exit code 3."""
+
+
 # --------------------------------------------------------------------------- one step
 
 
@@ -330,6 +335,12 @@ def save(state: TrainState, run_dir: Path) -> Path | None:
             run_dir / "checkpoints", state.step, model=state.model, ema=state.ema.module,
             optimizer=state.optimizer, state=state_dict(state),
             keep=state.cfg.train.keep_checkpoints, on_file=on_file)
+    except ckpt.CheckpointError as e:  # the only cause: non-finite weights or EMA
+        prev = ckpt.latest_good(run_dir / "checkpoints")
+        raise TrainingDiverged(
+            f"{e}; the model diverged and the guard is "
+            f"{'on but could not recover it' if state.guard else 'off (guard.enabled=false)'}"
+            f"; the last good checkpoint is {prev or 'none'}") from None
     except OSError as e:
         prev = ckpt.latest_good(run_dir / "checkpoints")
         msg = (f"could not write checkpoint at step {state.step}: {e}; the previous "
@@ -437,6 +448,8 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     guard = attach_guard(state, run_dir)
     if guard is not None and source is not None and c.state.get("guard"):
         guard.load_state_dict(c.state["guard"])
+        if c.state["config"]["optim"] != cfg.optim.model_dump(mode="json"):
+            guard.max_lr = 0.0  # an LR change the user accepted is not an lr_spike
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
@@ -527,9 +540,12 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
 
 
 def _status(row: dict) -> str:
-    """The progress bar's status line (tqdm adds step, speed and ETA)."""
-    s = (f"loss {row['loss']:.4f} | gnorm {row['grad_norm']:.3g}"
-         f"->{row['grad_norm_clipped']:.3g} | lr {row['lr'] * row['lr_factor']:.2e}")
+    """The progress bar's status line (tqdm adds step, speed and ETA). Non-finite values
+    arrive as strings ("nan"): a run without the guard keeps going, and so must its bar."""
+    def f(v, spec):
+        return format(v, spec) if isinstance(v, (int, float)) else str(v)
+    s = (f"loss {f(row['loss'], '.4f')} | gnorm {f(row['grad_norm'], '.3g')}"
+         f"->{f(row['grad_norm_clipped'], '.3g')} | lr {row['lr'] * row['lr_factor']:.2e}")
     if row["incidents"]:
         s += (f" | guard {row['incidents']} incident(s), {row['skipped_steps']} skip(s), "
               f"{row['rollbacks']} rollback(s)")
