@@ -14,7 +14,7 @@ in the weights or the EMA), ``eval_loss_ratio`` (the final EMA model's loss on a
 evaluation batch, fixed data, t and noise, divided by the clean run's of the same mode),
 incidents (count, kinds, actions, from ``incidents.jsonl``), recovery cost (steps redone,
 batches skipped, skipped steps) and ``diagnosis_ok``: the guard's incident kind is the one
-expected for the injected fault (table ``EXPECTED``) and, for parameter/activation faults,
+expected for the injected fault (table ``SCENARIOS``) and, for parameter/activation faults,
 the parameter/module it names is the injected one (``FaultInjector.fired``).
 
 fp16: the ``fp16_overflow`` scenario needs fp16 autocast with a GradScaler to mean anything,
@@ -34,7 +34,6 @@ import argparse
 import concurrent.futures as cf
 import contextlib
 import copy
-import io
 import json
 import math
 import multiprocessing as mp
@@ -62,7 +61,9 @@ SCENARIOS: dict[str, tuple[dict | None, tuple[str, ...], str | None]] = {
     "nan_batch": ({"kind": "nan_batch"}, ("bad_batch",), None),
     "outlier_batch": ({"kind": "outlier_batch", "factor": 1e4}, ("bad_batch",), None),
     "loss_scale": ({"kind": "loss_scale", "factor": 1e8}, ("loss_spike",), None),
-    "lr_scale": ({"kind": "lr_scale", "factor": 1e3, "steps": 5}, ("weight_jump",), None),
+    # lr_spike: the guard's pre-update LR check (since b4a25bc); weight_jump before it
+    "lr_scale": ({"kind": "lr_scale", "factor": 1e3, "steps": 5}, ("lr_spike", "weight_jump"),
+                 None),
     "param_nan": ({"kind": "param_nan"}, ("nonfinite_params",), "param"),
     "param_huge": ({"kind": "param_huge", "factor": 1e4}, ("weight_jump",), "param"),
     "grad_nan": ({"kind": "grad_nan"}, ("nonfinite_grad",), "param"),
@@ -260,7 +261,7 @@ def run_bare(cfg, log) -> dict[str, Any]:
     except Exception as e:
         out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
         print(traceback.format_exc(), file=log)
-    out["state_step"] = step
+    out["state_step"] = step + 1 if out["finished"] else step  # steps completed / failing step
     out["fired"] = list(inj.fired)
     return out
 
@@ -418,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     a = p.parse_args(argv)
 
+    if a.threads:
+        torch.set_num_threads(a.threads)  # (each run sets it again in its own process)
     names = [s for s in a.scenarios.split(",") if s]
     unknown = [s for s in names if s not in SCENARIOS]
     if unknown:

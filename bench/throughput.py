@@ -239,6 +239,7 @@ def bench_training(cfg, *, steps: int, repeats: int, warmup: int, variants: list
             pos[v.name] += steps
     med = {k: statistics.median(t) for k, t in times.items()}
     out: dict[str, Any] = {"sec_per_step": med, "repeats_sec_per_step": times,
+                           "mean_sec_per_step": {k: statistics.fmean(t) for k, t in times.items()},
                            "data_loading_sec_per_batch": load_s,
                            "steps_per_repeat": steps, "repeats": repeats, "warmup": warmup,
                            "batch_size": cfg.train.batch_size}

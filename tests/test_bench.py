@@ -36,7 +36,8 @@ def _last_json(stdout: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("script", ["throughput.py", "samplers.py", "stability.py"])
+@pytest.mark.parametrize("script", ["throughput.py", "samplers.py", "stability.py",
+                                    "logging_overhead.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -66,7 +67,8 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
                                                                  "digits_cond.yaml"),
            "--out", str(out), "--set", "train.steps=2", "train.sample_every=0",
            "train.num_threads=1", "logging.progress=false", "logging.report=false",
-           "sample.num=10", "sample.steps=2", "model.unet.channels=8"]
+           "sample.num=10", "sample.steps=2", "model.unet.channels=8",
+           "model.unet.head_channels=8"]
     p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
     return out
@@ -114,3 +116,11 @@ def test_stability_nan_batch_three_ways(tmp_path):
     assert g["finished"] and g["finite"] and g["diagnosis_ok"]
     assert "bad_batch" in g["incident_kinds"]
     assert bare["finished"] and not bare["finite"]
+
+
+def test_logging_overhead_smoke():
+    p = _run("logging_overhead.py", "--steps", "2", "--repeats", "1", "--json")
+    out = _last_json(p.stdout)
+    assert set(out["median_seconds"]) == {"default", "minimal"}
+    assert isinstance(out["overhead"], float) and out["report_seconds"] > 0
+    assert "default logging overhead" in p.stdout
