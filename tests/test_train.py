@@ -237,3 +237,13 @@ def test_unguarded_nan_run_stops_at_its_checkpoint(tmp_path):
     assert [p.name for p in ckpt.list_checkpoints(tmp_path / "nan" / "checkpoints")] == \
         ["step_00000003"]
     assert json.loads((tmp_path / "nan" / "summary.json").read_text())["status"] == "aborted"
+
+
+def test_rerunning_a_finished_run_is_harmless(tmp_path, capsys):
+    """`make quickstart` twice: the second run resumes at the end, trains nothing, and does
+    not refuse config changes (there is no step left for them to change)."""
+    steadydiff.train(tiny("train.steps=2", "train.checkpoint_every=0"), out_dir=tmp_path / "r")
+    res = steadydiff.train(tiny("train.steps=2", "train.checkpoint_every=0", "guard.loss_z=9"),
+                           out_dir=tmp_path / "r")
+    assert res.steps == 2 and res.resumed_from.name == "step_00000002"
+    assert "already complete" in capsys.readouterr().out

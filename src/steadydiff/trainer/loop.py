@@ -438,11 +438,14 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                           "--out directory (nothing there is overwritten)")
     if source is not None:
         c = ckpt.load_checkpoint(source, device)
-        changes = check_resume_config(validate(c.state["config"], f"{source}/state.json config"),
-                                      cfg, allow_config_change)
+        saved_cfg = validate(c.state["config"], f"{source}/state.json config")
+        # a finished run trains no further step: its config changes cannot break anything
+        done = c.step >= cfg.train.steps
+        changes = check_resume_config(saved_cfg, cfg, allow_config_change or done)
         restore(state, c)
         resumed_from = source
         print(f"resumed from {source} at step {state.step}"
+              + (" (the run is already complete)" if done else "")
               + ("; config changes:\n" + "\n".join(changes) if changes else ""))
 
     guard = attach_guard(state, run_dir)
