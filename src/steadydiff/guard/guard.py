@@ -195,7 +195,9 @@ class Guard:
             config = GuardConfig(**config)
         self.cfg = config or GuardConfig()
         self.model = model
-        self.net = model.module if hasattr(model, "module") else model  # unwrap DDP
+        # unwrap DDP/DataParallel (not any model that happens to have a .module attribute)
+        wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+        self.net = model.module if wrapped else model
         self.optimizer = optimizer
         self.scheduler = lr_scheduler
         self.scaler = scaler
