@@ -120,12 +120,26 @@ def test_slow_precision_is_refused_not_replaced(tmp_path, monkeypatch):
         steadydiff.train(tiny("train.precision=bf16"), out_dir=tmp_path / "p")
 
 
-def test_grad_accum_matches_big_batch(tmp_path):
-    # accumulation over 2 micro-batches of 4 gives (nearly) the same step as one batch of 8:
-    # the noise differs per micro-batch seed, so compare loss scale and finiteness only
+def test_grad_accum_is_one_optimizer_step_per_global_batch(tmp_path):
+    """grad_accum=2 splits each batch of 8 into two micro-batches of 4: one optimizer step and
+    one batch of data per step, the loss averaged over all 8 samples."""
+    from steadydiff.data import DigitsDataset, make_loader
+    from steadydiff.trainer import loop
+
+    cfg = tiny("train.grad_accum=2", "guard.enabled=false")
+    state = loop.build_state(cfg, 10, torch.device("cpu"))
+    batches = iter(make_loader(DigitsDataset(8), batch_size=8, seed=0))
+    calls = []
+    state.optimizer.register_step_post_hook(lambda *a: calls.append(1))
+    for _ in range(2):
+        out = loop.train_step(state, next(batches))
+    assert (state.step, state.batches_consumed, len(calls)) == (2, 2, 2)
+    assert out.per_sample_loss.shape == (8,)
+    assert torch.allclose(out.loss, out.per_sample_loss.mean())
     res = steadydiff.train(tiny("train.grad_accum=2", "train.steps=2",
                                 "train.checkpoint_every=0"), out_dir=tmp_path / "acc")
-    assert np.isfinite(res.final_loss)
+    row = json.loads((tmp_path / "acc" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["micro_batch"] == 4 and np.isfinite(res.final_loss)
 
 
 # ---------------------------------------------------------------------- CLI

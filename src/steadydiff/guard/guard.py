@@ -79,7 +79,6 @@ class Decision:
     data_position: batches consumed; after a rollback the data continues from here.
     skipped_batches: after a rollback, the batch positions that will not be trained on.
     precision: set when the guard changed the precision (fp16 -> bf16 -> fp32).
-    micro_batch: set when an out-of-memory backoff changed the micro-batch size.
     """
 
     action: Action
@@ -90,7 +89,6 @@ class Decision:
     incident: Incident | None = None
     skipped_batches: range | None = None
     precision: str | None = None
-    micro_batch: int | None = None
     grad_norm_clipped: float | None = None
     loss_t: list[float | None] | None = None  # mean loss per timestep bucket (this step)
 
@@ -496,7 +494,7 @@ class Guard:
                   oldest: bool = False) -> Decision:
         c, prog = self.cfg, self.progress
         self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None and prog is not None:
+        if self.scaler is not None:
             try:
                 self.scaler.update()
             except (AssertionError, RuntimeError):

@@ -226,18 +226,9 @@ class DiT(nn.Module):
         return x.reshape(n, c, g * p, g * p)
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
-        """Denoiser contract.
-
-        Args:
-            x: (N, C, H, W) noisy input.
-            t: (N,) float timesteps in [0, T) (integer-valued or continuous).
-            y: (N,) long labels in [0, num_classes] (``num_classes`` = null), or None
-               (null class for a conditional model; required for an unconditional one).
-
-        Returns:
-            (N, C, H, W) prediction in x's dtype (cast back from autocast's dtype, so the
-            loss is computed in full precision).
-        """
+        """The denoiser contract (see ``steadydiff.models``): x (N, C, H, W), t (N,), y (N,)
+        or None -> (N, C, H, W) in x's dtype (cast back from autocast's, so the loss is
+        computed in full precision)."""
         t, y = check_inputs("DiT", x, t, y, in_channels=self.in_channels,
                             image_size=self.image_size, num_classes=self.num_classes)
         h = self.x_embedder(x).flatten(2).transpose(1, 2)  # (N, T, D), T = (H/p)*(W/p)

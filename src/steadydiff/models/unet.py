@@ -278,18 +278,9 @@ class UNet(nn.Module):
         return lookup_depth(name, self._depths, "UNet")
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
-        """Denoiser contract.
-
-        Args:
-            x: (N, C, H, W) noisy input.
-            t: (N,) float timesteps in [0, T) (integer-valued or continuous).
-            y: (N,) long labels in [0, num_classes] (``num_classes`` = null), or None
-               (null class for a conditional model; required for an unconditional one).
-
-        Returns:
-            (N, C, H, W) prediction in x's dtype (cast back from autocast's dtype, so the
-            loss is computed in full precision).
-        """
+        """The denoiser contract (see ``steadydiff.models``): x (N, C, H, W), t (N,), y (N,)
+        or None -> (N, C, H, W) in x's dtype (cast back from autocast's, so the loss is
+        computed in full precision)."""
         t, y = check_inputs("UNet", x, t, y, in_channels=self.in_channels,
                             image_size=self.image_size, num_classes=self.num_classes)
         # One conditioning vector for all blocks: timestep plus class (ADM adds them).

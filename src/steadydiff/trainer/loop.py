@@ -300,8 +300,8 @@ def attach_guard(state: TrainState, run_dir: Path | None) -> Guard | None:
 
 
 def set_precision(state: TrainState, precision: str) -> None:
-    """Switch the runtime precision (a guard fallback): fp16 keeps a scaler, others none."""
-    print(f"precision fallback: {state.precision} -> {precision}")
+    """Switch the runtime precision (a guard fallback, or a resumed run that had fallen back):
+    fp16 keeps a scaler, the others have none."""
     state.precision = precision
     if precision != "fp16":
         state.scaler = None
@@ -367,9 +367,7 @@ def restore(state: TrainState, c: ckpt.Checkpoint) -> None:
     state.bad_images = set(c.state.get("bad_images", []))
     precision = c.state.get("precision") or state.precision
     if precision != state.precision:  # the guard fell back before this checkpoint
-        state.precision = precision
-        if precision != "fp16":
-            state.scaler = None
+        set_precision(state, precision)
     if c.rng is not None:
         ckpt.restore_rng(c.rng)
 
@@ -484,6 +482,7 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                 d = out.decision
                 if d is not None and d.action != "step":
                     if d.precision:
+                        print(f"guard: precision fallback {state.precision} -> {d.precision}")
                         set_precision(state, d.precision)
                     if d.action == "abort":
                         raise GuardAbort(f"aborted at step {state.step}: "

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
 from pathlib import Path
 
 import torch
@@ -57,7 +56,7 @@ def check_precision(precision: str, device: torch.device, allow_slow: bool) -> N
     if not allow_slow:
         raise ConfigError(msg + "; use train.precision=fp32, or set "
                           "train.allow_slow_precision=true to run it anyway")
-    warnings.warn(msg + "; running it anyway (train.allow_slow_precision=true)", stacklevel=2)
+    # allowed: the start-up lint (lint.py, emulated_precision) prints the warning once
 
 
 def autocast(precision: str, device: torch.device):
