@@ -2,8 +2,12 @@
 machines are 2-10x slower than one), deterministic seeds."""
 
 import os
+import tempfile
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# The feature-network cache of `steadydiff eval` (eval/features.py): one fresh folder per test
+# session, never the user's ~/.cache/steadydiff.
+os.environ["STEADYDIFF_CACHE"] = tempfile.mkdtemp(prefix="steadydiff-test-cache-")
 
 import pytest
 import torch

@@ -197,9 +197,10 @@ def test_cli_eval_digits(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "r"), "--num", "20", "--steps", "3",
                  "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["num"] == 20 and 0 <= res["confident_rate"] <= 1
-    assert "label_accuracy" in res and res["reference"]["real_held_out"]["confident_rate"] > 0.5
-    assert "digits classifier on 20 samples" in capsys.readouterr().out
+    assert res["num"] == 20 and res["metric"] == "FD-digits" and res["fd"] >= 0
+    assert 0 <= res["precision"] <= 1 and 0 <= res["class_accuracy"] <= 1
+    assert res["feature_net"]["test_accuracy"] > 0.9
+    assert "FD-digits" in capsys.readouterr().out
     assert main(["eval", str(tmp_path / "r"), "--num", "0"]) == 2
 
 

@@ -70,13 +70,14 @@ def _parser() -> argparse.ArgumentParser:
                         "[-1,1] (and 'labels' when class-conditional)")
 
     e = sub.add_parser("eval", formatter_class=_Formatter,
-                       help="judge a digits model's samples with a real-digits classifier",
-                       description="Sample from a model trained on the bundled digits and "
-                                   "score the samples with a classifier trained on the real "
-                                   "digits: confident-classification rate, class coverage, "
-                                   "agreement with the requested class. (FID needs Inception "
-                                   "weights, which are not available offline.)")
-    from .eval.digits import add_arguments
+                       help="measure sample quality: FD, KID, precision/recall (offline)",
+                       description="Sample N images (EMA weights) and compare them with N real "
+                                   "images of the run's dataset in the feature space of a small "
+                                   "classifier trained and cached for that dataset (FD-digits, "
+                                   "FD-fashion_mnist: not comparable with Inception FID), with "
+                                   "KID, precision/recall and class accuracy; true FID with "
+                                   "--inception-weights. See docs/evaluation.md.")
+    from .eval.evaluate import add_arguments
     add_arguments(e)
 
     r = sub.add_parser("report", formatter_class=_Formatter,
@@ -107,9 +108,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
-    from .eval.digits import run_cli
-    run_cli(a)
-    return EXIT_OK
+    from .eval.evaluate import run_cli
+    res = run_cli(a)
+    return 1 if res.get("error") else EXIT_OK  # 1: nothing (or not all) could be measured
 
 
 def cmd_train(a: argparse.Namespace) -> int:

@@ -29,8 +29,10 @@ class Section(BaseModel):
 
 
 class DataConfig(Section):
-    dataset: Literal["digits", "folder"] = "digits"
-    path: str | None = Field(None, description="image folder root (dataset=folder)")
+    dataset: Literal["digits", "fashion_mnist", "folder"] = "digits"
+    path: str | None = Field(None, description="image folder root (dataset=folder); "
+                             "fashion_mnist: the folder of its idx files (default "
+                             "/usr/share/datasets/fashion-mnist)")
     image_size: int = Field(16, ge=4, le=1024)
     channels: Literal[1, 3] = 1
     class_labels: bool = Field(
@@ -183,6 +185,37 @@ class SampleConfig(Section):
     use_ema: bool = True
 
 
+# --------------------------------------------------------------------------- eval
+
+
+class EvalConfig(Section):
+    """Evaluation during training: FD/KID/precision/recall on the EMA model every N steps,
+    the best checkpoint by metric, early stopping (docs/evaluation.md)."""
+
+    every: int = Field(0, ge=0, description="steps between evaluations; 0 disables them")
+    num: int = Field(200, ge=8, le=100_000, description="samples per evaluation (compared with "
+                     "as many real images; keep it fixed across a run: FD depends on it)")
+    sampler: Literal["ddpm", "ddim", "dpmpp_2m", "euler"] = "dpmpp_2m"
+    steps: int = Field(20, ge=1, le=100_000)
+    cfg_scale: float | None = Field(None, ge=0.0, le=100.0,
+                                    description="guidance scale; null: sample.cfg_scale")
+    seed: int = Field(0, ge=0, description="sampling seed: every evaluation uses the same noise")
+    metric: Literal["fd", "kid", "precision", "recall", "class_accuracy"] = Field(
+        "fd", description="what 'best' and early stopping follow (fd, kid: lower is better)")
+    k: int = Field(3, ge=1, le=100, description="nearest neighbours for precision/recall")
+    patience: int = Field(0, ge=0, description="evaluations without an improvement before "
+                          "the run stops early; 0: never stop early")
+    min_delta: float = Field(0.0, ge=0.0, description="an improvement must exceed this")
+    keep_best: bool = Field(True, description="keep the best checkpoint by metric in "
+                            "checkpoints/best (never rotated away)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EvalConfig":
+        if self.k >= self.num:
+            raise ValueError(f"eval.k ({self.k}) must be below eval.num ({self.num})")
+        return self
+
+
 # --------------------------------------------------------------------------- logging
 
 
@@ -278,6 +311,7 @@ class Config(Section):
     train: TrainConfig = TrainConfig()
     sample: SampleConfig = SampleConfig()
     logging: LoggingConfig = LoggingConfig()
+    eval: EvalConfig = EvalConfig()
     guard: GuardConfig = GuardConfig()
     faults: list[FaultConfig] = Field(default_factory=list)
 
@@ -287,6 +321,11 @@ class Config(Section):
             raise ValueError("optim.clip_mode=zclip takes its threshold from the guard's "
                              "grad-norm statistics; set guard.enabled=true or choose "
                              "optim.clip_mode global, per_layer or agc")
+        if self.eval.every and self.data.dataset == "folder":
+            raise ValueError("eval.every needs a labelled dataset for its feature network "
+                             "(data.dataset digits or fashion_mnist); an image folder has "
+                             "none: set eval.every=0 and use `steadydiff eval "
+                             "--inception-weights` (see docs/evaluation.md)")
         return self
 
     def to_dict(self) -> dict[str, Any]:

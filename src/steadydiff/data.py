@@ -131,6 +131,103 @@ class DigitsDataset(Dataset):
         return f"digits: {len(self)} images {self.channels}×{s}×{s}, {self.num_classes} classes"
 
 
+# --------------------------------------------------------------------------- Fashion-MNIST
+
+# Where Debian's ``dataset-fashion-mnist`` package installs the four idx files.
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+_FASHION_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz"),
+                  "test": ("t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz")}
+
+
+def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
+    """Read an idx file (LeCun's MNIST format; gzip-compressed when the name ends in .gz):
+    uint8 arrays only (magic 0x0000 08 <ndim>), big-endian dimension sizes."""
+    import gzip
+
+    p = Path(path)
+    opener = gzip.open if p.suffix == ".gz" else open
+    try:
+        with opener(p, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError) as e:
+        raise DataError(f"{p}: cannot read idx file ({e})") from None
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] != 0x08:
+        raise DataError(f"{p}: not an idx file of unsigned bytes (magic {data[:4].hex()!r}, "
+                        "expected 000008xx)")
+    ndim = data[3]
+    dims = [int.from_bytes(data[4 + 4 * i:8 + 4 * i], "big") for i in range(ndim)]
+    body = data[4 + 4 * ndim:]
+    if len(body) != int(np.prod(dims)):
+        raise DataError(f"{p}: idx header says {dims} ({int(np.prod(dims))} bytes) but the file "
+                        f"holds {len(body)} (truncated?)")
+    return np.frombuffer(body, dtype=np.uint8).reshape(dims)
+
+
+class FashionMNISTDataset(Dataset):
+    """Fashion-MNIST (Xiao et al. 2017): 60,000 train / 10,000 test 28×28 gray images of
+    clothing in 10 classes, read from the idx files Debian's ``dataset-fashion-mnist``
+    package installs (``apt-get install dataset-fashion-mnist``) or from ``root``.
+
+    Kept as uint8 (47 MB for the train split); each item is converted (and resized when
+    ``image_size`` != 28, bilinear with antialias) on access.
+
+    Args:
+        image_size: output side S (28 is native).
+        channels: 1 (gray) or 3 (repeated).
+        root: folder holding the four ``*-ubyte.gz`` files (default: the Debian location).
+        split: ``train`` (60k) or ``test`` (10k).
+    """
+
+    num_classes: int = 10
+
+    def __init__(self, image_size: int = 28, channels: Literal[1, 3] = 1,
+                 root: str | os.PathLike[str] | None = None,
+                 split: Literal["train", "test"] = "train") -> None:
+        if channels not in (1, 3):
+            raise DataError(f"fashion_mnist: channels must be 1 or 3, got {channels!r}")
+        if image_size < 1:
+            raise DataError(f"fashion_mnist: image_size must be >= 1, got {image_size!r}")
+        if split not in _FASHION_FILES:
+            raise DataError(f"fashion_mnist: split must be 'train' or 'test', got {split!r}")
+        self.root = Path(root or FASHION_MNIST_DIR)
+        files = [self.root / f for f in _FASHION_FILES[split]]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise DataError(
+                f"fashion_mnist: {', '.join(missing)} not found in {str(self.root)!r}; install "
+                f"the dataset with `apt-get install dataset-fashion-mnist` (files in "
+                f"{FASHION_MNIST_DIR}) or set data.path to a folder holding "
+                f"{', '.join(n for pair in _FASHION_FILES.values() for n in pair)}")
+        images, labels = read_idx(files[0]), read_idx(files[1])
+        if images.ndim != 3 or labels.ndim != 1 or images.shape[0] != labels.shape[0]:
+            raise DataError(f"fashion_mnist: {files[0].name} has shape {images.shape} and "
+                            f"{files[1].name} {labels.shape}; expected (N, H, W) and (N,)")
+        self._base = torch.from_numpy(images.copy())  # (N, 28, 28) uint8
+        self.labels = torch.from_numpy(labels.astype(np.int64))
+        self.image_size, self.channels, self.split = image_size, channels, split
+
+    def __len__(self) -> int:
+        return self._base.shape[0]
+
+    def images_at(self, idx: torch.Tensor | slice) -> torch.Tensor:
+        """A batch of images (n, C, S, S) in [-1, 1]."""
+        x = self._base[idx].unsqueeze(1).float().div_(255.0)  # (n, 1, 28, 28)
+        s = self.image_size
+        if x.shape[-1] != s:
+            x = F.interpolate(x, size=(s, s), mode="bilinear", align_corners=False,
+                              antialias=True).clamp_(0.0, 1.0)
+        return x.mul_(2.0).sub_(1.0).expand(-1, self.channels, -1, -1)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.images_at(slice(i, i + 1) if i >= 0 else [i])[0].clone(), \
+            self.labels[i].clone()
+
+    def describe(self) -> str:
+        s = self.image_size
+        return (f"fashion_mnist ({self.split}): {len(self)} images {self.channels}×{s}×{s}, "
+                f"{self.num_classes} classes")
+
+
 # --------------------------------------------------------------------------- image folder
 
 # What a broken or hostile file can raise while Pillow opens, verifies or decodes it.
@@ -708,7 +805,8 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
 
 
 def build_dataset(cfg: DataConfig) -> Dataset:
-    """The dataset named by ``cfg`` (``data`` section): digits or an image folder.
+    """The dataset named by ``cfg`` (``data`` section): digits, Fashion-MNIST (train split;
+    ``data.path`` overrides the folder of its idx files) or an image folder.
 
     Returns:
         A dataset of ``(image, label)`` pairs with ``num_classes``, ``channels``,
@@ -719,16 +817,20 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     """
     if cfg.dataset == "digits":
         return DigitsDataset(cfg.image_size, cfg.channels)
+    if cfg.dataset == "fashion_mnist":
+        return FashionMNISTDataset(cfg.image_size, cfg.channels, root=cfg.path)
     if cfg.dataset == "folder":
         if not cfg.path:
             raise DataError("data.path is required when data.dataset is 'folder'")
         return ImageFolderDataset(cfg.path, cfg.image_size, cfg.channels,
                                   class_labels=cfg.class_labels, center_crop=cfg.center_crop,
                                   follow_symlinks=cfg.follow_symlinks)
-    raise DataError(f"data.dataset {cfg.dataset!r} is unknown; valid: 'digits', 'folder'")
+    raise DataError(f"data.dataset {cfg.dataset!r} is unknown; valid: 'digits', "
+                    "'fashion_mnist', 'folder'")
 
 
 __all__ = [
-    "IMAGE_EXTENSIONS", "DataError", "DigitsDataset", "ImageFolderDataset", "PairsDataset",
+    "IMAGE_EXTENSIONS", "DataError", "DigitsDataset", "FashionMNISTDataset",
+    "ImageFolderDataset", "PairsDataset",
     "SeededView", "StreamBatchSampler", "as_pairs", "build_dataset", "make_loader",
 ]

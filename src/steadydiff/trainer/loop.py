@@ -29,6 +29,7 @@ from .. import seeding
 from ..config import Config, ConfigError, config_diff, validate
 from ..data import as_pairs, build_dataset, make_loader
 from ..diffusion import Schedule, diffusion_loss, make_schedule, sample
+from ..eval.during import make_evaluator
 from ..eval.grid import grid_nrow, save_grid
 from ..guard import Decision, Guard, GuardAbort, clipping
 from ..guard.faults import FaultInjector, make_injector
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
 RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
-               "data.path", "train.on_save_error", "sample.", "logging.", "faults")
+               "data.path", "train.on_save_error", "sample.", "logging.", "faults", "eval.")
 
 
 @dataclass
@@ -67,6 +68,7 @@ class TrainState:
     rank: int = 0
     guard: Guard | None = None
     faults: FaultInjector | None = None  # None unless faults are configured: zero cost
+    evaluator: Any = None  # eval.during.TrainingEvaluator when eval.every > 0
 
 
 @dataclass
@@ -101,6 +103,7 @@ class RunResult:
     seconds: float = 0.0
     incidents: int = 0
     guard_summary: str | None = None
+    stopped_early: str | None = None  # why eval's early stopping ended the run, if it did
 
 
 class CheckpointSaveError(RuntimeError):
@@ -320,6 +323,7 @@ def state_dict(state: TrainState) -> dict[str, Any]:
         "precision": state.precision, "grad_accum": state.grad_accum,
         "bad_images": sorted(state.bad_images),
         "guard": state.guard.state_dict() if state.guard else None,
+        "eval": state.evaluator.state_dict() if state.evaluator else None,
         "config": state.cfg.to_dict(), "torch": torch.__version__,
     }
 
@@ -368,6 +372,8 @@ def restore(state: TrainState, c: ckpt.Checkpoint) -> None:
     precision = c.state.get("precision") or state.precision
     if precision != state.precision:  # the guard fell back before this checkpoint
         set_precision(state, precision)
+    if state.evaluator is not None:
+        state.evaluator.load_state_dict(c.state.get("eval"))
     if c.rng is not None:
         ckpt.restore_rng(c.rng)
 
@@ -423,6 +429,7 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     data = as_pairs(dataset) if dataset is not None else build_dataset(cfg.data)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, getattr(data, "num_classes", 0), device)
+    state.evaluator = make_evaluator(cfg, run_dir)
 
     # ---- resume: the same command again continues the run
     resumed_from: Path | None = None
@@ -454,7 +461,7 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
 
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    for name in ("metrics.jsonl", "layers.jsonl", "incidents.jsonl"):
+    for name in ("metrics.jsonl", "layers.jsonl", "incidents.jsonl", "eval.jsonl"):
         telemetry.truncate_jsonl(run_dir / name, state.step)
     tb = telemetry.TensorBoard(run_dir) if cfg.logging.tensorboard else None
 
@@ -477,7 +484,7 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     try:
         with open(run_dir / "metrics.jsonl", "a") as metrics, \
                 open(run_dir / "layers.jsonl", "a") as layers:
-            while state.step < total:
+            while state.step < total and not (state.evaluator and state.evaluator.stopped):
                 out = train_step(state, next(batches))
                 d = out.decision
                 if d is not None and d.action != "step":
@@ -514,6 +521,8 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                         tb.scalars(row)
                     bar.set_postfix_str(_status(row), refresh=False)
 
+                if state.evaluator is not None and state.evaluator.due(step):
+                    state.evaluator.run(state, tb)  # before the checkpoint: it holds the result
                 if (cfg.train.sample_every and step % cfg.train.sample_every == 0) \
                         or step == total:
                     samples.append(write_sample_grid(
@@ -535,10 +544,15 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
         _finish(state, run_dir, "aborted", reason=str(e), tb=tb)
         raise
     bar.close()
-    summary = _finish(state, run_dir, "finished", tb=tb)
+    stopped = state.evaluator.stop_reason() if state.evaluator and state.evaluator.stopped \
+        else None
+    if stopped:
+        print(stopped)
+    summary = _finish(state, run_dir, "finished", reason=stopped, tb=tb)
     return RunResult(run_dir, state.step, last_loss, last_ckpt, samples, resumed_from,
                      time.perf_counter() - t_start,
-                     incidents=guard.num_incidents if guard else 0, guard_summary=summary)
+                     incidents=guard.num_incidents if guard else 0, guard_summary=summary,
+                     stopped_early=stopped)
 
 
 def _status(row: dict) -> str:

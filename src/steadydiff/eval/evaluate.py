@@ -1,0 +1,250 @@
+"""``steadydiff eval``: sample a model and measure how close the samples are to real data.
+
+One function does the measuring for the CLI, the training loop (``eval.every``) and the
+benchmarks: :func:`evaluate_samples`. It
+
+1. counts samples holding a non-finite value and drops them (a diverged model gets a report,
+   never a crash: with fewer than ``k + 1`` finite samples, the metrics are ``None`` and the
+   result says why);
+2. embeds the rest with the dataset's feature network (``features.py``) and compares them
+   with the same number of real images (a seeded subset of the cached reference features):
+   ``FD-<dataset>``, KID, precision/recall (k nearest neighbours);
+3. for class-conditional samples, reports how often the feature network's classifier agrees
+   with the class each sample was drawn for (``class_accuracy``; the network's own test-split
+   accuracy is in ``feature_net``);
+4. reports the real-vs-real floor: the same metrics between two disjoint real subsets of the
+   same size, the value a perfect model would get at this N (FD is biased upward at small N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import metrics
+from .features import FeatureExtractor, feature_extractor
+
+
+def _clean(v: Any) -> Any:
+    """JSON-safe: non-finite floats become None."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(u) for k, u in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(u) for u in v]
+    return v
+
+
+def evaluate_samples(fx: FeatureExtractor, x: torch.Tensor, labels: torch.Tensor | None = None,
+                     *, k: int = 3, seed: int = 0, kid_subsets: int = 50,
+                     kid_subset_size: int = 1000, real_floor: bool = True) -> dict:
+    """Compare samples ``x`` (N, C, H, W) in [-1, 1] with N real images in ``fx``'s space.
+
+    Args:
+        fx: the feature network with its reference features.
+        x: the samples; rows with any non-finite value are counted and dropped.
+        labels: the classes the samples were drawn for (class-conditional models).
+        k: nearest neighbours for precision/recall.
+        seed: chooses the real subset and the KID subsets.
+        real_floor: also compute the real-vs-real figures at the same N.
+
+    Returns:
+        A dict: ``metric`` (e.g. ``FD-digits``), ``num``, ``num_nonfinite``, ``fd``, ``kid``,
+        ``kid_std``, ``precision``, ``recall``, ``class_accuracy`` (or absent), ``feature_net``
+        (name, version, test accuracy) and ``real_floor``; metrics are None with ``error``
+        when too few finite samples remain.
+    """
+    n = x.shape[0]
+    finite = torch.isfinite(x.reshape(n, -1)).all(1)
+    res: dict[str, Any] = {
+        "metric": f"FD-{fx.name}", "num": int(n), "num_nonfinite": int((~finite).sum()),
+        "k": k, "feature_net": {"name": fx.name, "version": fx.meta["version"],
+                                "image_size": fx.meta["image_size"],
+                                "test_accuracy": fx.meta["test_accuracy"]}}
+    xf = x[finite].clamp(-1, 1)
+    nf = xf.shape[0]
+    empty = {"fd": None, "kid": None, "kid_std": None, "precision": None, "recall": None}
+    if nf < k + 2:
+        res.update(empty, error=f"only {nf} of {n} samples are finite; need at least {k + 2}")
+        if labels is not None:
+            res["class_accuracy"] = None
+        return res
+    feats, probs = fx(xf)
+    g = np.random.default_rng(seed)
+    perm = g.permutation(fx.real.shape[0])
+    m = min(nf, fx.real.shape[0])
+    real = fx.real[perm[:m]]
+    res.update(metrics.compare(real, feats, k=k, kid_subsets=kid_subsets,
+                               kid_subset_size=kid_subset_size, seed=seed))
+    if labels is not None:
+        y = labels[finite].cpu().numpy()
+        pred = probs.argmax(1)
+        res["class_accuracy"] = float((pred == y).mean())
+    res["confident_rate"] = float((probs.max(1) >= 0.9).mean())
+    res["class_coverage"] = int(len(np.unique(probs.argmax(1))))
+    if real_floor and 2 * m <= fx.real.shape[0]:
+        other = fx.real[perm[m:2 * m]]
+        res["real_floor"] = metrics.compare(real, other, k=k, kid_subsets=kid_subsets,
+                                            kid_subset_size=kid_subset_size, seed=seed)
+    return _clean(res)
+
+
+def extractor_for(cfg, *, cache: Path | None = None, verbose: bool = True) -> FeatureExtractor:
+    """The feature network for a run config (its dataset and resolution)."""
+    d = cfg.data
+    return feature_extractor(d.dataset, d.image_size, path=d.path, cache=cache,
+                             verbose=verbose)
+
+
+def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500, sampler: str | None = None,
+                        steps: int | None = None, cfg_scale: float | None = None,
+                        seed: int = 0, k: int = 3, inception_weights: str | Path | None = None,
+                        device: str | None = None, cache: Path | None = None) -> dict:
+    """Sample ``num`` images (EMA weights) from a checkpoint and evaluate them.
+
+    The offline ``FD-<dataset>`` figures need a labelled dataset (digits, fashion_mnist); an
+    image-folder run is evaluated only with ``inception_weights`` (standard FID).
+    """
+    from ..api import load
+    from ..trainer import checkpoint as ckpt
+
+    path = ckpt.resolve_checkpoint(checkpoint)
+    diverged = None
+    try:
+        pipe = load(path, device=device)
+    except ckpt.CheckpointError as e:
+        if "non-finite" not in str(e):
+            raise
+        # a diverged model: sample it anyway, so the report counts what it really produces
+        diverged = str(e)
+        pipe = _load_nonfinite(path, device)
+    cfg = pipe.config
+    labelled = cfg.data.dataset in ("digits", "fashion_mnist")
+    if not labelled and inception_weights is None:
+        extractor_for(cfg, cache=cache)  # raises the explanation (folder: no labelled split)
+    s = cfg.sample
+    t0 = time.perf_counter()
+    x, y = pipe.sample(num, sampler=sampler, steps=steps, cfg_scale=cfg_scale, seed=seed)
+    sample_s = time.perf_counter() - t0
+    res: dict[str, Any] = {}
+    if labelled:
+        res = evaluate_samples(extractor_for(cfg, cache=cache), x, y, k=k, seed=seed)
+    if inception_weights is not None:
+        from .inception import inception_fid
+
+        res["inception"] = inception_fid(inception_weights, x, cfg, seed=seed, cache=cache)
+        res.setdefault("num", num)
+        res.setdefault("num_nonfinite", res["inception"]["num_nonfinite"])
+    res.update(checkpoint=str(pipe.checkpoint), step=pipe.step, dataset=cfg.data.dataset,
+               sampler=sampler or s.sampler, steps=steps or s.steps,
+               cfg_scale=s.cfg_scale if cfg_scale is None else cfg_scale, seed=seed,
+               sample_seconds=round(sample_s, 2))
+    if diverged:
+        res["error"] = "; ".join(filter(None, [f"{diverged} (the model diverged)",
+                                              res.get("error")]))
+    return _clean(res)
+
+
+def _load_nonfinite(path: Path, device: str | None):
+    """A Pipeline over a verified checkpoint whose EMA weights hold NaN/Inf (``load``
+    refuses those): the same safe loading (safetensors, JSON), without the finiteness check."""
+    from safetensors.torch import load_file
+
+    from ..api import Pipeline
+    from ..config import validate
+    from ..diffusion import make_schedule
+    from ..models import build_model
+    from ..trainer.loop import resolve_device
+
+    dev = torch.device(device) if device is not None else resolve_device("auto")
+    state = json.loads((path / "state.json").read_text())
+    cfg = validate(state["config"], source=f"{path}/state.json config")
+    model = build_model(cfg.model, image_size=cfg.data.image_size, channels=cfg.data.channels)
+    model.load_state_dict(load_file(str(path / "ema.safetensors")))
+    model.to(dev).eval().requires_grad_(False)
+    return Pipeline(model, make_schedule(cfg.diffusion), cfg, dev, path, int(state["step"]))
+
+
+def _f(v: Any, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def format_result(res: dict) -> str:
+    """The human-readable summary of :func:`evaluate_checkpoint`."""
+    lines = [f"{res['num']} samples from {res['checkpoint']} (step {res['step']}; "
+             f"{res['sampler']}, {res['steps']} steps, cfg {res['cfg_scale']}):"]
+    if res.get("num_nonfinite"):
+        lines.append(f"  NON-FINITE samples: {res['num_nonfinite']} of {res['num']} "
+                     "(dropped before measuring)")
+    if "metric" in res:
+        fn = res["feature_net"]
+        fl = res.get("real_floor") or {}
+        lines.append(f"  feature network: {fn['name']} v{fn['version']} at "
+                     f"{fn['image_size']}px, test accuracy {fn['test_accuracy']:.1%}")
+    if res.get("error"):
+        lines.append(f"  no metrics: {res['error']}" if res.get("fd") is None
+                     else f"  warning: {res['error']}")
+    if "metric" in res:
+        rows = [(res["metric"], "fd", ".3f"), ("KID", "kid", ".4f"),
+                ("precision", "precision", ".3f"), ("recall", "recall", ".3f")]
+        for label, key, spec in rows:
+            floor = f"   [real vs real at this N: {_f(fl.get(key), spec)}]" if fl else ""
+            extra = f" ± {_f(res.get('kid_std'), '.4f')}" if key == "kid" else ""
+            lines.append(f"  {label + ':':<12} {_f(res.get(key), spec)}{extra}{floor}")
+        if "class_accuracy" in res:
+            lines.append(f"  {'class acc.:':<12} {_f(res['class_accuracy'], '.1%')}   "
+                         f"[samples classified as the class they were drawn for]")
+    if "inception" in res:
+        inc = res["inception"]
+        lines.append(f"  Inception FID: {_f(inc.get('fid'), '.2f')} "
+                     f"({inc['num_real']} real images, {inc['weights']})")
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("checkpoint", help="checkpoint or run directory")
+    p.add_argument("--num", type=int, default=500,
+                   help="samples to draw (compared with as many real images)")
+    p.add_argument("--sampler", default=None, choices=["ddpm", "ddim", "dpmpp_2m", "euler"],
+                   help="default: the checkpoint config's sample.sampler")
+    p.add_argument("--steps", type=int, default=None, help="default: sample.steps")
+    p.add_argument("--cfg-scale", type=float, default=None, help="default: sample.cfg_scale")
+    p.add_argument("--seed", type=int, default=0, help="sampling and subset seed")
+    p.add_argument("-k", type=int, default=3, help="nearest neighbours for precision/recall")
+    p.add_argument("--inception-weights", default=None, metavar="PATH",
+                   help="also report true FID with the standard FID InceptionV3 weights from "
+                        "this local file (pt_inception-2015-12-05-*.pth; never downloaded)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: auto)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    p.add_argument("--out", default=None, help="also write the figures to this JSON file")
+
+
+def run_cli(a: argparse.Namespace) -> dict:
+    """Evaluate, print the summary (or JSON), optionally write JSON; returns the figures."""
+    if a.num < 2:
+        raise ValueError(f"--num must be at least 2, got {a.num}")
+    if a.steps is not None and a.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {a.steps}")
+    if a.k < 1 or a.k >= a.num:
+        raise ValueError(f"-k must be in [1, {a.num - 1}] (below --num), got {a.k}")
+    res = evaluate_checkpoint(a.checkpoint, num=a.num, sampler=a.sampler, steps=a.steps,
+                              cfg_scale=a.cfg_scale, seed=a.seed, k=a.k,
+                              inception_weights=a.inception_weights, device=a.device)
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(res, indent=1))
+    if a.json:
+        print(json.dumps(res))
+    else:
+        print(format_result(res))
+        if a.out:
+            print(f"  figures: {a.out}")
+    return res
