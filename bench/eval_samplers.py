@@ -2,9 +2,9 @@
 
 Every (sampler, steps) cell draws the same N class-conditional samples (labels cycling 0..9,
 the same seed, so the same starting noise; the checkpoint's CFG scale) from a trained digits
-checkpoint's EMA weights and compares them with the same N real digits (a fixed subset) in
-the digits feature network's space (steadydiff.eval.evaluate). The real-vs-real row (two
-disjoint real subsets of N) is the floor a perfect model would reach at this N.
+checkpoint's EMA weights and compares them with N real digits with the same class counts (a
+fixed subset) in the digits feature network's space (steadydiff.eval.evaluate). The
+real-vs-real row (two disjoint such real subsets) is the floor a perfect model would reach.
 
 Cells run cheapest first and each finished cell is appended to ``--jsonl`` at once, so an
 interrupted run keeps what it measured (rerunning skips the cells already there). ``--plot``
@@ -110,12 +110,15 @@ def main(argv: list[str] | None = None) -> int:
             if a.jsonl:
                 with open(a.jsonl, "a") as f:
                     f.write(json.dumps(row) + "\n")
-    # the floor: two disjoint real subsets of N (no sampling)
+    # the floor: two disjoint real subsets of N with the samples' class counts (no sampling)
     import numpy as np
     from steadydiff.eval import metrics
-    perm = np.random.default_rng(a.seed).permutation(fx.real.shape[0])
-    floor = metrics.compare(fx.real[perm[:a.num]], fx.real[perm[a.num:2 * a.num]],
-                            seed=a.seed) if 2 * a.num <= fx.real.shape[0] else {}
+    from steadydiff.eval.evaluate import reference_subset
+    g = np.random.default_rng(a.seed)
+    y = np.arange(a.num) % pipe.num_classes if pipe.num_classes else None
+    ia = reference_subset(fx.labels, y, a.num, g)
+    floor = metrics.compare(fx.real[ia], fx.real[reference_subset(fx.labels, y, a.num, g, ia)],
+                            seed=a.seed)
     rows = sorted(done, key=lambda r: (SAMPLERS.index(r["sampler"]), r["steps"]))
     print(f"FD-{fx.name} (feature network test accuracy {fx.meta['test_accuracy']:.1%}), "
           f"{a.num} samples per cell, checkpoint {pipe.checkpoint} (step {pipe.step}):")

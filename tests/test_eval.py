@@ -120,16 +120,16 @@ def test_feature_extractor_cache_and_corruption(tmp_path, monkeypatch, capsys):
 
 
 def test_evaluate_samples_counts_nonfinite_and_never_crashes(tmp_path, monkeypatch):
-    monkeypatch.setitem(features.RECIPE, "digits", (30, 32))
+    monkeypatch.setitem(features.RECIPE, "digits", (100, 32))
     fx = features.feature_extractor("digits", 8, cache=tmp_path)
-    real = torch.from_numpy(fx.real)  # noqa: F841  (the reference the metrics use)
     from steadydiff.data import DigitsDataset
     x = DigitsDataset(8).images[:60].clone()
     y = DigitsDataset(8).labels[:60]
     good = evaluate_samples(fx, x, y)
     assert good["num_nonfinite"] == 0 and good["class_accuracy"] > 0.5
     noise = evaluate_samples(fx, torch.rand_like(x) * 2 - 1, y)
-    assert noise["fd"] > 3 * good["fd"] and noise["precision"] < good["precision"]
+    assert noise["fd"] > 2 * good["fd"] and noise["precision"] < good["precision"]
+    assert good["real_floor"]["fd"] < noise["fd"]
     x[:10] = float("nan")
     part = evaluate_samples(fx, x, y)
     assert part["num_nonfinite"] == 10 and part["fd"] is not None
@@ -290,3 +290,58 @@ def test_eval_config_errors_are_clear(tmp_path):
         load_config(None, ["data.dataset=folder", f"data.path={tmp_path}", "eval.every=10"])
     with pytest.raises(ConfigError, match="eval.metric"):
         tiny("eval.metric=fid")
+
+
+# --------------------------------------------------------------------------- Inception
+
+
+@pytest.fixture(scope="module")
+def inception_file(tmp_path_factory):
+    from steadydiff.eval.inception import FIDInceptionV3
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("inc") / "pt_inception-random.pth"
+    torch.save(FIDInceptionV3().state_dict(), path)
+    return path
+
+
+def test_inception_loads_standard_keys_and_gives_2048_features(inception_file):
+    from steadydiff.eval.inception import inception_features, load_inception
+    sd = torch.load(inception_file, weights_only=True)
+    for key in ("Conv2d_1a_3x3.conv.weight", "Mixed_5b.branch_pool.bn.running_var",
+                "Mixed_7c.branch3x3dbl_3b.conv.weight", "fc.weight"):
+        assert key in sd
+    assert sd["fc.weight"].shape == (1008, 2048)
+    net = load_inception(inception_file)
+    f = inception_features(net, torch.rand(2, 1, 16, 16) * 2 - 1)
+    assert f.shape == (2, 2048) and np.isfinite(f).all()
+
+
+def test_inception_bad_files_are_clear(tmp_path, inception_file):
+    from steadydiff.eval.inception import InceptionWeightsError, load_inception
+    with pytest.raises(InceptionWeightsError, match="not found.*never downloads"):
+        load_inception(tmp_path / "missing.pth")
+    sd = torch.load(inception_file, weights_only=True)
+    sd.pop("Mixed_6b.branch7x7_2.conv.weight")
+    sd["AuxLogits.fc.weight"] = torch.zeros(3)
+    torch.save(sd, tmp_path / "bad.pth")
+    with pytest.raises(InceptionWeightsError,
+                       match="missing keys: Mixed_6b.branch7x7_2.conv.weight.*unexpected keys: "
+                             "AuxLogits.fc.weight"):
+        load_inception(tmp_path / "bad.pth")
+    torch.save({"x": object}, tmp_path / "pickle.pth")  # not loadable with weights_only
+    with pytest.raises(InceptionWeightsError, match="cannot be loaded"):
+        load_inception(tmp_path / "pickle.pth")
+
+
+def test_cli_eval_with_inception_weights(tmp_path, inception_file, capsys):
+    run = tmp_path / "r"
+    steadydiff.train(tiny("train.steps=1"), out_dir=run)
+    capsys.readouterr()
+    out = tmp_path / "e.json"
+    assert main(["eval", str(run), "--num", "6", "--steps", "2", "-k", "2",
+                 "--inception-weights", str(inception_file), "--json", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out)  # --json: stdout is one JSON document
+    assert printed == json.loads(out.read_text())
+    inc = printed["inception"]
+    assert inc["fid"] >= 0 and inc["num_real"] == 6 and "rank-deficient" in inc["note"]
+    assert main(["eval", str(run), "--inception-weights", str(tmp_path / "none.pth")]) == 2

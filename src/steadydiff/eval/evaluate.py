@@ -7,7 +7,9 @@ benchmarks: :func:`evaluate_samples`. It
    never a crash: with fewer than ``k + 1`` finite samples, the metrics are ``None`` and the
    result says why);
 2. embeds the rest with the dataset's feature network (``features.py``) and compares them
-   with the same number of real images (a seeded subset of the cached reference features):
+   with the same number of real images (a seeded subset of the cached reference features,
+   with the same count per class as the samples' requested labels, see
+   :func:`reference_subset`):
    ``FD-<dataset>``, KID, precision/recall (k nearest neighbours);
 3. for class-conditional samples, reports how often the feature network's classifier agrees
    with the class each sample was drawn for (``class_accuracy``; the network's own test-split
@@ -79,22 +81,55 @@ def evaluate_samples(fx: FeatureExtractor, x: torch.Tensor, labels: torch.Tensor
         return res
     feats, probs = fx(xf)
     g = np.random.default_rng(seed)
-    perm = g.permutation(fx.real.shape[0])
-    m = min(nf, fx.real.shape[0])
-    real = fx.real[perm[:m]]
+    y = labels[finite].cpu().numpy() if labels is not None else None
+    ia = reference_subset(fx.labels, y, nf, g)
+    real = fx.real[ia]
     res.update(metrics.compare(real, feats, k=k, kid_subsets=kid_subsets,
                                kid_subset_size=kid_subset_size, seed=seed))
-    if labels is not None:
-        y = labels[finite].cpu().numpy()
+    if y is not None:
         pred = probs.argmax(1)
         res["class_accuracy"] = float((pred == y).mean())
     res["confident_rate"] = float((probs.max(1) >= 0.9).mean())
     res["class_coverage"] = int(len(np.unique(probs.argmax(1))))
-    if real_floor and 2 * m <= fx.real.shape[0]:
-        other = fx.real[perm[m:2 * m]]
-        res["real_floor"] = metrics.compare(real, other, k=k, kid_subsets=kid_subsets,
-                                            kid_subset_size=kid_subset_size, seed=seed)
+    if real_floor:
+        try:
+            ib = reference_subset(fx.labels, y, nf, g, exclude=ia)
+        except ValueError:
+            ib = None  # the reference set is too small for a second, disjoint subset
+        if ib is not None:
+            res["real_floor"] = metrics.compare(real, fx.real[ib], k=k, kid_subsets=kid_subsets,
+                                                kid_subset_size=kid_subset_size, seed=seed)
     return _clean(res)
+
+
+def reference_subset(ref_labels: np.ndarray, labels: np.ndarray | None, n: int,
+                     g: np.random.Generator, exclude: np.ndarray | None = None) -> np.ndarray:
+    """Indices of ``n`` reference images, none in ``exclude``.
+
+    With ``labels`` (the classes class-conditional samples were drawn for), the subset has
+    exactly the same number of images of each class: the metric then compares p(x | y) for the
+    same classes, and is not moved by the random class mix of a small real subset (at N=128,
+    class-count noise alone made real-vs-real FD-digits 6x larger than our samples' FD).
+    Without labels: a uniformly random subset.
+
+    Raises:
+        ValueError: not enough reference images (of some class).
+    """
+    free = np.ones(len(ref_labels), bool)
+    if exclude is not None:
+        free[exclude] = False
+    if labels is None:
+        pool = np.flatnonzero(free)
+        if len(pool) < n:
+            raise ValueError(f"only {len(pool)} reference images for {n} samples")
+        return g.choice(pool, n, replace=False)
+    out = []
+    for c, cnt in zip(*np.unique(labels, return_counts=True)):
+        pool = np.flatnonzero(free & (ref_labels == c))
+        if len(pool) < cnt:
+            raise ValueError(f"only {len(pool)} reference images of class {c} for {cnt} samples")
+        out.append(g.choice(pool, cnt, replace=False))
+    return np.concatenate(out)
 
 
 def extractor_for(cfg, *, cache: Path | None = None, verbose: bool = True) -> FeatureExtractor:
@@ -130,6 +165,10 @@ def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500, sampler: str 
     labelled = cfg.data.dataset in ("digits", "fashion_mnist")
     if not labelled and inception_weights is None:
         extractor_for(cfg, cache=cache)  # raises the explanation (folder: no labelled split)
+    inception = None
+    if inception_weights is not None:  # a bad file is refused before any sampling
+        from .inception import load_inception
+        inception = load_inception(inception_weights).to(pipe.device)
     s = cfg.sample
     t0 = time.perf_counter()
     x, y = pipe.sample(num, sampler=sampler, steps=steps, cfg_scale=cfg_scale, seed=seed)
@@ -140,7 +179,8 @@ def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500, sampler: str 
     if inception_weights is not None:
         from .inception import inception_fid
 
-        res["inception"] = inception_fid(inception_weights, x, cfg, seed=seed, cache=cache)
+        res["inception"] = inception_fid(inception_weights, x, cfg, seed=seed, cache=cache,
+                                         net=inception)
         res.setdefault("num", num)
         res.setdefault("num_nonfinite", res["inception"]["num_nonfinite"])
     res.update(checkpoint=str(pipe.checkpoint), step=pipe.step, dataset=cfg.data.dataset,

@@ -18,7 +18,7 @@ Which images, per dataset (``labelled_splits``):
 
 Cache (``$STEADYDIFF_CACHE``, default ``~/.cache/steadydiff``), one folder per
 ``featnet-<dataset>-v<VERSION>-<S>px``: ``weights.safetensors``, ``meta.json`` (accuracies,
-training cost) and ``real_features.npy`` (features of the reference set). Files are written
+training cost), ``real_features.npy`` and ``real_labels.npy`` (the reference set). Files are written
 to a temporary name and renamed; an unreadable or inconsistent file is rebuilt, with a warning.
 """
 
@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 # Bump when the architecture, the training recipe or the preprocessing changes: cached
 # weights and statistics of an older version are then ignored, never mixed.
-VERSION = 1
+VERSION = 2
 FEATURE_DIM = 64
 LABELLED = ("digits", "fashion_mnist")
 # Training recipe per dataset: (optimizer steps, batch size). Digits: ~10 epochs of 1,437
@@ -89,9 +89,9 @@ def cache_dir() -> Path:
 
 
 def labelled_splits(dataset: str, image_size: int, path: str | None = None
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                               torch.Tensor]:
-    """``(x_train, y_train, x_test, y_test, x_reference)`` gray (N, 1, S, S) in [-1, 1].
+                    ) -> tuple[torch.Tensor, ...]:
+    """``(x_train, y_train, x_test, y_test, x_reference, y_reference)``; images gray
+    (N, 1, S, S) in [-1, 1], labels (N,) int64.
 
     Raises:
         ValueError: a dataset without labelled splits (``folder``).
@@ -106,12 +106,12 @@ def labelled_splits(dataset: str, image_size: int, path: str | None = None
         itr, ite = train_test_split(np.arange(len(y)), test_size=0.2, random_state=0,
                                     stratify=y.numpy())
         itr, ite = torch.from_numpy(np.sort(itr)), torch.from_numpy(np.sort(ite))
-        return x[itr], y[itr], x[ite], y[ite], x
+        return x[itr], y[itr], x[ite], y[ite], x, y
     if dataset == "fashion_mnist":
         tr = FashionMNISTDataset(image_size, 1, root=path, split="train")
         te = FashionMNISTDataset(image_size, 1, root=path, split="test")
         xtr = tr.images_at(slice(None)).contiguous()
-        return xtr, tr.labels, te.images_at(slice(None)).contiguous(), te.labels, xtr
+        return xtr, tr.labels, te.images_at(slice(None)).contiguous(), te.labels, xtr, tr.labels
     raise ValueError(
         f"the offline feature network needs a labelled dataset with a train/test split "
         f"({', '.join(LABELLED)}); data.dataset={dataset!r} has none. For an image folder, "
@@ -174,6 +174,7 @@ class FeatureExtractor:
     name: str                 # the metric's name prefix, e.g. "digits"
     net: FeatureNet
     real: np.ndarray          # (N_ref, 64) features of the reference images
+    labels: np.ndarray        # (N_ref,) their class labels
     meta: dict
     path: Path
 
@@ -191,15 +192,16 @@ def _atomic_write(path: Path, write) -> None:
             tmp.unlink()
 
 
-def _save_npy(path: Path, a: np.ndarray) -> None:
+def _save_npy(path: Path, a: np.ndarray, dtype=np.float32) -> None:
     with open(path, "wb") as f:  # a file object: np.save would append ".npy" to a name
-        np.save(f, a.astype(np.float32))
+        np.save(f, a.astype(dtype))
 
 
 def _try_load(folder: Path, num_classes: int) -> FeatureExtractor | None:
     from safetensors.torch import load_file
 
-    files = [folder / n for n in ("weights.safetensors", "meta.json", "real_features.npy")]
+    files = [folder / n for n in ("weights.safetensors", "meta.json", "real_features.npy",
+                                  "real_labels.npy")]
     if not all(f.is_file() for f in files):
         return None
     try:
@@ -207,15 +209,17 @@ def _try_load(folder: Path, num_classes: int) -> FeatureExtractor | None:
         net = FeatureNet(num_classes)
         net.load_state_dict(load_file(str(files[0])))
         real = np.load(files[2], allow_pickle=False)
+        labels = np.load(files[3], allow_pickle=False)
         if meta.get("version") != VERSION or real.shape != (meta["num_reference"], FEATURE_DIM) \
-                or not np.isfinite(real).all():
+                or labels.shape != (real.shape[0],) or not np.isfinite(real).all():
             raise ValueError("metadata and features do not match")
     except Exception as e:  # any corruption: rebuild rather than crash or trust it
         log.warning("feature-network cache %s is unreadable (%s: %s); rebuilding it",
                     folder, type(e).__name__, e)
         print(f"warning: feature-network cache {folder} is unreadable ({e}); rebuilding it", file=sys.stderr)
         return None
-    return FeatureExtractor(meta["name"], net.eval().requires_grad_(False), real, meta, folder)
+    return FeatureExtractor(meta["name"], net.eval().requires_grad_(False), real,
+                            labels.astype(np.int64), meta, folder)
 
 
 def feature_extractor(dataset: str, image_size: int, *, path: str | None = None,
@@ -240,7 +244,7 @@ def feature_extractor(dataset: str, image_size: int, *, path: str | None = None,
     from safetensors.torch import save_file
 
     t0 = time.perf_counter()
-    xtr, ytr, xte, yte, xref = labelled_splits(dataset, image_size, path)
+    xtr, ytr, xte, yte, xref, yref = labelled_splits(dataset, image_size, path)
     steps, bs = RECIPE[dataset]
     if verbose:
         print(f"training the {dataset} feature network ({image_size}px, {steps} steps, "
@@ -261,9 +265,10 @@ def feature_extractor(dataset: str, image_size: int, *, path: str | None = None,
                   lambda p: save_file({k: v.contiguous() for k, v in net.state_dict().items()},
                                       str(p)))
     _atomic_write(folder / "real_features.npy", lambda p: _save_npy(p, real))
+    _atomic_write(folder / "real_labels.npy", lambda p: _save_npy(p, yref.numpy(), np.int64))
     # meta.json last: its presence with matching shapes marks a complete entry
     _atomic_write(folder / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
     if verbose:
         print(f"  feature network: test accuracy {meta['test_accuracy']:.1%} "
               f"({meta['train_seconds']:.0f} s)", file=sys.stderr)
-    return FeatureExtractor(dataset, net, real, meta, folder)
+    return FeatureExtractor(dataset, net, real, yref.numpy(), meta, folder)
