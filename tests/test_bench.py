@@ -37,7 +37,8 @@ def _last_json(stdout: str) -> dict:
 
 
 @pytest.mark.parametrize("script", ["throughput.py", "samplers.py", "stability.py",
-                                    "logging_overhead.py"])
+                                    "logging_overhead.py", "eval_samplers.py",
+                                    "eval_sanity.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -124,3 +125,24 @@ def test_logging_overhead_smoke():
     assert set(out["median_seconds"]) == {"default", "minimal"}
     assert isinstance(out["overhead"], float) and out["report_seconds"] > 0
     assert "default logging overhead" in p.stdout
+
+
+def test_eval_samplers_smoke(tiny_checkpoint, tmp_path):
+    # the feature-network cache is the test session's ($STEADYDIFF_CACHE, tests/conftest.py)
+    jsonl, png = tmp_path / "grid.jsonl", tmp_path / "grid.png"
+    args = [str(tiny_checkpoint), "--num", "20", "--steps", "2,3", "--samplers", "ddim,euler",
+            "--jsonl", str(jsonl), "--plot", str(png), "--json"]
+    out = _last_json(_run("eval_samplers.py", *args).stdout)
+    assert [(r["sampler"], r["steps"]) for r in out["rows"]] == \
+        [("ddim", 2), ("ddim", 3), ("euler", 2), ("euler", 3)]
+    assert all(r["fd"] >= 0 and 0 <= r["precision"] <= 1 for r in out["rows"])
+    assert png.stat().st_size > 0 and len(jsonl.read_text().splitlines()) == 4
+    again = _last_json(_run("eval_samplers.py", *args).stdout)  # resumes: nothing resampled
+    assert len(jsonl.read_text().splitlines()) == 4 and len(again["rows"]) == 4
+
+
+def test_eval_sanity_smoke():
+    out = _last_json(_run("eval_sanity.py", "--num", "60", "--json").stdout)
+    fd = {r["case"]: r["fd"] for r in out["rows"]}
+    assert fd["real vs real (disjoint)"] < fd["real vs uniform noise"]
+    assert out["feature_net"]["test_accuracy"] > 0.9

@@ -232,13 +232,17 @@ def test_eval_during_training_does_not_change_training(tmp_path):
     a, b = _weights(tmp_path / "plain"), _weights(tmp_path / "eval")
     for k in a.model:
         assert torch.equal(a.model[k], b.model[k]), k
-    rows = [json.loads(line) for line in (tmp_path / "eval" / "eval.jsonl").read_text().splitlines()]
+    rows = [json.loads(line)
+            for line in (tmp_path / "eval" / "eval.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [4, 8] and res.stopped_early is None
     assert all(r["metric"] == "FD-digits" and r["fd"] > 0 for r in rows)
     best = tmp_path / "eval" / "checkpoints" / "best"
     assert ckpt.resolve_checkpoint(best).name == f"step_{rows[-1]['best_step']:08d}"
     pipe = steadydiff.load(best)  # the best checkpoint is a normal, loadable checkpoint
     assert pipe.step == rows[-1]["best_step"]
+    from steadydiff.report import write_report
+    page = write_report(tmp_path / "eval").read_text()
+    assert 'alt="FD, precision and recall over steps"' in page
 
 
 def test_best_checkpoint_survives_rotation_and_early_stop_is_resume_safe(tmp_path, capsys):

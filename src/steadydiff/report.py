@@ -72,6 +72,7 @@ class RunLog:
     metrics: list[dict[str, Any]] = field(default_factory=list)
     incidents: list[dict[str, Any]] = field(default_factory=list)
     layers: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)  # eval.jsonl (eval.every)
     summary: dict[str, Any] | None = None
     samples: list[tuple[int, Path]] = field(default_factory=list)
     checkpoints: list[Path] = field(default_factory=list)
@@ -147,7 +148,7 @@ def read_run(run_dir: str | Path) -> RunLog:
     else:
         log.problems.append("config.yaml: missing")
     for name, attr in (("metrics.jsonl", "metrics"), ("incidents.jsonl", "incidents"),
-                       ("layers.jsonl", "layers")):
+                       ("layers.jsonl", "layers"), ("eval.jsonl", "evals")):
         rows, bad = read_jsonl(run_dir / name)
         setattr(log, attr, rows)
         if bad:
@@ -608,6 +609,36 @@ def _plot_lr(log: RunLog, ser: MetricSeries, xlim) -> str | None:
     return _png(fig)
 
 
+def _plot_eval(log: RunLog, xlim) -> str | None:
+    """eval.jsonl: the Fréchet distance (left axis) and precision/recall (right axis)."""
+    rows = [r for r in log.evals if isinstance(r.get("step"), int)]
+    if not rows:
+        return None
+    steps = [r["step"] for r in rows]
+    fig = _figure(2.6)
+    ax = fig.add_subplot()
+    fd = [v if _finite(v := r.get("fd")) else float("nan") for r in rows]
+    ax.plot(steps, fd, color="#1f77b4", marker="o", lw=1.5, label=rows[-1].get("metric", "FD"))
+    ax.set_ylabel("Fréchet distance")
+    ax2 = ax.twinx()
+    for key, color in (("precision", "#2ca02c"), ("recall", "#d62728")):
+        ax2.plot(steps, [v if _finite(v := r.get(key)) else float("nan") for r in rows],
+                 color=color, marker=".", lw=1, ls="--", label=key)
+    ax2.set_ylim(0, 1.05)
+    best = [r for r in rows if r.get("improved")]
+    if best:
+        ax.axvline(best[-1]["step"], color="gray", ls=":", lw=1)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, fontsize=7, loc="upper left", bbox_to_anchor=(1.1, 1.0),
+              frameon=False)
+    ax.set_xlim(*xlim)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    ax.set_title("evaluation (eval.jsonl; dotted: the best checkpoint)", fontsize=10, loc="left")
+    return _png(fig)
+
+
 def _plot_scale(log: RunLog, ser: MetricSeries, xlim) -> str | None:
     sc = ser.col("grad_scale")
     if not any(math.isfinite(v) for v in sc):
@@ -965,6 +996,9 @@ def render(log: RunLog) -> str:
                          "gradient norm", "No gradient norms logged."))
     sections.append(plot(lambda: _plot_lr(log, ser, xlim), "LR plot", "learning rate",
                          "No learning rates logged."))
+    if log.evals:
+        sections.append(plot(lambda: _plot_eval(log, xlim), "evaluation plot",
+                             "FD, precision and recall over steps", ""))
     if any(_finite(r.get("grad_scale")) for r in ser.rows):
         sections.append(plot(lambda: _plot_scale(log, ser, xlim), "grad-scaler plot",
                              "grad scaler scale", ""))

@@ -72,7 +72,8 @@ class EarlyStopping:
         return {"best": self.best, "best_step": self.best_step, "bad": self.bad}
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
-        self.best, self.best_step, self.bad = d.get("best"), d.get("best_step"), int(d.get("bad", 0))
+        self.best, self.best_step = d.get("best"), d.get("best_step")
+        self.bad = int(d.get("bad", 0))
 
 
 class TrainingEvaluator:

@@ -216,7 +216,8 @@ def _try_load(folder: Path, num_classes: int) -> FeatureExtractor | None:
     except Exception as e:  # any corruption: rebuild rather than crash or trust it
         log.warning("feature-network cache %s is unreadable (%s: %s); rebuilding it",
                     folder, type(e).__name__, e)
-        print(f"warning: feature-network cache {folder} is unreadable ({e}); rebuilding it", file=sys.stderr)
+        print(f"warning: feature-network cache {folder} is unreadable ({e}); rebuilding it",
+              file=sys.stderr)
         return None
     return FeatureExtractor(meta["name"], net.eval().requires_grad_(False), real,
                             labels.astype(np.int64), meta, folder)

@@ -84,7 +84,8 @@ class InceptionB(nn.Module):  # Mixed_6a: 35x35 -> 17x17
 class InceptionC(nn.Module):  # Mixed_6b/c/d/e: 17x17, factorized 7x7
     def __init__(self, cin: int, c7: int) -> None:
         super().__init__()
-        row, col = dict(kernel_size=(1, 7), padding=(0, 3)), dict(kernel_size=(7, 1), padding=(3, 0))
+        row = dict(kernel_size=(1, 7), padding=(0, 3))  # a 1x7 then a 7x1: a factorized 7x7
+        col = dict(kernel_size=(7, 1), padding=(3, 0))
         self.branch1x1 = BasicConv2d(cin, 192, 1)
         self.branch7x7_1 = BasicConv2d(cin, c7, 1)
         self.branch7x7_2 = BasicConv2d(c7, c7, **row)
@@ -212,9 +213,9 @@ def load_inception(path: str | Path) -> FIDInceptionV3:
     try:
         sd = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
+        first = (str(e).splitlines() or [""])[0]
         raise InceptionWeightsError(f"{p}: cannot be loaded as a tensor state dict "
-                                    f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
-                                    ) from None
+                                    f"({type(e).__name__}: {first})") from None
     if not isinstance(sd, dict):
         raise InceptionWeightsError(f"{p}: holds a {type(sd).__name__}, expected a state dict")
     net = FIDInceptionV3()
