@@ -109,10 +109,10 @@ def test_two_processes_match_one_process_with_the_same_global_batch(two, one):
     (r0, _), _ = ranks(two)
     (p0,), _ = ranks(one, 1)
     diff = max_diff(r0, p0)
-    assert diff < 1e-4, diff
+    assert diff < 1e-5, diff  # measured 5.5e-7 after 8 steps
     m2 = [json.loads(x)["loss"] for x in (two / "metrics.jsonl").read_text().splitlines()]
     m1 = [json.loads(x)["loss"] for x in (one / "metrics.jsonl").read_text().splitlines()]
-    assert m2 == pytest.approx(m1, rel=1e-4)
+    assert m2 == pytest.approx(m1, rel=1e-5)  # measured 1.1e-7
 
 
 def test_fault_on_one_rank_makes_every_rank_act_the_same(tmp_path, two):
@@ -164,7 +164,7 @@ def test_resume_on_another_world_size_says_so_and_matches(tmp_path, one):
     assert "sample order and the noise are the same" in log
     (p,), _ = ranks(tmp_path, 1)
     (ref,), _ = ranks(one, 1)
-    assert max_diff(p, ref) < 1e-4
+    assert max_diff(p, ref) < 1e-5
 
 
 def test_a_hung_rank_fails_the_group_at_the_collective_timeout(tmp_path):
@@ -201,7 +201,8 @@ def test_fingerprint_is_bitwise_and_dtype_agnostic():
         c[i].view(-1)[:1].view(ints).bitwise_xor_(1)  # one low bit
         assert not torch.equal(distributed.tensor_fingerprint(a),
                                distributed.tensor_fingerprint(c))
-    swapped = [a[0].flip(0), a[1], a[2]]  # same values, different places
+    swapped = [a[0].clone(), a[1], a[2]]  # same values, two neighbours exchanged
+    swapped[0].view(-1)[:2] = a[0].view(-1)[:2].flip(0)
     assert not torch.equal(distributed.tensor_fingerprint(a),
                            distributed.tensor_fingerprint(swapped))
 

@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
 RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
-               "data.path", "train.on_save_error", "sample.", "logging.", "faults")
+               "data.path", "train.on_save_error", "sample.", "logging.", "faults",
+               "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every")
 
 
 @dataclass
