@@ -377,8 +377,13 @@ def test_sampler_rank_slices_disjoint_and_cover():
         flat = [k for p in parts for k in p]
         assert flat == glob.batch_indices(b) == ranks[0].global_batch_indices(b)
         assert len(set(flat)) == B  # disjoint
-    with pytest.raises(ValueError, match="divisible by world_size"):
-        StreamBatchSampler(n, 10, seed=0, world_size=3)
+    # uneven: 10 over 3 ranks is 3/3/4, still disjoint, covering, in the global order
+    uneven = [StreamBatchSampler(n, 10, seed=5, rank=r, world_size=W) for r in range(W)]
+    assert [len(u.batch_indices(4)) for u in uneven] == [3, 3, 4]
+    assert [k for u in uneven for k in u.batch_indices(4)] == \
+        StreamBatchSampler(n, 10, seed=5).batch_indices(4)
+    with pytest.raises(ValueError, match="at least world_size"):
+        StreamBatchSampler(n, 2, seed=0, world_size=3)
     with pytest.raises(DataError, match="empty"):
         StreamBatchSampler(0, 4, seed=0)
 

@@ -3,13 +3,15 @@
 Thin by design: parse arguments, build a config, call a library function. Exit codes:
 0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments),
 3 aborted because instability persisted past the recovery budget, 4 a checkpoint could not be
-written (disk full, permission denied) with train.on_save_error=stop.
+written (disk full, permission denied) with train.on_save_error=stop, 5 (torchrun) the process
+group failed: another rank died or hung past train.dist_timeout / train.watchdog_timeout.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -25,7 +27,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="steadydiff", formatter_class=_Formatter,
         description="Train diffusion models that do not crash.",
         epilog="exit codes: 0 finished (with or without recoveries), 2 bad input, 3 aborted "
-               "(instability past the recovery budget), 4 could not write a checkpoint")
+               "(instability past the recovery budget), 4 could not write a checkpoint, "
+               "5 distributed failure (a rank died or hung). Multi-process: "
+               "torchrun --nproc_per_node=N -m steadydiff train CONFIG (docs/distributed.md)")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", formatter_class=_Formatter,
@@ -127,9 +131,12 @@ def cmd_train(a: argparse.Namespace) -> int:
         return EXIT_OK
     out = Path(a.out) if a.out else Path("runs") / Path(a.config).stem
     resume = a.resume if a.resume else (not a.no_resume)
-    print(f"run directory: {out}")
-    print(cfg.to_yaml(), end="")
+    say = print if int(os.environ.get("RANK", 0)) == 0 else (lambda *_a, **_k: None)
+    say(f"run directory: {out}")
+    say(cfg.to_yaml(), end="")
     res = run(cfg, run_dir=out, resume=resume, allow_config_change=a.allow_config_change)
+    if say is not print:  # torchrun: rank 0 reports for the group
+        return EXIT_OK
     print(f"\nfinished {res.steps} steps in {res.seconds:.0f}s"
           + (f", final loss {res.final_loss:.4f}" if res.final_loss is not None else ""))
     print(f"  checkpoint: {res.checkpoint}")
@@ -185,6 +192,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from .config import ConfigError
     from .data import DataError
+    from .distributed import EXIT_DIST_FAILURE, DistributedError
     from .guard import GuardAbort
     from .trainer.checkpoint import CheckpointError
     from .trainer.loop import CheckpointSaveError
@@ -204,6 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointSaveError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_SAVE_FAILED
+    except DistributedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_DIST_FAILURE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

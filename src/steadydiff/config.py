@@ -159,6 +159,13 @@ class TrainConfig(Section):
     ema_decay: float = Field(0.999, ge=0.0, lt=1.0)
     ema_warmup: bool = Field(True, description="decay ramps as min(decay, (1+n)/(10+n))")
     ema_start: int = Field(0, ge=0, description="first optimizer step that updates EMA")
+    dist_timeout: float = Field(
+        600.0, gt=0.0, le=86400.0, description="torchrun: seconds a collective may wait for "
+        "the other ranks before failing (a peer died or hung); longer than the slowest "
+        "sample-grid/checkpoint/eval pause of rank 0")
+    watchdog_timeout: float = Field(
+        1800.0, ge=0.0, description="torchrun: end a rank whose training made no progress "
+        "for this many seconds (stacks printed, exit 5); 0 disables the watchdog")
     on_save_error: Literal["retry", "stop"] = Field(
         "retry", description="disk full / permission denied while saving a checkpoint: keep "
         "training and retry at the next checkpoint (retry), or stop cleanly (stop)")
@@ -264,6 +271,9 @@ class GuardConfig(Section):
     weight_jump: float = Field(10.0, gt=1.0, description="a parameter whose norm grows this "
                                "x in one step (RMS floor 0.05) is corrupt: roll back")
     provenance: bool = Field(True, description="replay a non-finite step to name the module")
+    rank_check_every: int = Field(100, ge=0, description="torchrun: every N steps compare a "
+                                  "fingerprint of the weights across ranks; a mismatch is an "
+                                  "incident and the ranks are resynchronized; 0 disables it")
     # recovery
     snapshot_every: int = Field(50, ge=1, description="steps between verified snapshots")
     snapshots: int = Field(3, ge=1, le=100, description="snapshot ring size (in memory)")
@@ -291,16 +301,21 @@ class FaultConfig(Section):
     """One injected fault (for tests and the stability benchmark; see docs/faults.md)."""
 
     kind: Literal["nan_batch", "outlier_batch", "loss_scale", "lr_scale", "param_nan",
-                  "param_huge", "grad_nan", "fp16_overflow", "oom", "kill"]
+                  "param_huge", "bitflip", "grad_nan", "fp16_overflow", "oom", "kill",
+                  "hang"]
     step: int = Field(ge=0, description="optimizer step at which it fires")
     factor: float | None = Field(None, description="outlier/loss/lr/huge multiplier (default "
                                  "1e4; fp16_overflow 1e5); oom: the largest micro-batch that "
-                                 "fits (default: half the current one)")
+                                 "fits (default: half the current one); hang: seconds "
+                                 "(default: forever)")
     steps: int = Field(1, ge=1, description="lr_scale: for how many steps")
     target: str | None = Field(None, description="parameter (param_*, grad_nan) or module "
                                "(fp16_overflow) name; None: a default one")
     where: Literal["before_step", "in_step", "in_checkpoint"] = Field(
-        "in_step", description="kill: where in the step the process is killed")
+        "in_step", description="kill, hang: where in the step the process is killed / "
+        "stops responding")
+    rank: int | None = Field(None, ge=0, description="torchrun: fire on this rank only; "
+                             "None: on every rank")
 
 
 class Config(Section):

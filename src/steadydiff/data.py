@@ -642,15 +642,18 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
     generator seeded by a hash of ``(seed, e)``. Global batch ``b`` is stream positions
     ``[b*B, (b+1)*B)``: an epoch boundary may fall inside a batch, and a dataset smaller than
     the batch simply contributes several epochs to one batch. Rank ``r`` of ``world_size``
-    takes the contiguous slice ``[r*B/W, (r+1)*B/W)`` of each global batch, so ranks are
-    disjoint and together cover it. The state is one integer: batches consumed.
+    takes the contiguous slice ``[floor(r*B/W), floor((r+1)*B/W))`` of each global batch, so
+    ranks are disjoint and together cover it, and the sample order does not depend on the
+    world size (a run resumed on another number of processes sees the same data). The state is
+    one integer: batches consumed.
 
     Args:
         num_samples: dataset length n (>= 1).
-        batch_size: the *global* batch B (all ranks together); each rank yields B / W keys.
+        batch_size: the *global* batch B (all ranks together); each rank yields about B / W
+            keys (exactly, when W divides B).
         seed: the run seed.
         start_batch: the first batch to yield (the resume position).
-        rank, world_size: this process's slice under DDP; B must be divisible by world_size.
+        rank, world_size: this process's slice under DDP; B >= world_size.
     """
 
     def __init__(self, num_samples: int, batch_size: int, *, seed: int, start_batch: int = 0,
@@ -663,9 +666,9 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, world_size), got rank={rank}, "
                              f"world_size={world_size}")
-        if batch_size % world_size:
-            raise ValueError(f"batch_size ({batch_size}) must be divisible by world_size "
-                             f"({world_size}); each rank takes batch_size / world_size samples")
+        if batch_size < world_size:
+            raise ValueError(f"batch_size ({batch_size}) must be at least world_size "
+                             f"({world_size}): every rank needs one sample per step")
         if start_batch < 0:
             raise ValueError(f"start_batch must be >= 0, got {start_batch}")
         self.num_samples = num_samples
@@ -674,7 +677,11 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
         self.start_batch = start_batch
         self.rank = rank
         self.world_size = world_size
-        self.local_batch_size = batch_size // world_size
+        # rank r's slice of each global batch: [lo, hi); sizes differ by at most one when
+        # world_size does not divide batch_size
+        self.lo = batch_size * rank // world_size
+        self.hi = batch_size * (rank + 1) // world_size
+        self.local_batch_size = self.hi - self.lo
         # A small LRU of permutations: a batch touches at most two epochs unless n < B.
         # Caching cannot change results; it only saves the randperm (O(n)).
         self._perms: OrderedDict[int, torch.Tensor] = OrderedDict()
@@ -709,8 +716,8 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
 
     def batch_indices(self, b: int) -> list[StreamKey]:
         """This rank's ``(index, epoch)`` keys of batch ``b``; a pure function of ``b``."""
-        start = b * self.batch_size + self.rank * self.local_batch_size
-        return self._positions(start, start + self.local_batch_size)
+        start = b * self.batch_size
+        return self._positions(start + self.lo, start + self.hi)
 
     def epoch_of(self, b: int) -> int:
         """The epoch of batch ``b``'s first (global) stream position."""
@@ -774,7 +781,7 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
 
     Args:
         dataset: any dataset accepted by ``as_pairs``.
-        batch_size: the global batch B; each rank gets b = B / world_size samples.
+        batch_size: the global batch B; each rank gets its slice (about B / world_size).
         seed: the run seed (permutations and augmentation derive from it).
         start_batch: batches already consumed (the resume position): the loader starts with
             the batch the killed run would have seen next.

@@ -6,8 +6,10 @@ samplers.py: ddpm, ddim, dpmpp_2m, euler as plain functions; ``Denoiser`` (CFG);
 """
 
 from .objectives import (
+    Draws,
     LossOutput,
     diffusion_loss,
+    draw,
     loss_weights,
     q_sample,
     sample_timesteps,
@@ -28,7 +30,7 @@ from .schedules import Schedule, make_schedule
 
 __all__ = [
     "Schedule", "make_schedule",
-    "LossOutput", "diffusion_loss", "loss_weights", "q_sample", "sample_timesteps",
+    "Draws", "LossOutput", "diffusion_loss", "draw", "loss_weights", "q_sample", "sample_timesteps",
     "to_x0_eps", "training_target",
     "SAMPLERS", "Denoiser", "ddim", "ddpm", "dpmpp_2m", "euler", "sample", "sampling_timesteps",
 ]

@@ -3,8 +3,9 @@
 Forward process (Ho et al. 2020, eq. 4): x_t = alpha_t·x0 + sigma_t·eps, alpha² + sigma² = 1.
 Targets: eps (Ho et al. 2020), x0, or v = alpha·eps - sigma·x0 (Salimans & Ho 2022, §4).
 All randomness of one loss evaluation comes from one explicit ``torch.Generator``, in a fixed
-order (t, noise, label dropout), so replaying a batch with the same generator state reproduces
-it bit for bit; the stability guard relies on this to re-run a suspicious step.
+order (t, noise, label dropout), or from :class:`Draws` made that way for a whole global batch,
+so replaying a batch reproduces it bit for bit; the stability guard relies on this to re-run a
+suspicious step, and distributed training on it to be independent of the world size.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import Tensor, nn
 from ..config import DiffusionConfig
 from .schedules import Schedule
 
-__all__ = ["LossOutput", "sample_timesteps", "q_sample", "training_target", "to_x0_eps",
+__all__ = ["Draws", "LossOutput", "draw", "sample_timesteps", "q_sample", "training_target", "to_x0_eps",
            "loss_weights", "diffusion_loss"]
 
 Prediction = Literal["eps", "x0", "v"]
@@ -172,27 +173,64 @@ def loss_weights(cfg: DiffusionConfig, snr: Tensor) -> Tensor:
     raise ValueError(f"unknown prediction {cfg.prediction!r}; valid: eps, x0, v")
 
 
+@dataclass
+class Draws:
+    """The random draws of one loss evaluation: timesteps t (N,) long, noise like x0, and
+    uniforms u (N,) for label dropout (dropped where u < cfg_dropout)."""
+
+    t: Tensor
+    noise: Tensor
+    u: Tensor
+
+    def __getitem__(self, s: slice) -> "Draws":
+        return Draws(self.t[s], self.noise[s], self.u[s])
+
+
+def draw(n: int, shape: tuple[int, ...], cfg: DiffusionConfig, T: int,
+         generator: torch.Generator, device: torch.device | str | None = None,
+         dtype: torch.dtype = torch.float32) -> Draws:
+    """Draw, in this order and all from ``generator``, t (n,), noise (n, *shape), u (n,).
+
+    The trainer draws once per step for the *global* batch and gives each rank and
+    micro-batch its slice, so the randomness of sample i of global batch b does not depend
+    on how the batch is split (world size, gradient accumulation).
+    """
+    t = sample_timesteps(n, cfg, T, generator, device)
+    noise = torch.randn((n, *shape), generator=generator, device=device, dtype=dtype)
+    u = torch.rand(n, generator=generator, device=device)
+    return Draws(t, noise, u)
+
+
 def diffusion_loss(model: nn.Module, x0: Tensor, y: Tensor | None, schedule: Schedule,
-                   cfg: DiffusionConfig, generator: torch.Generator) -> LossOutput:
+                   cfg: DiffusionConfig, generator: torch.Generator | None = None, *,
+                   draws: Draws | None = None) -> LossOutput:
     """One evaluation of the denoising loss on a batch.
 
-    Draws, in this order and all from ``generator``: t (N,), noise like x0, and (when y is
-    given and cfg.cfg_dropout > 0) the label-dropout mask (N,), which replaces y by the null
-    class ``model.num_classes`` with probability cfg.cfg_dropout (Ho & Salimans 2022).
-    The per-sample loss is the weighted MSE in prediction space, averaged over C, H, W; it is
-    computed in float32 whatever the autocast dtype of the model output. No host syncs.
+    Randomness: either ``draws`` (pre-drawn, see :func:`draw`), or :func:`draw` from
+    ``generator``: t (N,), noise like x0, and the label-dropout uniforms (N,); where
+    u < cfg.cfg_dropout (and y is given) y is replaced by the null class ``model.num_classes``
+    (Ho & Salimans 2022). The per-sample loss is the weighted MSE in prediction space,
+    averaged over C, H, W; it is computed in float32 whatever the autocast dtype of the model
+    output. No host syncs.
 
     Args:
         model: denoiser ``model(x, t, y) -> out``, t (N,) float timesteps.
         x0: (N, C, H, W) clean data in [-1, 1]. y: (N,) long labels or None.
         schedule: the noise schedule. cfg: the diffusion config section.
-        generator: torch.Generator on x0's device.
+        generator: torch.Generator on x0's device (when ``draws`` is None).
+        draws: the draws for exactly these N samples.
     Returns:
         LossOutput(loss 0-dim, per_sample (N,), t (N,) long).
     """
     n, device = x0.shape[0], x0.device
-    t = sample_timesteps(n, cfg, schedule.T, generator, device)  # (N,)
-    noise = torch.randn(x0.shape, generator=generator, device=device, dtype=x0.dtype)
+    if draws is None:
+        if generator is None:
+            raise ValueError("diffusion_loss needs a generator or pre-drawn draws")
+        draws = draw(n, tuple(x0.shape[1:]), cfg, schedule.T, generator, device, x0.dtype)
+    if draws.t.shape[0] != n or draws.noise.shape != x0.shape:
+        raise ValueError(f"draws for {draws.t.shape[0]} samples of {tuple(draws.noise.shape)} "
+                         f"do not match the batch {tuple(x0.shape)}")
+    t, noise = draws.t, draws.noise.to(x0.dtype)
     alpha, sigma = schedule.alpha_sigma(t)  # (N,) float32 table lookups
     x_t = q_sample(x0, alpha, sigma, noise)  # (N, C, H, W)
 
@@ -202,8 +240,7 @@ def diffusion_loss(model: nn.Module, x0: Tensor, y: Tensor | None, schedule: Sch
             raise ValueError("labels y were given but the model is unconditional "
                              "(model.num_classes == 0); pass y=None")
         if cfg.cfg_dropout > 0:
-            drop = torch.rand(n, generator=generator, device=device) < cfg.cfg_dropout
-            y = torch.where(drop, torch.full_like(y, null), y)
+            y = torch.where(draws.u < cfg.cfg_dropout, torch.full_like(y, null), y)
 
     out = model(x_t, t.to(torch.float32), y)
     target = training_target(cfg.prediction, x0, noise, alpha, sigma)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -85,9 +86,14 @@ class FaultInjector:
     # ---- the hooks, in the order the step calls them
 
     def kill(self, step: int, where: str) -> None:
-        for _, f in self._active(step, ("kill",)):
-            if f.where == where:
+        """``kill``: SIGKILL this process; ``hang``: stop responding (sleep) without dying,
+        as a deadlocked worker or a stuck filesystem would."""
+        for _, f in self._active(step, ("kill", "hang")):
+            if f.where != where:
+                continue
+            if f.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(f.factor if f.factor is not None else 10**9)
 
     def lr(self, step: int, lr: float) -> float:
         for _, f in self._active(step, ("lr_scale",)):
@@ -157,8 +163,9 @@ class FaultInjector:
 
     @torch.no_grad()
     def params(self, step: int, model: nn.Module) -> None:
-        """After the optimizer step: corrupt a parameter (NaN, or scaled by ``factor``)."""
-        for _, f in self._active(step, ("param_nan", "param_huge")):
+        """After the optimizer step: corrupt a parameter (NaN, scaled by ``factor``, or one
+        flipped low bit: the silent corruption only a cross-rank fingerprint can see)."""
+        for _, f in self._active(step, ("param_nan", "param_huge", "bitflip")):
             params = dict(model.named_parameters())
             name = f.target or _default_param(model)
             if name not in params:
@@ -166,11 +173,16 @@ class FaultInjector:
             p = params[name]
             if f.kind == "param_nan":
                 p.view(-1)[0] = float("nan")
+            elif f.kind == "bitflip":  # silent data corruption: the lowest mantissa bit
+                ints = {4: torch.int32, 2: torch.int16, 8: torch.int64}[p.element_size()]
+                p.view(-1)[:1].view(ints).bitwise_xor_(1)
             else:
                 p.mul_(f.factor)
             self._record(f, step, param=name, factor=f.factor)
 
 
-def make_injector(faults: list[FaultConfig]) -> FaultInjector | None:
-    """An injector for ``faults``, or None when there are none (zero cost)."""
-    return FaultInjector(faults) if faults else None
+def make_injector(faults: list[FaultConfig], rank: int = 0) -> FaultInjector | None:
+    """An injector for the ``faults`` that fire on ``rank`` (a fault with ``rank: None``
+    fires on every rank), or None when there are none (zero cost)."""
+    mine = [f for f in faults if f.rank is None or f.rank == rank]
+    return FaultInjector(mine) if mine else None

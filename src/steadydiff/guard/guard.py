@@ -19,7 +19,9 @@ itself when the step is healthy. Every intervention is an :class:`Incident`, app
 Per step the guard costs one small host sync (loss, grad norm, per-t-bucket loss sums) and one
 fused finiteness reduction over the parameters before the EMA sees them; snapshots every
 ``snapshot_every`` steps; probes and provenance replays only every N steps or on incidents.
-Flags are all-reduced across ranks before any action, so every rank decides the same.
+Under DDP each rank's numbers are gathered before any action (one small collective per step),
+so every rank decides the same; the replicas' weights are compared by fingerprint every
+``rank_check_every`` steps (see docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import distributed
 from ..config import GuardConfig
 from . import clipping, probes, provenance
 from .detectors import BucketLossSpike, Divergence, Finding, GradSpike, Overflow, RunningStats
@@ -234,6 +237,7 @@ class Guard:
                                         device=self._params[0].device if self._params else None)
         self._prev_norms: torch.Tensor | None = None
         self._probe_forward: Callable[[], object] | None = None
+        self._bad_rank: int | None = None  # the rank where this step's bad value appeared
         self.snapshot()
 
     # ------------------------------------------------------------------ the step
@@ -267,26 +271,31 @@ class Guard:
             self.scaler.unscale_(self.optimizer)
         gnorm = clipping.total_norm(self._params)
 
-        # ---- one host sync: loss, grad norm, input range, per-bucket loss sums/counts
+        # ---- one host sync: loss, grad norm, input range, per-bucket loss sums/counts.
+        # Under DDP every rank's row is gathered (one collective) and every rank decides from
+        # the same numbers: a NaN on one rank makes all of them skip or roll back together.
+        ps = per_sample_loss.detach().float() if per_sample_loss is not None else None
+        n_local = float(ps.numel()) if ps is not None else 1.0
         parts = [loss.detach().float().mean().reshape(1), gnorm.float().reshape(1).to(loss.device)]
         parts.append((inputs.detach().float().abs().amax().reshape(1).to(loss.device)
                       if inputs is not None else torch.zeros(1, device=loss.device)))
+        parts.append(torch.full((1,), n_local, device=loss.device))
         nb = c.t_buckets
-        if t is not None and per_sample_loss is not None:
+        if t is not None and ps is not None:
             b = (t.long() * nb // self.T).clamp_(0, nb - 1)
-            ps = per_sample_loss.detach().float()
             parts += [torch.zeros(nb, device=ps.device).index_add_(0, b, ps),
                       torch.bincount(b, minlength=nb).float()]
-        vec = torch.cat(parts)
-        world = 1
-        if dist.is_available() and dist.is_initialized():
-            world = dist.get_world_size()
-            dist.all_reduce(vec)  # sums; a NaN anywhere reaches every rank
-        host = vec.cpu().tolist()  # host sync here, once per step
-        loss_v, gnorm_v, in_max = host[0] / world, host[1] / world, host[2]
+        rows = distributed.gather_rows(torch.cat(parts)).cpu()  # host sync, once per step
+        world = rows.shape[0]
+        self._bad_rank = _first_bad_rank(rows[:, :3]) if world > 1 else None
+        # the global mean loss (ranks may hold different shares of an uneven batch)
+        loss_v = float((rows[:, 0] * rows[:, 3]).sum() / rows[:, 3].sum())
+        gnorm_v = float(rows[:, 1].mean())
+        col = rows[:, 2]
+        in_max = float(col.max()) if bool(torch.isfinite(col).all()) else float("nan")
         buckets: list[float | None] = [None] * nb
-        if len(host) > 3:
-            sums, counts = host[3:3 + nb], host[3 + nb:3 + 2 * nb]
+        if rows.shape[1] > 4:
+            sums, counts = rows[:, 4:4 + nb].sum(0).tolist(), rows[:, 4 + nb:].sum(0).tolist()
             buckets = [s / n if n else None for s, n in zip(sums, counts)]
 
         # ---- detection (cheap, host side)
@@ -320,6 +329,8 @@ class Guard:
                 l_spike.evidence["grad_norm"] = g_spike.evidence
 
         if finding is not None:
+            if self._bad_rank is not None:
+                finding.evidence["rank"] = self._bad_rank  # where the bad value appeared
             if finding.severity == "spike":
                 finding.evidence.update(self._spike_evidence())
             if c.provenance and finding.kind != "bad_batch":
@@ -380,6 +391,9 @@ class Guard:
         if trend is not None:
             return self._rollback(trend, loss_v, gnorm_v, reason="slow divergence",
                                   oldest=True)
+        mismatch = None
+        if world > 1 and c.rank_check_every and prog.step % c.rank_check_every == 0:
+            mismatch = self.check_ranks()
         if prog.step % c.snapshot_every == 0:
             self.snapshot()
         if c.probe_every and prog.step % c.probe_every == 0 and probe_forward is not None:
@@ -391,7 +405,7 @@ class Guard:
         else:
             clipped_v = float(clipped)  # host sync: per_layer/agc only
         return Decision("step", prog.step, prog.batches_consumed, loss_v, gnorm_v,
-                        grad_norm_clipped=clipped_v,
+                        incident=mismatch, grad_norm_clipped=clipped_v,
                         loss_t=buckets if t is not None and per_sample_loss is not None else None)
 
     # ------------------------------------------------------------------ actions
@@ -576,6 +590,9 @@ class Guard:
     # ------------------------------------------------------------------ evidence
 
     def _provenance(self, replay, num_micro, after_backward) -> dict:
+        """Replay this rank's micro-batches (locally: the replay must run the unwrapped
+        model, no collectives) and, under DDP, merge every rank's trace: the first rank whose
+        replay went bad names the module."""
         nonfinite = provenance.nonfinite_grads(self.net)
         out: dict[str, Any] = {"nonfinite_grad_params": nonfinite[:5],
                                "nonfinite_grad_count": len(nonfinite)}
@@ -584,7 +601,15 @@ class Guard:
                 out.update(provenance.trace(self.net, replay, num_micro, after_backward))
             except Exception as e:  # a replay must never take the run down
                 out["replay_error"] = f"{type(e).__name__}: {e}"
-        return out
+        ranks = distributed.gather_objects(out)  # one collective, on incidents only
+        if len(ranks) == 1:
+            return out
+        named = [r for r, o in enumerate(ranks)
+                 if o.get("first_nonfinite_module") or o.get("first_overflow_module")]
+        reproduced = [r for r, o in enumerate(ranks) if o.get("reproduced")]
+        src = (named or reproduced or [0])[0]
+        return {**ranks[src], "rank": src,
+                "ranks_reproduced": reproduced, "world_size": len(ranks)}
 
     def _spike_evidence(self) -> dict[str, Any]:
         """Which layers dominate the gradient, and which weights moved most since the last
@@ -651,6 +676,37 @@ class Guard:
             with open(self.run_dir / "incidents.jsonl", "a") as fh:
                 fh.write(json.dumps(inc.row()) + "\n")
         return inc
+
+    # ------------------------------------------------------------------ rank consistency
+
+    def check_ranks(self) -> Incident | None:
+        """Compare a bitwise fingerprint of the weights (and EMA) across ranks (one small
+        gather). DDP keeps replicas identical only if every rank applies identical updates;
+        a rank that drifted (a bit flip, a non-deterministic kernel, a local change) is an
+        incident: every rank takes the majority's state (the lowest rank holding it), the
+        snapshot ring restarts from it, and training goes on. Returns the incident or None.
+        """
+        tensors = list(self._params) + (self.ema.tensors() if self.ema else [])
+        prints = distributed.gather_rows(distributed.tensor_fingerprint(tensors)).cpu()
+        keys = [tuple(r.tolist()) for r in prints]
+        if len(set(keys)) == 1:
+            return None
+        votes = {k: keys.count(k) for k in keys}
+        best = max(votes.values())
+        src = next(r for r, k in enumerate(keys) if votes[k] == best)
+        odd = [r for r, k in enumerate(keys) if k != keys[src]]
+        distributed.broadcast_tensors(tensors + distributed.optimizer_tensors(self.optimizer),
+                                      src=src)
+        self._prev_norms = None
+        self.ring.ring.clear()
+        self.snapshot()
+        return self._record(Finding("rank_mismatch", "fatal", {
+            "ranks_differing": odd, "source_rank": src, "world_size": len(keys),
+            "fingerprints": [list(k) for k in keys],
+            "note": "the replicas' weights differ bitwise across ranks: a rank applied a "
+                    "different update (memory corruption, a non-deterministic or local "
+                    "operation outside DDP)"}), "resync",
+            diagnosis={"why": f"rank(s) {odd} resynchronized from rank {src}"})
 
     # ------------------------------------------------------------------ snapshots
 
@@ -758,5 +814,15 @@ def _one_line(inc: Incident) -> str:
     return ""
 
 
-def _is_main() -> bool:
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+def _first_bad_rank(rows: torch.Tensor) -> int | None:
+    """The rank where a non-finite value appeared, from the (loss, grad norm, input max)
+    rows: inputs and losses are per rank, but DDP's all-reduce spreads one rank's non-finite
+    gradient to every rank, so the grad norm only counts when nothing else is bad."""
+    for col in (2, 0, 1):
+        bad = (~torch.isfinite(rows[:, col])).nonzero()
+        if len(bad):
+            return int(bad[0])
+    return None
+
+
+_is_main = distributed.is_main

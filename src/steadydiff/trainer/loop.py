@@ -5,8 +5,9 @@
 
 The per-step work is :func:`train_step`, a plain function over :class:`TrainState`, so the
 stability guard and the tests call exactly the code the trainer runs. Progress is counted in
-one unit, optimizer steps; all randomness of a step is derived from (seed, step, micro-batch,
-rank), so a resumed run replays the same timesteps, noise and label dropout.
+one unit, optimizer steps; all randomness of a step is derived from (seed, step) for the whole
+global batch, so a resumed run replays the same timesteps, noise and label dropout, and so does
+a run on another number of processes (torchrun: see docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -25,10 +26,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from .. import seeding
+from .. import distributed, seeding
 from ..config import Config, ConfigError, config_diff, validate
 from ..data import as_pairs, build_dataset, make_loader
-from ..diffusion import Schedule, diffusion_loss, make_schedule, sample
+from ..diffusion import Draws, Schedule, diffusion_loss, draw, make_schedule, sample
 from ..eval.during import make_evaluator
 from ..eval.grid import grid_nrow, save_grid
 from ..guard import Decision, Guard, GuardAbort, clipping
@@ -46,7 +47,8 @@ log = logging.getLogger(__name__)
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
 RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
-               "data.path", "train.on_save_error", "sample.", "logging.", "faults", "eval.")
+               "data.path", "train.on_save_error", "sample.", "logging.", "faults", "eval.",
+               "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every")
 
 
 @dataclass
@@ -66,6 +68,8 @@ class TrainState:
     batches_consumed: int = 0     # data position: global batches drawn from the stream
     bad_images: set[int] = field(default_factory=set)  # indices found unloadable in training
     rank: int = 0
+    world_size: int = 1
+    ddp: nn.Module | None = None  # the DistributedDataParallel wrapper under torchrun
     guard: Guard | None = None
     faults: FaultInjector | None = None  # None unless faults are configured: zero cost
     evaluator: Any = None  # eval.during.TrainingEvaluator when eval.every > 0
@@ -118,21 +122,38 @@ class TrainingDiverged(GuardAbort):
 # --------------------------------------------------------------------------- one step
 
 
-def _micro_loss(state: TrainState, xm: torch.Tensor, ym: torch.Tensor | None, step: int,
-                micro: int, weight: float):
-    """Forward pass of one micro-batch; every random draw from the (seed, step, micro, rank)
-    generator, so calling it again replays it exactly (the guard's provenance does)."""
+def _micro_loss(state: TrainState, xm: torch.Tensor, ym: torch.Tensor | None,
+                draws: Draws, step: int, weight: float, local: bool = False):
+    """Forward pass of one micro-batch with its slice of the step's draws, so calling it
+    again replays it exactly (the guard's provenance does). ``local`` runs the unwrapped
+    model: a replay or probe on one rank must not enter DDP's collectives."""
     faults = state.faults
-    gen = seeding.generator(state.device, state.cfg.train.seed, step, micro, state.rank)
+    model = state.model if local or state.ddp is None else state.ddp
     if faults:
         faults.micro_batch(step, xm.shape[0])
     with prec.autocast(state.precision, state.device), \
             (faults.forward(step, state.model) if faults else contextlib.nullcontext()):
-        out = diffusion_loss(state.model, xm, ym, state.schedule, state.cfg.diffusion, gen)
+        out = diffusion_loss(model, xm, ym, state.schedule, state.cfg.diffusion, draws=draws)
     loss, per_sample = out.loss.float() * weight, out.per_sample.detach().float()
     if faults:
         loss, per_sample = faults.loss(step, loss), faults.loss(step, per_sample)
     return loss, per_sample, out.t
+
+
+def step_draws(state: TrainState, step: int, x: torch.Tensor) -> tuple[Draws, int]:
+    """This rank's slice of step ``step``'s random draws, and the global batch size.
+
+    The draws are made for the whole global batch from a generator seeded by (seed, step)
+    and each rank takes the slice of its samples, so sample i of a global batch gets the same
+    timestep, noise and label dropout for any world size and gradient accumulation.
+    """
+    cfg = state.cfg
+    world, n = state.world_size, x.shape[0]
+    total = cfg.train.batch_size if world > 1 else n
+    lo = total * state.rank // world
+    gen = seeding.generator(state.device, cfg.train.seed, step)
+    d = draw(total, tuple(x.shape[1:]), cfg.diffusion, state.schedule.T, gen, state.device)
+    return d[lo:lo + n], total
 
 
 def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput:
@@ -141,8 +162,9 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
 
     With a guard, the guard inspects the step after the backward pass and applies, skips or
     rolls back the update (see :class:`Guard`); an out-of-memory error halves the micro-batch
-    and retries. Randomness comes from generators seeded by (seed, step, micro, rank), so the
-    same batch at the same step reproduces exactly.
+    and retries. Randomness comes from :func:`step_draws`, so the same batch at the same step
+    reproduces exactly. Under torchrun ``batch`` is this rank's slice of the global batch and
+    DDP averages the gradients (one all-reduce per step, in the last micro-batch).
     """
     cfg, model, opt, faults, guard = state.cfg, state.model, state.optimizer, state.faults, \
         state.guard
@@ -158,20 +180,34 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
         x, lr = faults.batch(step, x), faults.lr(step, lr)
     set_lr(opt, lr)
 
+    draws, total = step_draws(state, step, x)
     while True:  # retried only after an out-of-memory backoff
         xs, ys = x.chunk(state.grad_accum), (y.chunk(state.grad_accum) if y is not None
                                             else [None] * state.grad_accum)
+        offsets = [0]
+        for xm in xs:
+            offsets.append(offsets[-1] + xm.shape[0])
+        ds = [draws[a:b] for a, b in zip(offsets, offsets[1:])]
+        # each micro-batch's share of the global mean; DDP averages over ranks, hence x world
+        weights = [xm.shape[0] * state.world_size / total for xm in xs]
         try:
             losses, ts = [], []
             for micro, (xm, ym) in enumerate(zip(xs, ys)):
-                loss, per_sample, t = _micro_loss(state, xm, ym, step, micro,
-                                                  xm.shape[0] / x.shape[0])
-                (state.scaler.scale(loss) if state.scaler else loss).backward()
+                # DDP all-reduces the gradients once, in the last micro-batch's backward
+                sync = (state.ddp.no_sync() if state.ddp is not None and micro < len(xs) - 1
+                        else contextlib.nullcontext())
+                with sync:
+                    loss, per_sample, t = _micro_loss(state, xm, ym, ds[micro], step,
+                                                      weights[micro])
+                    (state.scaler.scale(loss) if state.scaler else loss).backward()
                 losses.append(per_sample)
                 ts.append(t)
             break
         except torch.OutOfMemoryError as e:
-            if guard is None:
+            if guard is None or state.world_size > 1:
+                # under DDP the other ranks already wait in the gradient all-reduce: a local
+                # backoff cannot rejoin them. The rank fails, torchrun stops the group, and
+                # the rerun resumes (with a smaller train.batch_size or more grad_accum).
                 raise
             new = guard.handle_oom(xs[0].shape[0], e)
             if new is None:
@@ -193,11 +229,11 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
             layer_grads = layer_grads / state.scaler.get_scale()
 
     def probe_forward():
-        return _micro_loss(state, xs[0], ys[0], step, 0, 1.0)
+        return _micro_loss(state, xs[0], ys[0], ds[0], step, 1.0, local=True)
 
     if guard is not None:
         def replay(i: int) -> torch.Tensor:
-            loss_i = _micro_loss(state, xs[i], ys[i], step, i, xs[i].shape[0] / x.shape[0])[0]
+            loss_i = _micro_loss(state, xs[i], ys[i], ds[i], step, weights[i], local=True)[0]
             return state.scaler.scale(loss_i) if state.scaler else loss_i
 
         d = guard.step(per_sample.mean(), t=t_all, per_sample_loss=per_sample, inputs=x,
@@ -253,10 +289,16 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def configure_runtime(cfg: Config, device: torch.device) -> None:
+def configure_runtime(cfg: Config, device: torch.device,
+                      ctx: distributed.DistContext = distributed.DistContext()) -> None:
     """Threads, seeds and the deterministic mode, before anything random happens."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
+    elif ctx.enabled and device.type == "cpu":
+        # N ranks on one node each starting one thread per core oversubscribe it (2-10x
+        # slower measured on 2 cores): share the cores out
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     if cfg.train.deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
@@ -268,8 +310,10 @@ def configure_runtime(cfg: Config, device: torch.device) -> None:
     seeding.seed_everything(cfg.train.seed)
 
 
-def build_state(cfg: Config, num_classes_in_data: int, device: torch.device) -> TrainState:
-    """Model, EMA, optimizer, scaler and schedule for ``cfg`` (fresh, not resumed)."""
+def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
+                ctx: distributed.DistContext = distributed.DistContext()) -> TrainState:
+    """Model, EMA, optimizer, scaler and schedule for ``cfg`` (fresh, not resumed; not yet
+    wrapped in DDP)."""
     if cfg.model.num_classes and num_classes_in_data > cfg.model.num_classes:
         raise ConfigError(
             f"the data has {num_classes_in_data} classes but model.num_classes is "
@@ -287,7 +331,7 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device) -> 
         scaler=prec.make_scaler(cfg.train.precision, device),
         schedule=make_schedule(cfg.diffusion), device=device,
         precision=cfg.train.precision, grad_accum=cfg.train.grad_accum,
-        faults=make_injector(cfg.faults))
+        rank=ctx.rank, world_size=ctx.world_size, faults=make_injector(cfg.faults, ctx.rank))
 
 
 def attach_guard(state: TrainState, run_dir: Path | None) -> Guard | None:
@@ -325,13 +369,32 @@ def state_dict(state: TrainState) -> dict[str, Any]:
         "guard": state.guard.state_dict() if state.guard else None,
         "eval": state.evaluator.state_dict() if state.evaluator else None,
         "config": state.cfg.to_dict(), "torch": torch.__version__,
+        "world_size": state.world_size,
     }
 
 
 def save(state: TrainState, run_dir: Path) -> Path | None:
     """Write a checkpoint. On disk full / permission denied the previous checkpoint stays
     intact; ``train.on_save_error`` decides between retrying at the next checkpoint
-    (returns None) and stopping (raises :class:`CheckpointSaveError`)."""
+    (returns None) and stopping (raises :class:`CheckpointSaveError`).
+
+    Under torchrun rank 0 writes (the replicas are identical) and tells every rank the
+    outcome, so all of them go on, or all raise the same error, together."""
+    if state.world_size == 1:
+        return _save(state, run_dir)
+    outcome: tuple[str, Any] | None = None
+    if state.rank == 0:
+        try:
+            outcome = ("ok", _save(state, run_dir))
+        except (TrainingDiverged, CheckpointSaveError) as e:
+            outcome = ("error", e)
+    kind, value = distributed.broadcast_object(outcome)
+    if kind == "error":
+        raise value
+    return value
+
+
+def _save(state: TrainState, run_dir: Path) -> Path | None:
     faults = state.faults
     on_file = (lambda _name: faults.kill(state.step, "in_checkpoint")) if faults else None
     try:
@@ -403,7 +466,7 @@ def check_resume_config(saved: Config, cfg: Config, allow_change: bool) -> list[
 
 def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset | None = None,
         resume: str | Path | bool = True, allow_config_change: bool = False) -> RunResult:
-    """Train ``cfg`` into ``run_dir``.
+    """Train ``cfg`` into ``run_dir``; under torchrun, one rank of a DDP group.
 
     Args:
         cfg: a resolved config.
@@ -416,31 +479,67 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
         allow_config_change: accept config changes on resume that break exactness.
 
     Returns:
-        A :class:`RunResult`.
+        A :class:`RunResult` (on every rank; only rank 0 wrote files).
+
+    Raises:
+        distributed.DistributedError: a collective failed (another rank died or hung).
     """
+    owned = not (torch.distributed.is_available() and torch.distributed.is_initialized())
+    ctx, device = distributed.setup(cfg.train.device, cfg.train.dist_timeout)
+    try:
+        with distributed.Watchdog(cfg.train.watchdog_timeout if ctx.enabled else 0,
+                                  ctx.rank) as watchdog:
+            return _run(cfg, ctx, device, watchdog, Path(run_dir), dataset, resume,
+                        allow_config_change)
+    except torch.distributed.DistError as e:
+        raise distributed.DistributedError(distributed.describe_failure(e, ctx)) from e
+    except RuntimeError as e:
+        if ctx.enabled and _is_collective_failure(e):
+            raise distributed.DistributedError(distributed.describe_failure(e, ctx)) from e
+        raise
+    finally:
+        if owned:
+            distributed.teardown()
+
+
+def _is_collective_failure(e: RuntimeError) -> bool:
+    """gloo reports a timed-out or broken peer as a plain RuntimeError."""
+    text = str(e).lower()
+    return any(k in text for k in ("gloo", "nccl", "connection closed by peer",
+                                   "timed out", "connection reset"))
+
+
+def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
+         watchdog: distributed.Watchdog, run_dir: Path, dataset, resume,
+         allow_config_change: bool) -> RunResult:
     t_start = time.perf_counter()
-    run_dir = Path(run_dir)
-    device = resolve_device(cfg.train.device)
+    main = ctx.is_main
+    say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     prec.check_precision(cfg.train.precision, device, cfg.train.allow_slow_precision)
     for warning in lint(cfg, device):  # dangerous but legal settings: say why, at start
-        print(f"warning: {warning}")
-    configure_runtime(cfg, device)
+        say(f"warning: {warning}")
+    configure_runtime(cfg, device, ctx)
 
     data = as_pairs(dataset) if dataset is not None else build_dataset(cfg.data)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
-    state = build_state(cfg, getattr(data, "num_classes", 0), device)
+    state = build_state(cfg, getattr(data, "num_classes", 0), device, ctx)
     state.evaluator = make_evaluator(cfg, run_dir)
 
-    # ---- resume: the same command again continues the run
+    # ---- resume: the same command again continues the run; rank 0 picks the checkpoint
+    # and every rank reads that one
     resumed_from: Path | None = None
     source: Path | None = None
-    if resume is True:
-        source = ckpt.latest_good(run_dir / "checkpoints")
-    elif resume:
-        source = ckpt.resolve_checkpoint(resume)
-    elif ckpt.list_checkpoints(run_dir / "checkpoints"):
-        raise ConfigError(f"{run_dir} already holds checkpoints; resume it, or choose a new "
-                          "--out directory (nothing there is overwritten)")
+    if main:
+        if resume is True:
+            source = ckpt.latest_good(run_dir / "checkpoints")
+        elif resume:
+            source = ckpt.resolve_checkpoint(resume)
+        elif ckpt.list_checkpoints(run_dir / "checkpoints"):
+            source = ConfigError(f"{run_dir} already holds checkpoints; resume it, or choose "
+                                 "a new --out directory (nothing there is overwritten)")
+    source = distributed.broadcast_object(source)
+    if isinstance(source, Exception):
+        raise source
     if source is not None:
         c = ckpt.load_checkpoint(source, device)
         saved_cfg = validate(c.state["config"], f"{source}/state.json config")
@@ -449,47 +548,61 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
         changes = check_resume_config(saved_cfg, cfg, allow_config_change or done)
         restore(state, c)
         resumed_from = source
-        print(f"resumed from {source} at step {state.step}"
-              + (" (the run is already complete)" if done else "")
-              + ("; config changes:\n" + "\n".join(changes) if changes else ""))
+        say(f"resumed from {source} at step {state.step}"
+            + (" (the run is already complete)" if done else "")
+            + ("; config changes:\n" + "\n".join(changes) if changes else ""))
+        saved_world = int(c.state.get("world_size", 1))
+        if saved_world != ctx.world_size:
+            say(f"note: the checkpoint was written by {saved_world} process(es), this run has "
+                f"{ctx.world_size}: the global batch, the sample order and the noise are the "
+                "same (batches are split by position), but the gradient reduction order "
+                "differs, so the result matches an uninterrupted run to rounding, not "
+                "bit for bit")
+    if ctx.enabled:
+        state.ddp = distributed.wrap(state.model, device)  # broadcasts rank 0's weights
 
-    guard = attach_guard(state, run_dir)
+    guard = attach_guard(state, run_dir if main else None)
     if guard is not None and source is not None and c.state.get("guard"):
         guard.load_state_dict(c.state["guard"])
         if c.state["config"]["optim"] != cfg.optim.model_dump(mode="json"):
             guard.max_lr = 0.0  # an LR change the user accepted is not an lr_spike
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    for name in ("metrics.jsonl", "layers.jsonl", "incidents.jsonl", "eval.jsonl"):
-        telemetry.truncate_jsonl(run_dir / name, state.step)
-    tb = telemetry.TensorBoard(run_dir) if cfg.logging.tensorboard else None
+    tb = None
+    if main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())
+        for name in ("metrics.jsonl", "layers.jsonl", "incidents.jsonl", "eval.jsonl"):
+            telemetry.truncate_jsonl(run_dir / name, state.step)
+        tb = telemetry.TensorBoard(run_dir) if cfg.logging.tensorboard else None
 
     def batches_from(position: int):
         return iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
                                 start_batch=position, hflip=cfg.data.hflip,
-                                num_workers=cfg.data.num_workers,
-                                pin_memory=device.type == "cuda"))
+                                num_workers=cfg.data.num_workers, rank=ctx.rank,
+                                world_size=ctx.world_size, pin_memory=device.type == "cuda"))
 
     batches = batches_from(state.batches_consumed)
     samples: list[Path] = []
     last_ckpt: Path | None = source
     total = cfg.train.steps
-    bar = tqdm(total=total, initial=state.step, disable=not cfg.logging.progress,
+    bar = tqdm(total=total, initial=state.step, disable=not (cfg.logging.progress and main),
                dynamic_ncols=True, desc="train")
     window: list[StepOutput] = []
     tick = time.perf_counter()
     last_loss: float | None = None
     saved = state.step
     try:
-        with open(run_dir / "metrics.jsonl", "a") as metrics, \
-                open(run_dir / "layers.jsonl", "a") as layers:
+        with (open(run_dir / "metrics.jsonl", "a") if main else contextlib.nullcontext()) \
+                as metrics, \
+                (open(run_dir / "layers.jsonl", "a") if main else contextlib.nullcontext()) \
+                as layers:
             while state.step < total and not (state.evaluator and state.evaluator.stopped):
+                watchdog.beat(f"step {state.step}")
                 out = train_step(state, next(batches))
                 d = out.decision
                 if d is not None and d.action != "step":
                     if d.precision:
-                        print(f"guard: precision fallback {state.precision} -> {d.precision}")
+                        say(f"guard: precision fallback {state.precision} -> {d.precision}")
                         set_precision(state, d.precision)
                     if d.action == "abort":
                         raise GuardAbort(f"aborted at step {state.step}: "
@@ -497,8 +610,8 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                                          d.incident)
                     if d.action == "rollback":
                         bar.n = state.step
-                        print(f"guard: rolled back to step {state.step} ({d.incident.kind}); "
-                              f"data continues at batch {state.batches_consumed}")
+                        say(f"guard: rolled back to step {state.step} ({d.incident.kind}); "
+                            f"data continues at batch {state.batches_consumed}")
                         batches = batches_from(state.batches_consumed)
                         window, saved = [], min(saved, state.step)
                     continue
@@ -506,7 +619,7 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                 step = state.step
                 bar.update(1)
 
-                if out.layer_grad_norms is not None:  # a layer-statistics step
+                if out.layer_grad_norms is not None and main:  # a layer-statistics step
                     layers.write(json.dumps(telemetry.layer_stats(state, out)) + "\n")
                     layers.flush()
                 if step % cfg.logging.log_every == 0 or step == total:
@@ -515,22 +628,31 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                                                 skipped_at_scan + len(state.bad_images))
                     tick, window = now, []
                     last_loss = row["loss"]
-                    metrics.write(json.dumps(row) + "\n")
-                    metrics.flush()
-                    if tb:
-                        tb.scalars(row)
-                    bar.set_postfix_str(_status(row), refresh=False)
+                    if main:
+                        metrics.write(json.dumps(row) + "\n")
+                        metrics.flush()
+                        if tb:
+                            tb.scalars(row)
+                        bar.set_postfix_str(_status(row), refresh=False)
 
                 if state.evaluator is not None and state.evaluator.due(step):
-                    state.evaluator.run(state, tb)  # before the checkpoint: it holds the result
-                if (cfg.train.sample_every and step % cfg.train.sample_every == 0) \
-                        or step == total:
+                    # before the checkpoint, which holds the result; rank 0 measures, every
+                    # rank takes its best/patience state, so all stop early together
+                    if main:
+                        watchdog.beat(f"evaluation at step {step}")
+                        state.evaluator.run(state, tb)
+                    state.evaluator.load_state_dict(
+                        distributed.broadcast_object(state.evaluator.state_dict()))
+                if ((cfg.train.sample_every and step % cfg.train.sample_every == 0)
+                        or step == total) and main:
+                    watchdog.beat(f"sample grid at step {step}")
                     samples.append(write_sample_grid(
                         state, run_dir / "samples" / f"step_{step:08d}.png"))
                     if tb:
                         tb.image(samples[-1], step)
                 if ((cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
                         or step == total) and step != saved:
+                    watchdog.beat(f"checkpoint at step {step}")
                     written = save(state, run_dir)
                     if written is not None:
                         last_ckpt, saved = written, step
@@ -541,14 +663,15 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                                               f"{state.step}; see the errors above")
     except GuardAbort as e:
         bar.close()
-        _finish(state, run_dir, "aborted", reason=str(e), tb=tb)
+        if main:
+            _finish(state, run_dir, "aborted", reason=str(e), tb=tb)
         raise
     bar.close()
     stopped = state.evaluator.stop_reason() if state.evaluator and state.evaluator.stopped \
         else None
     if stopped:
-        print(stopped)
-    summary = _finish(state, run_dir, "finished", reason=stopped, tb=tb)
+        say(stopped)
+    summary = _finish(state, run_dir, "finished", reason=stopped, tb=tb) if main else None
     return RunResult(run_dir, state.step, last_loss, last_ckpt, samples, resumed_from,
                      time.perf_counter() - t_start,
                      incidents=guard.num_incidents if guard else 0, guard_summary=summary,

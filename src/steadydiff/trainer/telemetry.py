@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from .. import distributed
 from ..config import ConfigError
 
 if TYPE_CHECKING:
@@ -65,7 +66,11 @@ def metrics_row(state: "TrainState", window: list["StepOutput"], sec_per_step: f
         stats = torch.stack([torch.stack([o.loss.float(), o.grad_norm.float().to(o.loss.device),
                                           o.grad_norm_clipped.float().to(o.loss.device)])
                              for o in window])
-        loss, gnorm, clipped = stats.mean(0).tolist()
+        stats = stats.mean(0)
+        if distributed.active():  # without the guard, each rank only has its own share
+            torch.distributed.all_reduce(stats)
+            stats /= torch.distributed.get_world_size()
+        loss, gnorm, clipped = stats.tolist()
     g, cfg = state.guard, state.cfg
     row = {
         "step": state.step, "images_seen": state.step * cfg.train.batch_size,

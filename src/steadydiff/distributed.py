@@ -1,0 +1,275 @@
+"""torchrun / DistributedDataParallel: process-group setup, rank-consistent helpers, and
+the safety nets that keep a failing group from hanging.
+
+steadydiff has no launcher and no communication layer of its own: ``torchrun`` starts the
+processes and sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous; this module
+reads them, joins the group (NCCL on CUDA, gloo on CPU) and offers the few collectives the
+trainer and the guard need. Design rules:
+
+- Every action is decided identically on every rank: per-rank observations are *gathered*
+  before the guard decides, never acted on locally (a rank that skipped a backward the others
+  made leaves them waiting in the gradient all-reduce until the collective timeout:
+  ``bench/ddp.py`` measures exactly that).
+- Nothing waits forever. Collectives time out after ``train.dist_timeout`` seconds with an
+  error naming the likely cause, and a wall-clock watchdog ends a process whose step has made
+  no progress for ``train.watchdog_timeout`` seconds (a hang outside any collective).
+- Only rank 0 writes files; every rank reads the same checkpoint (rank 0 picks it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+# exit status of a process that the watchdog ended, or whose collective timed out (a peer
+# died or hung); 0/2/3/4 are the CLI's (finished / bad input / aborted / save failed)
+EXIT_DIST_FAILURE = 5
+
+
+class DistributedError(RuntimeError):
+    """The process group failed: a peer died or hung, or a collective timed out."""
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in the group (a single process is rank 0 of 1)."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    backend: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or any launcher using its env protocol) started this process."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def setup(device_name: str, timeout_s: float) -> tuple[DistContext, torch.device]:
+    """Join the process group if launched by torchrun; pick this rank's device.
+
+    Args:
+        device_name: the config's ``train.device`` (auto | cpu | cuda).
+        timeout_s: collective timeout in seconds.
+
+    Returns:
+        ``(context, device)``. Without torchrun: ``DistContext()`` and the plain device.
+        With torchrun: NCCL and ``cuda:LOCAL_RANK`` when CUDA is used, else gloo on the CPU.
+    """
+    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
+        if dist.is_available() and dist.is_initialized():  # a caller set up the group itself
+            return _context_of_group(), _device(use_cuda, int(os.environ.get("LOCAL_RANK", 0)))
+        return DistContext(), _device(use_cuda, None)
+    local = int(os.environ["LOCAL_RANK"])
+    if use_cuda and not torch.cuda.is_available():
+        raise DistributedError("train.device=cuda but no CUDA device is available on this "
+                               "node; use train.device=cpu (gloo) or auto")
+    if use_cuda and local >= torch.cuda.device_count():
+        raise DistributedError(
+            f"LOCAL_RANK {local} but this node has only {torch.cuda.device_count()} CUDA "
+            f"device(s); start at most {torch.cuda.device_count()} processes per node "
+            "(--nproc_per_node)")
+    backend = "nccl" if use_cuda else "gloo"
+    if use_cuda:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=torch.device("cuda", local) if use_cuda else None)
+    return _context_of_group(backend), _device(use_cuda, local)
+
+
+def _device(use_cuda: bool, local: int | None) -> torch.device:
+    if not use_cuda:
+        return torch.device("cpu")
+    return torch.device("cuda", local) if local is not None else torch.device("cuda")
+
+
+def _context_of_group(backend: str | None = None) -> DistContext:
+    return DistContext(dist.get_rank(), dist.get_world_size(),
+                       int(os.environ.get("LOCAL_RANK", 0)), backend or dist.get_backend())
+
+
+def teardown() -> None:
+    """Leave the process group (at the end of a run, or on the way out of a failure)."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group cannot always be destroyed cleanly
+            pass
+
+
+def active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def is_main() -> bool:
+    """Rank 0, or not distributed: the process that writes files and prints."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def wrap(model: nn.Module, device: torch.device) -> nn.Module:
+    """DistributedDataParallel around ``model`` (parameters broadcast from rank 0).
+
+    Buffers are constants in our models (position tables): synced once at construction, not
+    re-broadcast on every forward (that would put a collective into the guard's local replays
+    and probes).
+    """
+    return nn.parallel.DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None,
+        forward_sync_buffers=False)
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s ``obj`` on every rank (pickled: small, trusted, same-job data only)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order, on every rank (one entry when not distributed)."""
+    if not active():
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather_rows(vec: torch.Tensor) -> torch.Tensor:
+    """Stack every rank's 1-D ``vec`` into a (world, n) tensor on every rank (one
+    collective). Gathering rather than summing keeps each rank's own values, so a finding can
+    name the rank it came from and a max is a max."""
+    if not active():
+        return vec.unsqueeze(0)
+    parts = [torch.empty_like(vec) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, vec.contiguous())
+    return torch.stack(parts)
+
+
+def all_ok(flag: bool, device: torch.device) -> bool:
+    """True on every rank iff ``flag`` is True on every rank."""
+    if not active():
+        return flag
+    t = torch.tensor([0.0 if flag else 1.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item() == 0.0
+
+
+def tensor_fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A cheap bitwise fingerprint of ``tensors``: (2,) int64 on their device.
+
+    Each tensor's bytes are read as integers and summed in int64, over all positions and
+    over the even ones, so any single changed bit and most moves of values change it. Exactly
+    equal tensors on two ranks give exactly equal fingerprints (integer arithmetic, no
+    rounding). Cost: one pass over the weights, no copies, no host sync (bench/ddp.py).
+    """
+    dev = tensors[0].device if tensors else torch.device("cpu")
+    ints = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+    acc = torch.zeros(2, dtype=torch.int64, device=dev)
+    for t in tensors:
+        v = t.detach().reshape(-1).view(ints[t.element_size()])
+        acc[0] += v.sum(dtype=torch.int64)
+        acc[1] += v[::2].sum(dtype=torch.int64)
+    return acc
+
+
+def broadcast_tensors(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Overwrite ``tensors`` on every rank with rank ``src``'s values, in place."""
+    if not active():
+        return
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t.data, src=src)
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The optimizer's state tensors (Adam moments, step counts), in a fixed order."""
+    out: list[torch.Tensor] = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            for k in sorted(opt.state.get(p, {})):
+                v = opt.state[p][k]
+                if isinstance(v, torch.Tensor):
+                    out.append(v)
+    return out
+
+
+def describe_failure(e: BaseException, ctx: DistContext) -> str:
+    """A readable account of a collective failure (timeout, a peer gone)."""
+    text = str(e).splitlines()[0][:300] if str(e) else type(e).__name__
+    return (f"rank {ctx.rank}/{ctx.world_size}: a collective failed ({text}). Another rank "
+            "most likely died (see its log above: torchrun prints the first failure) or hung "
+            "past train.dist_timeout. Rerun the same command to resume from the last "
+            "checkpoint.")
+
+
+class Watchdog:
+    """Ends this process if no heartbeat arrives for ``timeout_s`` seconds.
+
+    A rank stuck outside any collective (a deadlocked data worker, a hung filesystem) would
+    otherwise keep its peers waiting until their collective timeout and keep the job alive
+    forever. On expiry the watchdog prints every thread's stack (the evidence) and exits with
+    ``EXIT_DIST_FAILURE``; torchrun then stops the other ranks. ``timeout_s <= 0`` disables it.
+    """
+
+    def __init__(self, timeout_s: float, rank: int = 0):
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self._last = time.monotonic()
+        self._what = "start"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def beat(self, what: str) -> None:
+        """Progress was made (``what`` is named if the next one never comes)."""
+        self._last = time.monotonic()
+        self._what = what
+
+    def __enter__(self) -> "Watchdog":
+        if self.timeout_s > 0:
+            self._thread = threading.Thread(target=self._watch, name="steadydiff-watchdog",
+                                            daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(5.0, self.timeout_s / 4)):
+            idle = time.monotonic() - self._last
+            if idle > self.timeout_s:
+                print(f"\nwatchdog: rank {self.rank} made no progress for {idle:.0f}s (last: "
+                      f"{self._what}; train.watchdog_timeout={self.timeout_s:g}s); stacks of "
+                      "every thread follow, then this process exits "
+                      f"{EXIT_DIST_FAILURE}", file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                sys.stderr.flush()
+                os._exit(EXIT_DIST_FAILURE)
+
+
+__all__ = ["DistContext", "DistributedError", "EXIT_DIST_FAILURE", "Watchdog", "active",
+           "all_ok", "broadcast_object", "broadcast_tensors", "describe_failure",
+           "gather_objects", "gather_rows", "is_main", "launched_by_torchrun",
+           "optimizer_tensors", "setup", "teardown", "tensor_fingerprint", "wrap"]

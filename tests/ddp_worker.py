@@ -1,0 +1,56 @@
+"""One training process for the distributed tests: ``steadydiff``'s own ``run``, plus a dump
+of what only this rank knows (its weights, EMA, optimizer state and guard decisions), so the
+tests can compare ranks. Started by torchrun (or plainly, as a one-process run):
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 ddp_worker.py CONFIG OUT \
+        [SECTION.KEY=VALUE ...]
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from steadydiff import distributed  # noqa: E402
+from steadydiff.cli import main as cli_main  # noqa: E402
+from steadydiff.trainer import loop  # noqa: E402
+
+torch.set_num_threads(1)
+captured = {}
+_step = loop.train_step
+
+
+def spy(state, batch):
+    captured["state"] = state
+    return _step(state, batch)
+
+
+def dump(out: Path) -> None:
+    state = captured.get("state")
+    if state is None:
+        return
+    tensors = {f"model.{k}": v for k, v in state.model.state_dict().items()}
+    tensors.update({f"ema.{k}": v for k, v in state.ema.module.state_dict().items()})
+    for i, t in enumerate(distributed.optimizer_tensors(state.optimizer)):
+        tensors[f"optim.{i}"] = t.reshape(-1)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+              str(out / f"rank{state.rank}.safetensors"))
+    incidents = [{"step": i.step, "kind": i.kind, "action": i.action,
+                  "rank": i.evidence.get("rank"), "evidence": i.evidence}
+                 for i in (state.guard.incidents if state.guard else [])]
+    (out / f"rank{state.rank}.json").write_text(json.dumps(
+        {"step": state.step, "batches_consumed": state.batches_consumed,
+         "world_size": state.world_size, "incidents": incidents}, default=str))
+
+
+if __name__ == "__main__":
+    loop.train_step = spy
+    config, out, *overrides = sys.argv[1:]
+    rc = cli_main(["train", config, "--out", out] + (["--set", *overrides] if overrides else []))
+    dump(Path(out))
+    sys.exit(rc)
