@@ -349,3 +349,16 @@ def test_cli_eval_with_inception_weights(tmp_path, inception_file, capsys):
     inc = printed["inception"]
     assert inc["fid"] >= 0 and inc["num_real"] == 6 and "rank-deficient" in inc["note"]
     assert main(["eval", str(run), "--inception-weights", str(tmp_path / "none.pth")]) == 2
+
+
+def test_two_ranks_evaluate_once_and_stop_early_together(tmp_path):
+    # torchrun with two CPU processes: rank 0 measures and writes, both ranks get its
+    # best/patience state and stop at the same step (a rank that kept going would hang)
+    from test_distributed import launch, ranks
+    rc, log = launch(tmp_path, "eval.every=2", "eval.patience=1", "eval.min_delta=1e9", *EVAL)
+    assert rc == 0, log
+    _, info = ranks(tmp_path)
+    assert [i["step"] for i in info] == [4, 4]
+    rows = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["improved"]) for r in rows] == [(2, True), (4, False)]
+    assert "early stopping" in json.loads((tmp_path / "summary.json").read_text())["reason"]
