@@ -38,7 +38,7 @@ def _last_json(stdout: str) -> dict:
 
 @pytest.mark.parametrize("script", ["throughput.py", "samplers.py", "stability.py",
                                     "logging_overhead.py", "eval_samplers.py",
-                                    "eval_sanity.py"])
+                                    "eval_sanity.py", "eval_curves.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -146,3 +146,16 @@ def test_eval_sanity_smoke():
     fd = {r["case"]: r["fd"] for r in out["rows"]}
     assert fd["real vs real (disjoint)"] < fd["real vs uniform noise"]
     assert out["feature_net"]["test_accuracy"] > 0.9
+
+
+def test_eval_curves_reads_eval_jsonl(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "metric": "FD-digits", "fd": 1.0 / s, "kid": 0.0, "precision": 0.9,
+             "recall": 0.5, "class_accuracy": 0.8, "num": 20, "improved": True}
+            for s in (10, 20)]
+    (run / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    p = _run("eval_curves.py", str(run), "--plot", str(tmp_path / "c.png"), "--json")
+    assert "FD-digits" in p.stdout and (tmp_path / "c.png").stat().st_size > 0
+    assert [r["step"] for r in _last_json(p.stdout)["runs"][str(run)]] == [10, 20]
+    assert _run("eval_curves.py", str(tmp_path), check=False).returncode != 0
