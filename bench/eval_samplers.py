@@ -11,7 +11,9 @@ interrupted run keeps what it measured (rerunning skips the cells already there)
 draws FD, precision and recall against steps, one line per sampler.
 
     python bench/eval_samplers.py runs/quickstart --num 128 --jsonl runs/eval_grid.jsonl \\
-        --plot docs/images/sampler_quality.png          # ~1-2 h on a loaded 2-core machine
+        --plot docs/images/sampler_quality.png          # hours on a loaded 2-core machine
+    python bench/eval_samplers.py runs/quickstart --num 128 --jsonl runs/eval_grid.jsonl \
+        --render --plot docs/images/sampler_quality.png # the table and plot of what is done
     python bench/eval_samplers.py runs/quickstart --num 20 --steps 2,4 --samplers ddim   # smoke
 """
 
@@ -33,6 +35,7 @@ from throughput import REPO, env_info, print_table  # noqa: E402
 
 SAMPLERS = ("ddpm", "ddim", "dpmpp_2m", "euler")
 STEPS = (10, 20, 50, 100, 1000)
+STYLE = {"ddpm": "o-", "ddim": "s--", "dpmpp_2m": "^-", "euler": "x:"}
 
 
 def plot(rows: list[dict], floor: dict, path: Path) -> None:
@@ -46,8 +49,8 @@ def plot(rows: list[dict], floor: dict, path: Path) -> None:
         for s in SAMPLERS:
             pts = sorted((r["steps"], r[key]) for r in rows if r["sampler"] == s
                          and r.get(key) is not None)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=s)
+            if pts:  # distinct styles: DDIM and Euler coincide on this model
+                ax.plot(*zip(*pts), STYLE[s], label=s, mfc="none" if s == "ddim" else None)
         if floor.get(key) is not None:
             ax.axhline(floor[key], color="gray", ls="--", label="real vs real")
         ax.set_xscale("log")
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jsonl", default=None, help="append each finished cell here (resumable)")
     p.add_argument("--plot", default=None, help="write the PNG plot here")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--render", action="store_true",
+                   help="sample nothing: table and plot of the cells already in --jsonl")
     a = p.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -93,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     have = {(r["sampler"], r["steps"]) for r in done}
     for n in steps:  # cheapest first
         for s in samplers:
-            if (s, n) in have:
+            if (s, n) in have or a.render:
                 continue
             t0 = time.perf_counter()
             x, y = pipe.sample(a.num, sampler=s, steps=n, seed=a.seed)

@@ -237,7 +237,9 @@ def format_result(res: dict) -> str:
                 ("precision", "precision", ".3f"), ("recall", "recall", ".3f")]
         for label, key, spec in rows:
             floor = f"   [real vs real at this N: {_f(fl.get(key), spec)}]" if fl else ""
-            extra = f" ± {_f(res.get('kid_std'), '.4f')}" if key == "kid" else ""
+            # a spread only when KID had several distinct subsets (N > 1,000)
+            extra = (f" ± {_f(res.get('kid_std'), '.4f')}"
+                     if key == "kid" and (res.get("kid_std") or 0) > 1e-12 else "")
             lines.append(f"  {label + ':':<12} {_f(res.get(key), spec)}{extra}{floor}")
         if "class_accuracy" in res:
             lines.append(f"  {'class acc.:':<12} {_f(res['class_accuracy'], '.1%')}   "
