@@ -640,6 +640,12 @@ class Guard:
         self._probe(forward)
         return self.last_probe
 
+    def record(self, f: Finding, action: str, cost: dict | None = None,
+               diagnosis: dict | None = None) -> Incident:
+        """Record an incident found outside the guard's own detectors (e.g. the adapter
+        guard's delta clamp) in incidents.jsonl, the report and the summary."""
+        return self._record(f, action, cost, diagnosis)
+
     def _record(self, f: Finding, action: str, cost: dict | None = None,
                 diagnosis: dict | None = None, step: int | None = None) -> Incident:
         inc = Incident(step=self.progress.step if step is None else step, kind=f.kind, severity=f.severity,
