@@ -348,3 +348,32 @@ def test_cli_merge_and_sample(base_run, tmp_path, capsys):
     assert main(["sample", str(base_run), "--adapter-scale", "0.5", "--num", "2",
                  "--steps", "2", "--out", str(tmp_path / "s.png")]) == 2
     assert "holds no adapter" in capsys.readouterr().err
+
+
+def test_rollback_in_an_adapter_run_snapshots_the_adapter_only(base_run, tmp_path,
+                                                               monkeypatch):
+    # a NaN written into the adapter after step 2's update: the guard rolls back to its
+    # snapshot, which holds the adapter (and EMA adapter) but no copy of the frozen base
+    cfg = lora(base_run, "guard.snapshot_every=1", "guard.warmup_steps=0",
+               "faults=[{kind: param_nan, step: 2, target: mid.res.0.conv1.lora_B.weight}]")
+    state = {}
+    import steadydiff.trainer.loop as loop
+    build = loop.build_state
+
+    def capture(*a, **k):
+        state["s"] = build(*a, **k)
+        return state["s"]
+
+    monkeypatch.setattr(loop, "build_state", capture)
+    res = steadydiff.train(cfg, out_dir=tmp_path / "ft")
+    assert res.steps == 4
+    rows = [json.loads(ln) for ln in (tmp_path / "ft" / "incidents.jsonl").read_text()
+            .splitlines()]
+    assert any(r["action"].startswith("rollback") for r in rows), rows
+    s = state["s"]
+    snap = s.guard.ring.newest()
+    assert snap.model and all(".lora_" in k for k in snap.model)
+    assert snap.ema["module"].keys() == snap.model.keys()
+    assert tensor_hash(base_tensors(s.model)) == s.adapter.frozen_hash
+    c = ckpt.load_checkpoint(res.checkpoint)
+    assert all(torch.isfinite(v).all() for v in c.model.values())

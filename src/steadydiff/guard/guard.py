@@ -143,13 +143,15 @@ class _EMAAdapter:
     def state(self) -> dict[str, Any]:
         e = self.ema
         if hasattr(e, "num_updates") and hasattr(e, "module"):
-            return {"module": e.module.state_dict(), "num_updates": e.num_updates}
+            shared = getattr(e, "shared", ())  # frozen parameters shared with the model
+            return {"module": {k: v for k, v in e.module.state_dict().items()
+                               if k not in shared}, "num_updates": e.num_updates}
         return e.state_dict()
 
     def load(self, state: dict[str, Any]) -> None:
         e = self.ema
         if hasattr(e, "num_updates") and hasattr(e, "module"):
-            e.module.load_state_dict(state["module"])
+            e.module.load_state_dict(state["module"], strict=not getattr(e, "shared", ()))
             e.num_updates = state["num_updates"]
         else:
             e.load_state_dict(state)

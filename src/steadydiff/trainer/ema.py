@@ -27,6 +27,7 @@ class EMA:
         # adapter run costs the adapter's size, not a second base model.
         frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
         self.module = copy.deepcopy(model, memo=frozen).eval().requires_grad_(False)
+        self.shared = {n for n, p in model.named_parameters() if not p.requires_grad}
         self.decay = decay
         self.warmup = warmup
         self.start = start
