@@ -113,8 +113,12 @@ def load_base(path: str | Path, use_ema: bool = True) -> BaseWeights:
         raise AdapterError(f"adapter.base: no such file or directory: {p} (expected a "
                            "steadydiff checkpoint or run directory, or a .safetensors file)")
     if p.is_dir():
-        cpath = ckpt.resolve_checkpoint(p)
-        c = ckpt.load_checkpoint(cpath, "cpu", weights_only=True)
+        try:
+            cpath = ckpt.resolve_checkpoint(p)
+            c = ckpt.load_checkpoint(cpath, "cpu", weights_only=True)
+        except ckpt.CheckpointError as e:
+            raise AdapterError(f"adapter.base: {e} (expected a steadydiff checkpoint or run "
+                               "directory, or a .safetensors file)") from None
         if (c.state.get("adapter") or {}).get("kind"):
             raise AdapterError(f"adapter.base: {cpath} is an adapter checkpoint, not base "
                                "weights; merge it first (steadydiff merge) and use the result")
@@ -180,7 +184,7 @@ def inject(model: nn.Module, cfg: AdapterConfig) -> dict[str, AdapterModule]:
     for name, module in list(model.named_modules()):
         if not name or isinstance(module, AdapterModule) or ".base" in f".{name}.":
             continue
-        adapter = wrap(module, name, cfg.kind, rank=cfg.rank, alpha=alpha, dropout=cfg.dropout,
+        adapter = wrap(module, cfg.kind, rank=cfg.rank, alpha=alpha, dropout=cfg.dropout,
                        hidden_mult=cfg.hidden_mult)
         if adapter is None:
             continue

@@ -212,7 +212,7 @@ class HyperAttention(AdapterModule):
             m.fc2.bias.mul_(factor)
 
 
-def wrap(module: nn.Module, name: str, kind: str, *, rank: int, alpha: float, dropout: float,
+def wrap(module: nn.Module, kind: str, *, rank: int, alpha: float, dropout: float,
          hidden_mult: float) -> AdapterModule | None:
     """The adapter for ``module`` (or None when ``kind`` does not apply to its type)."""
     if kind == "lora":
