@@ -377,3 +377,15 @@ def test_rollback_in_an_adapter_run_snapshots_the_adapter_only(base_run, tmp_pat
     assert tensor_hash(base_tensors(s.model)) == s.adapter.frozen_hash
     c = ckpt.load_checkpoint(res.checkpoint)
     assert all(torch.isfinite(v).all() for v in c.model.values())
+
+
+def test_merge_help_shows_defaults():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "steadydiff.cli", "merge", "--help"],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and "usage: steadydiff merge" in r.stdout
+    assert "(default: 1.0)" in r.stdout and "--out" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "steadydiff.cli", "sample", "--help"],
+                       capture_output=True, text=True)
+    assert "--adapter-scale" in r.stdout

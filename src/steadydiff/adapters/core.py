@@ -251,7 +251,8 @@ def set_scale(model: nn.Module, scale: float) -> None:
 # --------------------------------------------------------------------------- build
 
 
-def attach(model: nn.Module, cfg: Config, base: BaseWeights, *, dtype: torch.dtype) -> dict[str, AdapterModule]:
+def attach(model: nn.Module, cfg: Config, base: BaseWeights, *,
+           dtype: torch.dtype) -> dict[str, AdapterModule]:
     """Load ``base`` into ``model`` (checked), freeze it in ``dtype``, inject the adapters."""
     if base.config is not None:
         diff = _model_diff(base.config, cfg)
