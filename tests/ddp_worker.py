@@ -38,7 +38,7 @@ def dump(out: Path) -> None:
     tensors.update({f"ema.{k}": v for k, v in state.ema.module.state_dict().items()})
     for i, t in enumerate(distributed.optimizer_tensors(state.optimizer)):
         tensors[f"optim.{i}"] = t.reshape(-1)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+    save_file({k: v.detach().cpu().clone() for k, v in tensors.items()},  # EMA may share
               str(out / f"rank{state.rank}.safetensors"))
     incidents = [{"step": i.step, "kind": i.kind, "action": i.action,
                   "rank": i.evidence.get("rank"), "evidence": i.evidence}

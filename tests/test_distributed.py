@@ -115,6 +115,39 @@ def test_two_processes_match_one_process_with_the_same_global_batch(two, one):
     assert m2 == pytest.approx(m1, rel=1e-5)  # measured 1.1e-7
 
 
+def test_uneven_split_with_accumulation_matches_one_process(tmp_path):
+    """7 samples over 2 ranks (3 + 4), each rank's slice split into one-sample micro-batches
+    (3 on one rank, 4 on the other; DDP syncs only in the last): every sample still weighs
+    1/7 of the step's gradient."""
+    rc, log = launch(tmp_path / "two_accum", "train.batch_size=7", "train.steps=4",
+                     "train.checkpoint_every=0", "train.grad_accum=7", procs=2)
+    assert rc == 0, log
+    rc, log = launch(tmp_path / "one", "train.batch_size=7", "train.steps=4",
+                     "train.checkpoint_every=0", procs=1)
+    assert rc == 0, log
+    (ref,), _ = ranks(tmp_path / "one", 1)
+    (r0, r1), _ = ranks(tmp_path / "two_accum")
+    assert same(r0, r1)
+    assert max_diff(r0, ref) < 1e-5
+
+
+def test_lora_fine_tune_on_two_ranks(tmp_path, two):
+    """A LoRA over the 2-process run's checkpoint, itself on 2 processes: DDP reduces only
+    the adapter's gradients, the ranks end identical, and the frozen base is untouched."""
+    rc, log = launch(tmp_path, "adapter.kind=lora", f"adapter.base={two}", "adapter.rank=2",
+                     "train.steps=4")
+    assert rc == 0, log
+    (r0, r1), (s0, _) = ranks(tmp_path)
+    assert same(r0, r1)
+    base = final_checkpoint(two)
+    ema_base = {k[len("ema."):]: v for k, v in base.items() if k.startswith("ema.")}
+    frozen = {k[len("model."):].replace(".base.", "."): v for k, v in r0.items()
+              if k.startswith("model.") and "lora" not in k}
+    assert frozen.keys() == ema_base.keys()
+    assert all(torch.equal(v, ema_base[k]) for k, v in frozen.items())  # base untouched
+    assert any("lora" in k for k in r0) and s0["incidents"] == []
+
+
 def test_fault_on_one_rank_makes_every_rank_act_the_same(tmp_path, two):
     """NaN in rank 1's batch (skip), NaN in rank 1's weights (rollback), and a flipped bit in
     rank 1's weights (the fingerprint check resynchronizes): both ranks record the same

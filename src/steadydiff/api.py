@@ -60,10 +60,19 @@ class Pipeline:
     device: torch.device
     checkpoint: Path
     step: int
+    adapter: str | None = None  # "lora" / "hypernetwork" for an adapter checkpoint
 
     @property
     def num_classes(self) -> int:
         return self.model.num_classes
+
+    def set_adapter_scale(self, scale: float) -> None:
+        """Apply the adapter at ``scale``: 0 is the base model, 1 the trained adapter."""
+        if self.adapter is None:
+            raise ValueError(f"{self.checkpoint} holds no adapter; --adapter-scale applies "
+                             "to adapter checkpoints only")
+        from .adapters import set_scale
+        set_scale(self.model, scale)
 
     @torch.no_grad()
     def sample(self, num: int | None = None, *, sampler: SamplerName | None = None,
@@ -106,7 +115,8 @@ class Pipeline:
 
 
 def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
-         use_ema: bool = True) -> Pipeline:
+         use_ema: bool = True, adapter_scale: float | None = None,
+         base: str | Path | None = None) -> Pipeline:
     """Load a trained model for sampling.
 
     Args:
@@ -114,6 +124,10 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
             checkpoint is used; corrupt ones are reported and skipped).
         device: where to put the model (default: CUDA if available, else CPU).
         use_ema: load the EMA weights (default) instead of the raw model weights.
+        adapter_scale: an adapter checkpoint's adapter is applied at this scale (default
+            1; 0 gives the base model). Refused for checkpoints without an adapter.
+        base: an adapter checkpoint's base weights, when they moved since training (their
+            sha256 must match the one the checkpoint records).
 
     Returns:
         A :class:`Pipeline` with the model in eval mode.
@@ -122,11 +136,20 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
     dev = torch.device(device) if device is not None else resolve_device("auto")
     c = ckpt.load_checkpoint(path, dev, weights_only=True)
     cfg = validate(c.state["config"], source=f"{path}/state.json config")
-    model = build_model(cfg.model, image_size=cfg.data.image_size, channels=cfg.data.channels)
-    try:
-        model.load_state_dict(c.ema if use_ema else c.model)
-    except RuntimeError as e:
-        raise ckpt.CheckpointError(f"{path}: weights do not match the model its config "
-                                   f"describes: {e}") from None
+    if cfg.adapter.kind != "none":  # base weights + adapter (docs/adapters.md)
+        from .adapters import build_adapted
+        model = build_adapted(c, cfg, use_ema=use_ema, base=base)
+    else:
+        model = build_model(cfg.model, image_size=cfg.data.image_size,
+                            channels=cfg.data.channels)
+        try:
+            model.load_state_dict(c.ema if use_ema else c.model)
+        except RuntimeError as e:
+            raise ckpt.CheckpointError(f"{path}: weights do not match the model its config "
+                                       f"describes: {e}") from None
     model.to(dev).eval().requires_grad_(False)
-    return Pipeline(model, make_schedule(cfg.diffusion), cfg, dev, path, c.step)
+    pipe = Pipeline(model, make_schedule(cfg.diffusion), cfg, dev, path, c.step,
+                    adapter=None if cfg.adapter.kind == "none" else cfg.adapter.kind)
+    if adapter_scale is not None:
+        pipe.set_adapter_scale(adapter_scale)
+    return pipe

@@ -1,4 +1,4 @@
-"""The command line: ``steadydiff train | sample | eval | report | doctor``.
+"""The command line: ``steadydiff train | sample | eval | report | doctor | merge``.
 
 Thin by design: parse arguments, build a config, call a library function. Exit codes:
 0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments),
@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--raw-weights", action="store_true",
                    help="use the raw model weights instead of the EMA")
     s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
+    s.add_argument("--adapter-scale", type=float, default=None,
+                   help="adapter checkpoint: apply the adapter at this scale (0: the base "
+                        "model; default 1)")
+    s.add_argument("--base", default=None,
+                   help="adapter checkpoint: its base weights, if they moved since training")
     s.add_argument("--out", required=True,
                    help="output: a .png grid, or .npz with 'samples' (N,C,H,W) float32 in "
                         "[-1,1] (and 'labels' when class-conditional)")
@@ -92,6 +97,19 @@ def _parser() -> argparse.ArgumentParser:
                                    "that opens in any browser with no network.")
     r.add_argument("run_dir", help="run directory (a partial or aborted run is fine)")
     r.add_argument("--out", default=None, help="output file (default: RUN_DIR/report.html)")
+
+    m = sub.add_parser("merge", formatter_class=_Formatter,
+                       help="bake a LoRA adapter into its base weights (a full checkpoint)",
+                       description="Merge a LoRA adapter checkpoint into its base weights and "
+                                   "write a normal, full steadydiff checkpoint under "
+                                   "OUT/checkpoints/ (model = base + adapter, EMA = base + "
+                                   "EMA adapter), which `steadydiff sample` and "
+                                   "steadydiff.load read like any run. OUT must not exist.")
+    m.add_argument("checkpoint", help="adapter checkpoint, or its run directory")
+    m.add_argument("--scale", type=float, default=1.0, help="adapter scale baked in")
+    m.add_argument("--base", default=None,
+                   help="the base weights, if they moved since training")
+    m.add_argument("--out", required=True, help="new run directory for the merged checkpoint")
 
     d = sub.add_parser("doctor", formatter_class=_Formatter,
                        help="post-mortem: name the likely causes of a run's trouble",
@@ -156,7 +174,8 @@ def cmd_sample(a: argparse.Namespace) -> int:
     for name, v in (("--steps", a.steps), ("--num", a.num)):
         if v is not None and v < 1:
             raise ValueError(f"{name} must be at least 1, got {v}")
-    pipe = load(a.checkpoint, device=a.device, use_ema=not a.raw_weights)
+    pipe = load(a.checkpoint, device=a.device, use_ema=not a.raw_weights,
+                adapter_scale=a.adapter_scale, base=a.base)
     x, y = pipe.sample(a.num, sampler=a.sampler, steps=a.steps, class_label=a.class_label,
                        cfg_scale=a.cfg_scale, eta=a.eta, seed=a.seed)
     if out.suffix.lower() == ".npz":
@@ -165,6 +184,14 @@ def cmd_sample(a: argparse.Namespace) -> int:
         by_class = pipe.num_classes if a.class_label is None else 0
         save_grid(x, out, nrow=grid_nrow(x.shape[0], by_class))
     print(f"wrote {x.shape[0]} samples from {pipe.checkpoint} (step {pipe.step}) to {out}")
+    return EXIT_OK
+
+
+def cmd_merge(a: argparse.Namespace) -> int:
+    from .adapters import merge_checkpoint
+
+    path = merge_checkpoint(a.checkpoint, a.out, scale=a.scale, base=a.base)
+    print(f"wrote merged checkpoint {path} (adapter scale {a.scale:g})")
     return EXIT_OK
 
 
@@ -200,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval,
-                "report": cmd_report, "doctor": cmd_doctor}
+                "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge}
     try:
         return handlers[args.command](args)
     except (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:

@@ -42,11 +42,24 @@ class DataConfig(Section):
     num_workers: int = Field(0, ge=0, le=64)
     follow_symlinks: bool = Field(
         False, description="folder: follow symlinks that lead outside the data root")
+    classes: list[int] | None = Field(
+        None, description="train on these class ids only (labels keep their ids); "
+        "None: all classes")
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
         if self.dataset == "folder" and not self.path:
             raise ValueError("data.path is required when data.dataset is 'folder'")
+        if self.classes is not None:
+            if not self.classes:
+                raise ValueError("data.classes is empty; list at least one class id, or "
+                                 "set it to null for all classes")
+            if len(set(self.classes)) != len(self.classes) or min(self.classes) < 0:
+                raise ValueError(f"data.classes must be distinct class ids >= 0, got "
+                                 f"{self.classes}")
+            if self.dataset == "folder" and not self.class_labels:
+                raise ValueError("data.classes needs labels: set data.class_labels=true "
+                                 "(one sub-folder per class) or remove data.classes")
         return self
 
 
@@ -294,6 +307,43 @@ class GuardConfig(Section):
     budget_window: int = Field(1000, ge=1)
 
 
+# --------------------------------------------------------------------------- adapter
+
+
+class AdapterConfig(Section):
+    """Fine-tuning with an adapter over frozen base weights (see docs/adapters.md)."""
+
+    kind: Literal["none", "lora", "hypernetwork"] = Field(
+        "none", description="none: train the whole model (no fine-tuning)")
+    base: str | None = Field(None, description="base weights: a steadydiff checkpoint or run "
+                             "directory, or a .safetensors file whose keys match the model")
+    use_ema_base: bool = Field(True, description="steadydiff checkpoint: start from its EMA "
+                               "weights (else the raw model weights)")
+    base_precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="dtype the frozen base is kept in; the adapter trains in fp32")
+    targets: list[str] = Field(
+        ["*"], min_length=1, description="module-name patterns (fnmatch globs, or 're:' + a "
+        "regular expression): lora adapts the matching Linear/Conv2d/Embedding layers, "
+        "hypernetwork the matching attention layers")
+    rank: int = Field(4, ge=1, le=4096, description="lora: rank r of the delta B @ A")
+    alpha: float | None = Field(None, gt=0.0, description="lora: the delta is scaled by "
+                                "alpha / rank; None: alpha = rank (scale 1)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="lora: dropout on the adapter "
+                           "path's input")
+    hidden_mult: float = Field(2.0, gt=0.0, le=16.0, description="hypernetwork: hidden width "
+                               "of each key/value MLP, x the attention width")
+    max_delta_ratio: float = Field(1.0, ge=0.0, description="|dW|/|W| above which a module's "
+                                   "delta is rescaled (an incident); 0 disables the clamp")
+    monitor_every: int = Field(1, ge=0, description="steps between delta-norm checks; 0: off")
+
+    @model_validator(mode="after")
+    def _check(self) -> "AdapterConfig":
+        if self.kind != "none" and not self.base:
+            raise ValueError(f"adapter.kind={self.kind} needs adapter.base: a steadydiff "
+                             "checkpoint or run directory, or a .safetensors file")
+        return self
+
+
 # --------------------------------------------------------------------------- faults
 
 
@@ -328,10 +378,17 @@ class Config(Section):
     logging: LoggingConfig = LoggingConfig()
     eval: EvalConfig = EvalConfig()
     guard: GuardConfig = GuardConfig()
+    adapter: AdapterConfig = AdapterConfig()
     faults: list[FaultConfig] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
+        a = self.adapter
+        if a.kind != "none" and a.base_precision not in ("fp32", self.train.precision):
+            raise ValueError(
+                f"adapter.base_precision={a.base_precision} needs autocast in that dtype: set "
+                f"train.precision={a.base_precision} (now {self.train.precision}), or "
+                "adapter.base_precision=fp32")
         if self.optim.clip_mode == "zclip" and not self.guard.enabled:
             raise ValueError("optim.clip_mode=zclip takes its threshold from the guard's "
                              "grad-norm statistics; set guard.enabled=true or choose "

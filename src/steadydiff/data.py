@@ -808,6 +808,53 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
     )
 
 
+# --------------------------------------------------------------------------- class subset
+
+
+class ClassSubset(Dataset):
+    """The items of a labeled dataset whose label is in ``classes`` (labels keep their ids,
+    so a model trained on digits 5-9 still calls them 5-9 and ``num_classes`` is unchanged).
+
+    Args:
+        dataset: a dataset with ``labels`` (one int per item) and ``num_classes``.
+        classes: the class ids to keep; each must be in [0, num_classes).
+
+    Raises:
+        DataError: an unknown class id, or a class with no items.
+    """
+
+    def __init__(self, dataset: Dataset, classes: list[int]) -> None:
+        k = int(getattr(dataset, "num_classes", 0) or 0)
+        bad = [c for c in classes if not 0 <= c < k]
+        if bad:
+            raise DataError(f"data.classes {bad} unknown: this dataset has {k} classes, "
+                            f"valid ids are 0..{k - 1}")
+        labels = torch.as_tensor(list(dataset.labels))
+        keep = torch.isin(labels, torch.tensor(classes))
+        empty = [c for c in classes if not (labels == c).any()]
+        if empty:
+            raise DataError(f"data.classes {empty} have no images in this dataset")
+        self.dataset = dataset
+        self.index = keep.nonzero().flatten().tolist()
+        self.labels = labels[keep].tolist()
+        self.classes = list(classes)
+        self.num_classes = k
+        self.channels = dataset.channels
+        self.image_size = dataset.image_size
+        self.skipped = getattr(dataset, "skipped", 0)
+        if hasattr(dataset, "fetch"):
+            self.fetch = lambda i: dataset.fetch(self.index[int(i)])
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dataset[self.index[int(i)]]
+
+    def describe(self) -> str:
+        return f"{self.dataset.describe()}; classes {self.classes} only: {len(self)} images"
+
+
 # --------------------------------------------------------------------------- config
 
 
@@ -823,21 +870,23 @@ def build_dataset(cfg: DataConfig) -> Dataset:
         DataError: the folder is missing, empty or unreadable.
     """
     if cfg.dataset == "digits":
-        return DigitsDataset(cfg.image_size, cfg.channels)
-    if cfg.dataset == "fashion_mnist":
-        return FashionMNISTDataset(cfg.image_size, cfg.channels, root=cfg.path)
-    if cfg.dataset == "folder":
+        data: Dataset = DigitsDataset(cfg.image_size, cfg.channels)
+    elif cfg.dataset == "fashion_mnist":
+        data = FashionMNISTDataset(cfg.image_size, cfg.channels, root=cfg.path)
+    elif cfg.dataset == "folder":
         if not cfg.path:
             raise DataError("data.path is required when data.dataset is 'folder'")
-        return ImageFolderDataset(cfg.path, cfg.image_size, cfg.channels,
+        data = ImageFolderDataset(cfg.path, cfg.image_size, cfg.channels,
                                   class_labels=cfg.class_labels, center_crop=cfg.center_crop,
                                   follow_symlinks=cfg.follow_symlinks)
-    raise DataError(f"data.dataset {cfg.dataset!r} is unknown; valid: 'digits', "
-                    "'fashion_mnist', 'folder'")
+    else:
+        raise DataError(f"data.dataset {cfg.dataset!r} is unknown; valid: 'digits', "
+                        "'fashion_mnist', 'folder'")
+    return ClassSubset(data, cfg.classes) if cfg.classes is not None else data
 
 
 __all__ = [
-    "IMAGE_EXTENSIONS", "DataError", "DigitsDataset", "FashionMNISTDataset",
+    "IMAGE_EXTENSIONS", "ClassSubset", "DataError", "DigitsDataset", "FashionMNISTDataset",
     "ImageFolderDataset", "PairsDataset",
     "SeededView", "StreamBatchSampler", "as_pairs", "build_dataset", "make_loader",
 ]

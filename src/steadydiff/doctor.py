@@ -1111,7 +1111,22 @@ def diagnose(path: str | Path, *, probe: bool = True, device: str = "cpu") -> Di
                                   {"error": f"{type(e).__name__}: {e}"},
                                   "use an earlier checkpoint"))
             model_sd = None
-        if model_sd is not None:
+        if model_sd is not None and cfg.adapter.kind != "none":
+            # an adapter checkpoint: examine base + adapter (the base is loaded and checked)
+            from .adapters import AdapterError, build_adapted
+            c = ckpt.Checkpoint(chosen, model_sd, ema_sd, None, None, state)
+            try:
+                adapted = build_adapted(c, cfg, use_ema=False).to(device)
+                ema_sd = build_adapted(c, cfg, use_ema=True).state_dict()
+                _examine(d, adapted, cfg, ema_sd, None, probe,
+                         state.get("precision") or cfg.train.precision)
+            except (AdapterError, ckpt.CheckpointError) as e:
+                d.causes.append(Cause("critical", "checkpoint_corrupt", chosen.name,
+                                      f"the adapter in {chosen.name} cannot be paired with "
+                                      "its base weights", {"error": str(e)[:500]},
+                                      "point at the base it was trained on (the checkpoint's "
+                                      "state.json records its path and sha256)"))
+        elif model_sd is not None:
             from .models import build_model
 
             model = build_model(cfg.model, image_size=cfg.data.image_size,

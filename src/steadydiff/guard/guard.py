@@ -146,13 +146,15 @@ class _EMAAdapter:
     def state(self) -> dict[str, Any]:
         e = self.ema
         if hasattr(e, "num_updates") and hasattr(e, "module"):
-            return {"module": e.module.state_dict(), "num_updates": e.num_updates}
+            shared = getattr(e, "shared", ())  # frozen parameters shared with the model
+            return {"module": {k: v for k, v in e.module.state_dict().items()
+                               if k not in shared}, "num_updates": e.num_updates}
         return e.state_dict()
 
     def load(self, state: dict[str, Any]) -> None:
         e = self.ema
         if hasattr(e, "num_updates") and hasattr(e, "module"):
-            e.module.load_state_dict(state["module"])
+            e.module.load_state_dict(state["module"], strict=not getattr(e, "shared", ()))
             e.num_updates = state["num_updates"]
         else:
             e.load_state_dict(state)
@@ -664,6 +666,12 @@ class Guard:
         """Run the attention/normalization probes on demand; returns the statistics."""
         self._probe(forward)
         return self.last_probe
+
+    def record(self, f: Finding, action: str, cost: dict | None = None,
+               diagnosis: dict | None = None) -> Incident:
+        """Record an incident found outside the guard's own detectors (e.g. the adapter
+        guard's delta clamp) in incidents.jsonl, the report and the summary."""
+        return self._record(f, action, cost, diagnosis)
 
     def _record(self, f: Finding, action: str, cost: dict | None = None,
                 diagnosis: dict | None = None, step: int | None = None) -> Incident:

@@ -16,6 +16,13 @@ from typing import Any
 import torch
 
 
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without frozen parameters (an adapter run's base never
+    changes: snapshotting it would hold copies of the whole base model for nothing)."""
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
 def _to_cpu(obj: Any) -> Any:
     """Deep copy of a (nested) state dict with every tensor cloned to the CPU."""
     if isinstance(obj, torch.Tensor):
@@ -56,7 +63,7 @@ class SnapshotRing:
              scheduler: Any = None, scaler: Any = None) -> Snapshot:
         snap = Snapshot(
             step=step, batches_consumed=batches_consumed,
-            model=_to_cpu(model.state_dict()), ema=_to_cpu(ema_state),
+            model=_to_cpu(trainable_state(model)), ema=_to_cpu(ema_state),
             optimizer=_to_cpu(optimizer.state_dict()),
             scheduler=_to_cpu(scheduler.state_dict()) if scheduler is not None else None,
             scaler=copy.deepcopy(scaler.state_dict()) if scaler is not None else None,
@@ -83,7 +90,8 @@ class SnapshotRing:
 def restore_into(snap: Snapshot, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any = None, scaler: Any = None) -> None:
     """Restore model, optimizer, scheduler, scaler and RNG from ``snap`` (EMA: the caller)."""
-    model.load_state_dict(snap.model)
+    frozen = any(not p.requires_grad for p in model.parameters())
+    model.load_state_dict(snap.model, strict=not frozen)  # frozen parameters: not in snap
     optimizer.load_state_dict(_to_cpu(snap.optimizer))  # torch moves state to param devices
     if scheduler is not None and snap.scheduler is not None:
         scheduler.load_state_dict(snap.scheduler)

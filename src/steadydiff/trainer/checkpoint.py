@@ -91,8 +91,9 @@ def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
     return [k for k, ok in zip(names, flags.tolist()) if not ok]
 
 
-def _tensor_dict(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+def _tensor_dict(module: torch.nn.Module | dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    sd = module if isinstance(module, dict) else module.state_dict()  # a dict: adapter only
+    return {k: v.detach().contiguous() for k, v in sd.items()}
 
 
 # --------------------------------------------------------------------------- RNG
@@ -146,7 +147,8 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module, ema: torch.nn.Module,
+def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module | dict[str, torch.Tensor],
+                    ema: torch.nn.Module | dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer, state: dict[str, Any],
                     keep: int = 3, on_file: Callable[[str], None] | None = None) -> Path:
     """Write a verified checkpoint for ``step`` under ``root`` and point ``latest`` at it.

@@ -23,7 +23,11 @@ class EMA:
     """
 
     def __init__(self, model: nn.Module, decay: float, warmup: bool = True, start: int = 0):
-        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        # Frozen parameters (an adapter run's base) are shared, not copied: the EMA of an
+        # adapter run costs the adapter's size, not a second base model.
+        frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
+        self.module = copy.deepcopy(model, memo=frozen).eval().requires_grad_(False)
+        self.shared = {n for n, p in model.named_parameters() if not p.requires_grad}
         self.decay = decay
         self.warmup = warmup
         self.start = start
@@ -44,9 +48,11 @@ class EMA:
     @torch.no_grad()
     def update(self, model: nn.Module, step: int) -> None:
         """Average ``model`` into the EMA; before ``start`` the EMA copies the model."""
-        if self._src is None:
-            self._src = [p for p in model.parameters()]
-            self._dst = [p for p in self.module.parameters()]
+        if self._src is None:  # the trainable parameters only (frozen ones are shared)
+            dst = dict(self.module.named_parameters())
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            self._src = [p for _, p in named]
+            self._dst = [dst[n] for n, _ in named]
         if step < self.start:
             torch._foreach_copy_(self._dst, self._src)
             return

@@ -73,6 +73,7 @@ class TrainState:
     guard: Guard | None = None
     faults: FaultInjector | None = None  # None unless faults are configured: zero cost
     evaluator: Any = None  # eval.during.TrainingEvaluator when eval.every > 0
+    adapter: Any = None  # adapters.AdapterRun when fine-tuning (adapter.kind != none)
 
 
 @dataclass
@@ -325,8 +326,12 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
             "or model.num_classes=0 for an unconditional model")
     model = build_model(cfg.model, image_size=cfg.data.image_size,
                         channels=cfg.data.channels).to(device)
+    adapter = None
+    if cfg.adapter.kind != "none":  # frozen base + trainable adapter (docs/adapters.md)
+        from ..adapters import AdapterRun
+        adapter = AdapterRun.prepare(cfg, model)
     return TrainState(
-        cfg=cfg, model=model, ema=EMA.from_config(model, cfg.train),
+        cfg=cfg, model=model, ema=EMA.from_config(model, cfg.train), adapter=adapter,
         optimizer=build_optimizer(model, cfg.optim),
         scaler=prec.make_scaler(cfg.train.precision, device),
         schedule=make_schedule(cfg.diffusion), device=device,
@@ -368,6 +373,7 @@ def state_dict(state: TrainState) -> dict[str, Any]:
         "bad_images": sorted(state.bad_images),
         "guard": state.guard.state_dict() if state.guard else None,
         "eval": state.evaluator.state_dict() if state.evaluator else None,
+        "adapter": state.adapter.info() if state.adapter else None,
         "config": state.cfg.to_dict(), "torch": torch.__version__,
         "world_size": state.world_size,
     }
@@ -386,7 +392,7 @@ def save(state: TrainState, run_dir: Path) -> Path | None:
     if state.rank == 0:
         try:
             outcome = ("ok", _save(state, run_dir))
-        except (TrainingDiverged, CheckpointSaveError) as e:
+        except (GuardAbort, CheckpointSaveError) as e:  # diverged, base modified, disk
             outcome = ("error", e)
     kind, value = distributed.broadcast_object(outcome)
     if kind == "error":
@@ -397,9 +403,13 @@ def save(state: TrainState, run_dir: Path) -> Path | None:
 def _save(state: TrainState, run_dir: Path) -> Path | None:
     faults = state.faults
     on_file = (lambda _name: faults.kill(state.step, "in_checkpoint")) if faults else None
+    model, ema = state.model, state.ema.module
+    if state.adapter is not None:  # adapter tensors only, after checking the base is intact
+        state.adapter.verify_base(state)
+        model, ema = state.adapter.tensors(state)
     try:
         return ckpt.save_checkpoint(
-            run_dir / "checkpoints", state.step, model=state.model, ema=state.ema.module,
+            run_dir / "checkpoints", state.step, model=model, ema=ema,
             optimizer=state.optimizer, state=state_dict(state),
             keep=state.cfg.train.keep_checkpoints, on_file=on_file)
     except ckpt.CheckpointError as e:  # the only cause: non-finite weights or EMA
@@ -422,8 +432,11 @@ def _save(state: TrainState, run_dir: Path) -> Path | None:
 
 def restore(state: TrainState, c: ckpt.Checkpoint) -> None:
     """Load a checkpoint into a freshly built state (weights, optimizer, RNG, counters)."""
-    state.model.load_state_dict(c.model)
-    state.ema.module.load_state_dict(c.ema)
+    if state.adapter is not None:  # the adapter (+ EMA), after checking the base
+        state.adapter.restore(state, c)
+    else:
+        state.model.load_state_dict(c.model)
+        state.ema.module.load_state_dict(c.ema)
     state.optimizer.load_state_dict(c.optimizer)
     state.ema.load_state(c.state["ema"])
     if state.scaler and c.state.get("scaler"):
@@ -615,6 +628,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
                         batches = batches_from(state.batches_consumed)
                         window, saved = [], min(saved, state.step)
                     continue
+                if state.adapter is not None:  # |dW|/|W| per module, clamp past the limit
+                    state.adapter.after_step(state)
                 window.append(out)
                 step = state.step
                 bar.update(1)
@@ -720,10 +735,12 @@ def write_sample_grid(state: TrainState, path: Path) -> Path:
     if model.num_classes:
         y = torch.arange(s.num, device=state.device) % model.num_classes
     gen = seeding.generator(state.device, s.seed)
-    x = sample(model, state.schedule, state.cfg.diffusion.prediction,
-               (s.num, model.in_channels, model.image_size, model.image_size),
-               sampler=s.sampler, steps=s.steps, y=y, cfg_scale=s.cfg_scale, eta=s.eta,
-               generator=gen, device=state.device)
+    with (state.adapter.sampling_context(state) if state.adapter is not None
+          else contextlib.nullcontext()):  # an fp16/bf16 base runs under its autocast
+        x = sample(model, state.schedule, state.cfg.diffusion.prediction,
+                   (s.num, model.in_channels, model.image_size, model.image_size),
+                   sampler=s.sampler, steps=s.steps, y=y, cfg_scale=s.cfg_scale, eta=s.eta,
+                   generator=gen, device=state.device)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_grid(x, path, nrow=grid_nrow(s.num, model.num_classes))
     return path
