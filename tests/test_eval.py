@@ -351,6 +351,7 @@ def test_cli_eval_with_inception_weights(tmp_path, inception_file, capsys):
     assert main(["eval", str(run), "--inception-weights", str(tmp_path / "none.pth")]) == 2
 
 
+@pytest.mark.slow  # two torchrun processes: ~12-14 s
 def test_two_ranks_evaluate_once_and_stop_early_together(tmp_path):
     # torchrun with two CPU processes: rank 0 measures and writes, both ranks get its
     # best/patience state and stop at the same step (a rank that kept going would hang)
