@@ -46,8 +46,6 @@ class DistContext:
 
     rank: int = 0
     world_size: int = 1
-    local_rank: int = 0
-    backend: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -94,7 +92,7 @@ def setup(device_name: str, timeout_s: float) -> tuple[DistContext, torch.device
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
                                 device_id=torch.device("cuda", local) if use_cuda else None)
-    return _context_of_group(backend), _device(use_cuda, local)
+    return _context_of_group(), _device(use_cuda, local)
 
 
 def _device(use_cuda: bool, local: int | None) -> torch.device:
@@ -103,9 +101,8 @@ def _device(use_cuda: bool, local: int | None) -> torch.device:
     return torch.device("cuda", local) if local is not None else torch.device("cuda")
 
 
-def _context_of_group(backend: str | None = None) -> DistContext:
-    return DistContext(dist.get_rank(), dist.get_world_size(),
-                       int(os.environ.get("LOCAL_RANK", 0)), backend or dist.get_backend())
+def _context_of_group() -> DistContext:
+    return DistContext(dist.get_rank(), dist.get_world_size())
 
 
 def teardown() -> None:
@@ -165,15 +162,6 @@ def gather_rows(vec: torch.Tensor) -> torch.Tensor:
     parts = [torch.empty_like(vec) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, vec.contiguous())
     return torch.stack(parts)
-
-
-def all_ok(flag: bool, device: torch.device) -> bool:
-    """True on every rank iff ``flag`` is True on every rank."""
-    if not active():
-        return flag
-    t = torch.tensor([0.0 if flag else 1.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item() == 0.0
 
 
 def tensor_fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -270,6 +258,6 @@ class Watchdog:
 
 
 __all__ = ["DistContext", "DistributedError", "EXIT_DIST_FAILURE", "Watchdog", "active",
-           "all_ok", "broadcast_object", "broadcast_tensors", "describe_failure",
+           "broadcast_object", "broadcast_tensors", "describe_failure",
            "gather_objects", "gather_rows", "is_main", "launched_by_torchrun",
            "optimizer_tensors", "setup", "teardown", "tensor_fingerprint", "wrap"]

@@ -1,6 +1,7 @@
 """Are the samples digits? A classifier trained on the real bundled digits judges them.
 
-No Inception weights exist offline, so FID is out of reach for the quick start; instead an
+Used by the sampler and fine-tuning benchmarks (``bench/samplers.py``, ``bench/finetune.py``);
+``steadydiff eval`` uses the FD/KID/precision-recall evaluation in :mod:`.evaluate`. An
 RBF-SVM (with Platt-scaled probabilities) trained on scikit-learn's 1,797 real 8x8 digits
 scores the samples, after the samples are average-pooled back to 8x8. Reported:
 
@@ -14,12 +15,8 @@ scores the samples, after the samples are average-pooled back to 8x8. Reported:
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
-import sys
 import warnings
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -98,82 +95,3 @@ def reference_scores(threshold: float = 0.9, seed: int = 0) -> dict:
         "uniform_noise": score_features(noise, None, threshold),
         "smoothed_noise": score_features(blobs.reshape(500, 64).numpy(), None, threshold),
     }
-
-
-def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500, sampler: str | None = None,
-                        steps: int | None = None, cfg_scale: float | None = None,
-                        seed: int = 0, threshold: float = 0.9) -> dict:
-    """Sample ``num`` images from a digits checkpoint and score them."""
-    from ..api import load
-
-    pipe = load(checkpoint)
-    if pipe.config.data.dataset != "digits":
-        raise ValueError(f"the digits classifier only judges models trained on the bundled "
-                         f"digits; this checkpoint was trained on data.dataset="
-                         f"{pipe.config.data.dataset!r}")
-    x, y = pipe.sample(num, sampler=sampler, steps=steps, cfg_scale=cfg_scale, seed=seed)
-    s = pipe.config.sample
-    res = evaluate_samples(x, y, threshold)
-    res.update(checkpoint=str(pipe.checkpoint), step=pipe.step,
-               sampler=sampler or s.sampler, steps=steps or s.steps,
-               cfg_scale=s.cfg_scale if cfg_scale is None else cfg_scale)
-    return res
-
-
-def format_result(res: dict) -> str:
-    """The human-readable summary of :func:`evaluate_checkpoint` (with ``reference``)."""
-    ref = res["reference"]["real_held_out"]
-    thr = res["threshold"]
-    lines = [
-        f"digits classifier on {res['num']} samples ({res['sampler']}, {res['steps']} steps, "
-        f"cfg {res['cfg_scale']}):",
-        f"  confidently classified (p >= {thr}): {res['confident_rate']:.1%}"
-        f"   [real held-out digits: {ref['confident_rate']:.1%}, "
-        f"noise: {res['reference']['smoothed_noise']['confident_rate']:.1%}]",
-        f"  classes covered: {res['class_coverage']}/10   histogram {res['class_histogram']}"]
-    if "label_accuracy" in res:
-        lines.append(f"  agrees with the requested class: {res['label_accuracy']:.1%}"
-                     f"   [real held-out digits: {ref['label_accuracy']:.1%}]")
-    return "\n".join(lines)
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint or run directory")
-    p.add_argument("--num", type=int, default=500, help="samples to draw")
-    p.add_argument("--sampler", default=None, choices=["ddpm", "ddim", "dpmpp_2m", "euler"],
-                   help="default: the checkpoint config's sample.sampler")
-    p.add_argument("--steps", type=int, default=None, help="default: sample.steps")
-    p.add_argument("--cfg-scale", type=float, default=None, help="default: sample.cfg_scale")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threshold", type=float, default=0.9,
-                   help="top-class probability that counts as confident")
-    p.add_argument("--out", default=None, help="also write the figures to this JSON file")
-
-
-def run_cli(a: argparse.Namespace) -> dict:
-    """Evaluate, print the summary, optionally write JSON; returns the figures."""
-    if a.num < 1:
-        raise ValueError(f"--num must be at least 1, got {a.num}")
-    res = evaluate_checkpoint(a.checkpoint, num=a.num, sampler=a.sampler, steps=a.steps,
-                              cfg_scale=a.cfg_scale, seed=a.seed, threshold=a.threshold)
-    res["reference"] = reference_scores(a.threshold)
-    print(format_result(res))
-    if a.out:
-        Path(a.out).write_text(json.dumps(res, indent=1))
-        print(f"  figures: {a.out}")
-    return res
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m steadydiff.eval.digits",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Judge a digits model's samples with a classifier trained on the real "
-                    "digits (the same as `steadydiff eval`).")
-    add_arguments(p)
-    run_cli(p.parse_args(argv))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
