@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 FILES = ("model.safetensors", "ema.safetensors", "optimizer.pt", "rng.pt", "state.json")
-_NAME = re.compile(r"^step_(\d{8,})$")
+_NAME = re.compile(r"^step_(\d{8,})$")  # the one definition of a checkpoint's name
 
 
 class CheckpointError(RuntimeError):
@@ -147,6 +147,19 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint directory's name says (``step_00001234`` -> 1234), else None."""
+    m = _NAME.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """Whether ``path`` looks like one checkpoint (named like one, or holding its files)."""
+    p = Path(path)
+    return p.is_dir() and ((p / "manifest.json").is_file() or (p / "model.safetensors").is_file()
+                           or step_of(p) is not None)
+
+
 def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module | dict[str, torch.Tensor],
                     ema: torch.nn.Module | dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer, state: dict[str, Any],
@@ -215,9 +228,21 @@ def list_checkpoints(root: Path) -> list[Path]:
     """Checkpoint directories under ``root``, newest step first (temporaries excluded)."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if p.is_dir() and (m := _NAME.match(p.name))]
+    found = [(step, p) for p in root.iterdir() if p.is_dir() and (step := step_of(p)) is not None]
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def candidates(root: Path) -> list[Path]:
+    """Checkpoints under ``root`` in the order to try them: the one the ``latest`` pointer
+    names first, then the others newest first (verification is the caller's)."""
+    found = list_checkpoints(root)
+    pointer = root / "latest"
+    if pointer.is_file():
+        named = root / pointer.read_text().strip()
+        if named in found:
+            found.remove(named)
+            found.insert(0, named)
+    return found
 
 
 def _rotate(root: Path, keep: int, protect: str) -> None:
@@ -267,7 +292,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     p = Path(path)
     if not p.exists():
         raise CheckpointError(f"no such checkpoint or run directory: {p}")
-    if (p / "manifest.json").exists() or _NAME.match(p.name):
+    if (p / "manifest.json").exists() or step_of(p) is not None:
         problems = verify_checkpoint(p)
         if problems:
             raise CheckpointError("checkpoint failed verification:\n  " + "\n  ".join(problems))
@@ -285,14 +310,7 @@ def latest_good(root: Path) -> Path | None:
     The ``latest`` pointer is tried first; a checkpoint that fails verification is logged
     with the reason and the next older one is tried.
     """
-    candidates = list_checkpoints(root)
-    pointer = root / "latest"
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named in candidates:
-            candidates.remove(named)
-            candidates.insert(0, named)
-    for c in candidates:
+    for c in candidates(root):
         problems = verify_checkpoint(c)
         if not problems:
             return c
