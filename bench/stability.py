@@ -183,7 +183,7 @@ def run_trainer(cfg, run_dir: Path, log) -> dict[str, Any]:
     out["state_step"] = st.step if st else None
     out["model"] = st.model if st else None
     out["ema"] = st.ema.module if st else None
-    out["fired"] = list(st.faults.fired) if st and st.faults else []
+    out["fired"] = list(getattr(st.faults, "fired", [])) if st else []
     g = st.guard if st else None
     if g is not None:
         out["cost"] = {"steps_redone": g.counts["steps_redone"],

@@ -126,13 +126,8 @@ class TrainerVariant(Variant):
         self.tick = time.perf_counter()
         self.sink = open(os.devnull, "w")
         self.bar = tqdm(total=10**9, file=self.sink, dynamic_ncols=False, desc="train")
-        try:  # the loop's helpers moved to trainer/telemetry.py; accept either layout
-            from steadydiff.trainer import telemetry
-        except ImportError:
-            telemetry = None
+        from steadydiff.trainer import telemetry
         self.telemetry = telemetry
-        self.metrics_row = getattr(loop, "_metrics_row", None) or telemetry.metrics_row
-        self.status = getattr(loop, "_status", None) or (lambda row: f"loss {row['loss']:.4f}")
 
     def run(self, batches: list, start: int, n: int) -> None:
         # mirrors the body of loop.run's while-loop (metrics row, layer statistics, bar)
@@ -140,19 +135,19 @@ class TrainerVariant(Variant):
         for i in range(start, start + n):
             out = loop.train_step(state, batches[i % len(batches)])
             d = out.decision
-            if d is not None and d.action != "step":
+            if loop.handle_decision(state, d) != "stepped":
                 raise RuntimeError(f"guard intervened in the clean benchmark: {d.action} "
                                    f"({d.incident.kind if d.incident else ''})")
             self.window.append(out)
             self.bar.update(1)
-            if getattr(out, "layer_grad_norms", None) is not None and self.telemetry:
+            if out.layer_grad_norms is not None:
                 self.sink.write(json.dumps(self.telemetry.layer_stats(state, out)) + "\n")
             if state.step % log_every == 0:  # the trainer's status tick (host sync off-guard)
                 now = time.perf_counter()
-                row = self.metrics_row(state, self.window, (now - self.tick) / len(self.window),
-                                       0)
+                row = self.telemetry.metrics_row(state, self.window,
+                                                 (now - self.tick) / len(self.window), 0)
                 self.sink.write(json.dumps(row) + "\n")
-                self.bar.set_postfix_str(self.status(row), refresh=False)
+                self.bar.set_postfix_str(loop._status(row), refresh=False)
                 self.tick, self.window = now, []
 
 

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 import steadydiff
+from steadydiff.adapters.core import is_adapter_key
 from steadydiff.adapters import (
     AdapterError,
     adapter_modules,
@@ -214,16 +215,16 @@ def test_delta_clamp_fires_on_injected_blowup(base_run, tmp_path):
     x = torch.stack([data[i][0] for i in range(8)])
     y = torch.stack([data[i][1] for i in range(8)])
     train_step(state, (x, y, torch.arange(8)))
-    state.adapter.after_step(state)
-    assert state.adapter.clamps == 0
+    state.weights.after_update(state)
+    assert state.weights.clamps == 0
     name = "mid.res.0.conv1"
-    mod = state.adapter.modules[name]
+    mod = state.weights.modules[name]
     with torch.no_grad():
         mod.lora_B.weight.normal_(0, 10.0)  # the blow-up: |dW| >> |W|
     assert float(mod.delta_ratio()) > 0.5
-    state.adapter.after_step(state)
+    state.weights.after_update(state)
     assert float(mod.delta_ratio()) == pytest.approx(0.5, rel=1e-4)
-    assert state.adapter.clamps == 1
+    assert state.weights.clamps == 1
     inc = state.guard.incidents[-1]
     assert inc.kind == "adapter_delta_clamp" and inc.evidence["module"] == name
     rows = [json.loads(ln) for ln in (tmp_path / "incidents.jsonl").read_text().splitlines()]
@@ -376,7 +377,7 @@ def test_rollback_in_an_adapter_run_snapshots_the_adapter_only(base_run, tmp_pat
     snap = s.guard.ring.newest()
     assert snap.model and all(".lora_" in k for k in snap.model)
     assert snap.ema["module"].keys() == snap.model.keys()
-    assert tensor_hash(base_tensors(s.model)) == s.adapter.frozen_hash
+    assert tensor_hash(base_tensors(s.model)) == s.weights.frozen_hash
     c = ckpt.load_checkpoint(res.checkpoint)
     assert all(torch.isfinite(v).all() for v in c.model.values())
 
@@ -391,3 +392,23 @@ def test_merge_help_shows_defaults():
     r = subprocess.run([sys.executable, "-m", "steadydiff.cli", "sample", "--help"],
                        capture_output=True, text=True)
     assert "--adapter-scale" in r.stdout
+
+
+def test_best_checkpoint_of_an_adapter_run_holds_the_adapter(base_run, tmp_path):
+    """eval.every > 0 on a LoRA run: checkpoints/best comes from the same writer as every
+    other checkpoint, so it holds the adapter tensors only and loads like them (it used to
+    hold the full model, which load_adapter refuses)."""
+    run = tmp_path / "ft"
+    steadydiff.train(lora(base_run, "train.steps=4", "eval.every=2", "eval.num=10",
+                          "eval.steps=2", "eval.sampler=ddim"), out_dir=run)
+    best = ckpt.resolve_checkpoint(run / "checkpoints" / "best")
+    c = ckpt.load_checkpoint(best)
+    assert c.model and all(is_adapter_key(k) for k in c.model), sorted(c.model)[:3]
+    assert set(c.model) == set(c.ema)
+    assert c.state["adapter"]["kind"] == "lora"
+    pipe = steadydiff.load(best)
+    assert pipe.adapter == "lora" and pipe.step == c.step
+    periodic = ckpt.load_checkpoint(run / "checkpoints" / best.name) \
+        if (run / "checkpoints" / best.name).is_dir() else None
+    if periodic is not None:  # the same step saved twice: the same tensors
+        assert all(torch.equal(periodic.ema[k], c.ema[k]) for k in c.ema)

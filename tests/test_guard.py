@@ -29,8 +29,8 @@ from steadydiff.guard import Guard, GuardAbort, clipping, probes, provenance
 from steadydiff.guard.detectors import BucketLossSpike, Divergence, GradSpike, RunningStats
 from steadydiff.models import build_model
 from steadydiff.trainer import checkpoint as ckpt
-from steadydiff.trainer.loop import attach_guard, build_state, configure_runtime, set_precision, \
-    train_step
+from steadydiff.trainer.loop import attach_guard, build_state, configure_runtime, \
+    handle_decision, train_step
 from steadydiff.trainer.optim import lr_at
 
 from tiny import TINY_MODEL  # noqa: E402  (tests/tiny.py)
@@ -99,16 +99,12 @@ class Run:
         self.pos += 1
         d = out.decision
         self.decisions.append((d.step, d.action))
-        if d.precision:
-            set_precision(s, d.precision)
-        if d.action == "abort":
-            raise GuardAbort(d.incident.diagnosis.get("why", d.incident.kind), d.incident)
-        if d.action == "rollback":
+        how = handle_decision(s, d, say=lambda _msg: None)  # the loop's own handler
+        if how == "rolled_back":
             self._open()  # the data continues where the guard says
-        elif d.action == "step":
-            self.trained_on.append(pos)
-        if d.action == "rollback":
             del self.trained_on[s.step:]  # the undone steps are not part of the trajectory
+        elif how == "stepped":
+            self.trained_on.append(pos)
         return d
 
     def until(self, steps, every=None):
@@ -717,3 +713,18 @@ def test_incident_count_survives_resume(tmp_path):
     last = metrics(run)[-1]
     assert last["skipped_steps"] == 1
     assert last["incidents"] == 1
+
+
+def test_skip_budget_counts_skips_spread_over_the_window(tmp_path):
+    """A corrupt batch every 4th step: each skip is alone within skip_window=2 (so none
+    escalates), but the budget counts all of them within budget_window, and the 4th skip is
+    one more than max_skips=3: abort (the escalation check used to forget old skips before
+    the budget saw them, so spread-out skips never ended the run)."""
+    faults = [{"kind": "nan_batch", "step": s} for s in (1, 4, 7, 10)]
+    cfg = tiny("train.steps=14", "guard.skip_window=2", "guard.max_skips=3",
+               "guard.budget_window=1000", "train.checkpoint_every=0", faults=faults)
+    with pytest.raises(GuardAbort, match="more than 3 skipped steps within 1000"):
+        steadydiff.train(cfg, out_dir=tmp_path / "run")
+    rows = incidents(tmp_path / "run")
+    assert [(r["kind"], r["action"]) for r in rows] == [("bad_batch", "skip")] * 4 + [
+        ("skip_budget", "abort")]

@@ -5,11 +5,16 @@ Thin by design: parse arguments, build a config, call a library function. Exit c
 3 aborted because instability persisted past the recovery budget, 4 a checkpoint could not be
 written (disk full, permission denied) with train.on_save_error=stop, 5 (torchrun) the process
 group failed: another rank died or hung past train.dist_timeout / train.watchdog_timeout.
+
+Each command imports the library parts it needs when it runs (the imports inside the
+``cmd_*`` functions and ``main`` are deliberate): ``steadydiff --help`` and
+``steadydiff train --dry-run`` never import torch, which takes seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -165,7 +170,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 
 
 def cmd_sample(a: argparse.Namespace) -> int:
-    from .api import load
+    from .loading import load
     from .eval.grid import grid_nrow, save_grid, save_npz
 
     out = Path(a.out)
@@ -204,8 +209,6 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 
 def cmd_doctor(a: argparse.Namespace) -> int:
-    import json
-
     from .doctor import diagnose, format_diagnosis
 
     d = diagnose(a.path, probe=not a.no_probe, device=a.device)

@@ -22,6 +22,7 @@ mid-training is logged once, counted and replaced by the next good one so traini
 
 from __future__ import annotations
 
+import gzip
 import logging
 import os
 import warnings
@@ -142,8 +143,6 @@ _FASHION_FILES = {"train": ("train-images-idx3-ubyte.gz", "train-labels-idx1-uby
 def read_idx(path: str | os.PathLike[str]) -> np.ndarray:
     """Read an idx file (LeCun's MNIST format; gzip-compressed when the name ends in .gz):
     uint8 arrays only (magic 0x0000 08 <ndim>), big-endian dimension sizes."""
-    import gzip
-
     p = Path(path)
     opener = gzip.open if p.suffix == ".gz" else open
     try:

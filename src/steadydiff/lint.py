@@ -220,7 +220,7 @@ def _emulated_precision(cfg: Config, dev: "torch.device | None") -> str | None:
     p = cfg.train.precision
     if dev is None or p == "fp32" or not cfg.train.allow_slow_precision:
         return None  # unknown device, or the trainer refuses outright (a clear error)
-    from .trainer.precision import native_support
+    from .trainer.precision import native_support  # deferred: --dry-run stays torch-free
 
     if native_support(p, dev):
         return None

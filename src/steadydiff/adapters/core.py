@@ -28,11 +28,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
-from ..config import AdapterConfig, Config
+from ..config import AdapterConfig, Config, validate
 from ..guard.detectors import Finding
 from ..guard.guard import GuardAbort
+from ..models import build_model
 from ..trainer import checkpoint as ckpt
-from ..trainer.precision import DTYPES
+from ..trainer.hooks import Weights
+from ..trainer.optim import build_optimizer
+from ..trainer.precision import DTYPES, autocast
 from .layers import AdapterModule, wrap
 
 log = logging.getLogger(__name__)
@@ -106,7 +109,6 @@ def load_base(path: str | Path, use_ema: bool = True) -> BaseWeights:
         AdapterError: the path does not exist or is neither kind.
         CheckpointError: a corrupt checkpoint.
     """
-    from ..config import validate
 
     p = Path(path).expanduser()
     if not p.exists():
@@ -274,8 +276,9 @@ def attach(model: nn.Module, cfg: Config, base: BaseWeights, *,
 
 
 @dataclass
-class AdapterRun:
-    """The adapter side of a training run (``TrainState.adapter``)."""
+class AdapterRun(Weights):
+    """The adapter side of a training run (``TrainState.weights``): the trainer saves,
+    restores and checks the adapter's tensors through it."""
 
     cfg: AdapterConfig
     modules: dict[str, AdapterModule]
@@ -329,8 +332,9 @@ class AdapterRun:
         self.max_ratio = float(saved.get("max_delta_ratio_seen", 0.0))
         self.max_ratio_module = saved.get("max_delta_ratio_module")
 
-    def verify_base(self, state: Any) -> None:
-        """Re-hash the frozen base; a change is an incident that stops the run."""
+    def verify(self, state: Any) -> None:
+        """Before a checkpoint: re-hash the frozen base; a change is an incident that stops
+        the run."""
         now = tensor_hash(base_tensors(state.model))
         if now == self.frozen_hash:
             return
@@ -348,7 +352,7 @@ class AdapterRun:
     # ..................................................................... the guard
 
     @torch.no_grad()
-    def after_step(self, state: Any) -> None:
+    def after_update(self, state: Any) -> None:
         """After an applied update: |dW|/|W| per adapted module; rescale any delta past
         ``max_delta_ratio`` (model and EMA) and record it as an incident. One host sync."""
         every = self.cfg.monitor_every
@@ -390,8 +394,6 @@ class AdapterRun:
 
     def sampling_context(self, state: Any):
         """Autocast for in-training sample grids when the base is not fp32."""
-        from ..trainer.precision import autocast
-
         return autocast(self.cfg.base_precision, state.device)
 
 
@@ -457,7 +459,6 @@ def build_adapted(c: ckpt.Checkpoint, cfg: Config, *, use_ema: bool = True,
         base: the base weights' path, when they moved since training (default: the path
             the checkpoint records); their sha256 must match the recorded one.
     """
-    from ..models import build_model
 
     rec = c.state.get("adapter") or {}
     path = base or rec.get("base_path") or cfg.adapter.base
@@ -480,8 +481,6 @@ def merge_checkpoint(checkpoint: str | Path, out: str | Path, *, scale: float = 
     (model = base + raw adapter, EMA = base + EMA adapter, both at ``scale``) under
     ``out/checkpoints/``; ``steadydiff sample`` and :func:`steadydiff.load` read it like any
     run. Refuses an existing ``out``. Returns the checkpoint directory."""
-    from ..config import validate
-    from ..trainer.optim import build_optimizer
 
     out = Path(out)
     if out.exists():

@@ -29,6 +29,9 @@ import torch
 
 from .. import seeding
 from ..config import EvalConfig
+from ..diffusion import sample
+from ..trainer.hooks import Evaluation
+from .evaluate import evaluate_samples, extractor_for
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +79,7 @@ class EarlyStopping:
         self.bad = int(d.get("bad", 0))
 
 
-class TrainingEvaluator:
+class TrainingEvaluator(Evaluation):
     """Runs the periodic evaluation for the training loop (see the module docstring)."""
 
     def __init__(self, cfg, run_dir: Path) -> None:
@@ -108,11 +111,10 @@ class TrainingEvaluator:
             self.stop.load_state_dict(d)
 
     @torch.no_grad()
-    def run(self, state, tb=None) -> dict[str, Any]:
-        """Evaluate the EMA model of the training ``state`` now; log, keep the best."""
-        from ..diffusion import sample
-        from .evaluate import evaluate_samples, extractor_for
-
+    def run(self, state, tb=None, save_best=None) -> dict[str, Any]:
+        """Evaluate the EMA model of the training ``state`` now and log it; on a new best,
+        ``save_best()`` writes the best checkpoint (the trainer's one checkpoint writer) and
+        returns its path, or None when it could not."""
         e, c = self.ecfg, self.cfg
         t0 = time.perf_counter()
         if self._fx is None:
@@ -137,8 +139,8 @@ class TrainingEvaluator:
                "best": self.stop.best, "best_step": self.stop.best_step,
                "improved": improved, "bad_evals": self.stop.bad,
                "seconds": round(time.perf_counter() - t0, 2)}
-        if improved and e.keep_best:
-            row["best_checkpoint"] = self._save_best(state)
+        if improved and e.keep_best and save_best is not None:
+            row["best_checkpoint"] = (str(p) if (p := save_best()) is not None else None)
         with open(self.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         if tb is not None:
@@ -152,21 +154,7 @@ class TrainingEvaluator:
               + (f" | {row['num_nonfinite']} non-finite samples" if row["num_nonfinite"] else ""))
         return row
 
-    def _save_best(self, state) -> str | None:
-        from ..trainer import checkpoint as ckpt
-        from ..trainer.loop import state_dict
 
-        try:
-            path = ckpt.save_checkpoint(
-                self.run_dir / "checkpoints" / "best", state.step, model=state.model,
-                ema=state.ema.module, optimizer=state.optimizer, state=state_dict(state), keep=1)
-            return str(path)
-        except (ckpt.CheckpointError, OSError) as err:  # never take the run down
-            log.warning("could not write the best checkpoint at step %d: %s", state.step, err)
-            print(f"warning: could not write the best checkpoint at step {state.step}: {err}")
-            return None
-
-
-def make_evaluator(cfg, run_dir: Path) -> TrainingEvaluator | None:
-    """The evaluator for ``cfg`` (None when ``eval.every`` is 0: zero cost)."""
-    return TrainingEvaluator(cfg, run_dir) if cfg.eval.every else None
+def make_evaluator(cfg, run_dir: Path) -> Evaluation:
+    """The evaluator for ``cfg`` (the no-op :class:`Evaluation` when ``eval.every`` is 0)."""
+    return TrainingEvaluator(cfg, run_dir) if cfg.eval.every else Evaluation()

@@ -30,8 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..loading import load
+from ..trainer import checkpoint as ckpt
 from . import metrics
 from .features import FeatureExtractor, feature_extractor
+from .inception import inception_fid, load_inception
 
 
 def _clean(v: Any) -> Any:
@@ -148,26 +151,16 @@ def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500, sampler: str 
     The offline ``FD-<dataset>`` figures need a labelled dataset (digits, fashion_mnist); an
     image-folder run is evaluated only with ``inception_weights`` (standard FID).
     """
-    from ..api import load
-    from ..trainer import checkpoint as ckpt
-
-    path = ckpt.resolve_checkpoint(checkpoint)
-    diverged = None
-    try:
-        pipe = load(path, device=device)
-    except ckpt.CheckpointError as e:
-        if "non-finite" not in str(e):
-            raise
-        # a diverged model: sample it anyway, so the report counts what it really produces
-        diverged = str(e)
-        pipe = _load_nonfinite(path, device)
+    pipe = load(checkpoint, device=device, allow_nonfinite=True)
+    # a diverged model is sampled anyway, so the report counts what it really produces
+    diverged = (f"{pipe.checkpoint}: {ckpt.nonfinite_message(pipe.nonfinite)}"
+                if pipe.nonfinite else None)
     cfg = pipe.config
     labelled = cfg.data.dataset in ("digits", "fashion_mnist")
     if not labelled and inception_weights is None:
         extractor_for(cfg, cache=cache)  # raises the explanation (folder: no labelled split)
     inception = None
     if inception_weights is not None:  # a bad file is refused before any sampling
-        from .inception import load_inception
         inception = load_inception(inception_weights).to(pipe.device)
     s = cfg.sample
     t0 = time.perf_counter()
@@ -177,8 +170,6 @@ def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500, sampler: str 
     if labelled:
         res = evaluate_samples(extractor_for(cfg, cache=cache), x, y, k=k, seed=seed)
     if inception_weights is not None:
-        from .inception import inception_fid
-
         res["inception"] = inception_fid(inception_weights, x, cfg, seed=seed, cache=cache,
                                          net=inception)
         res.setdefault("num", num)
@@ -191,26 +182,6 @@ def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500, sampler: str 
         res["error"] = "; ".join(filter(None, [f"{diverged} (the model diverged)",
                                               res.get("error")]))
     return _clean(res)
-
-
-def _load_nonfinite(path: Path, device: str | None):
-    """A Pipeline over a verified checkpoint whose EMA weights hold NaN/Inf (``load``
-    refuses those): the same safe loading (safetensors, JSON), without the finiteness check."""
-    from safetensors.torch import load_file
-
-    from ..api import Pipeline
-    from ..config import validate
-    from ..diffusion import make_schedule
-    from ..models import build_model
-    from ..trainer.loop import resolve_device
-
-    dev = torch.device(device) if device is not None else resolve_device("auto")
-    state = json.loads((path / "state.json").read_text())
-    cfg = validate(state["config"], source=f"{path}/state.json config")
-    model = build_model(cfg.model, image_size=cfg.data.image_size, channels=cfg.data.channels)
-    model.load_state_dict(load_file(str(path / "ema.safetensors")))
-    model.to(dev).eval().requires_grad_(False)
-    return Pipeline(model, make_schedule(cfg.diffusion), cfg, dev, path, int(state["step"]))
 
 
 def _f(v: Any, spec: str) -> str:

@@ -36,7 +36,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
+
+from ..data import DigitsDataset, FashionMNISTDataset
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +99,8 @@ def labelled_splits(dataset: str, image_size: int, path: str | None = None
     Raises:
         ValueError: a dataset without labelled splits (``folder``).
     """
-    from ..data import DigitsDataset, FashionMNISTDataset
-
     if dataset == "digits":
-        from sklearn.model_selection import train_test_split
+        from sklearn.model_selection import train_test_split  # deferred: a slow import
 
         d = DigitsDataset(image_size, 1)
         x, y = d.images.clone(), d.labels
@@ -198,7 +199,6 @@ def _save_npy(path: Path, a: np.ndarray, dtype=np.float32) -> None:
 
 
 def _try_load(folder: Path, num_classes: int) -> FeatureExtractor | None:
-    from safetensors.torch import load_file
 
     files = [folder / n for n in ("weights.safetensors", "meta.json", "real_features.npy",
                                   "real_labels.npy")]
@@ -242,7 +242,6 @@ def feature_extractor(dataset: str, image_size: int, *, path: str | None = None,
         found = _try_load(folder, 10)
         if found is not None:
             return found
-    from safetensors.torch import save_file
 
     t0 = time.perf_counter()
     xtr, ytr, xte, yte, xref, yref = labelled_splits(dataset, image_size, path)

@@ -28,6 +28,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data import build_dataset
+from .features import _atomic_write, _save_npy, cache_dir
+from .metrics import frechet_distance_features
+
 FEATURE_DIM = 2048
 
 
@@ -258,9 +262,6 @@ def inception_fid(weights: str | Path, x: torch.Tensor, cfg, *, seed: int = 0,
                   cache: Path | None = None, net: FIDInceptionV3 | None = None) -> dict:
     """FID between samples ``x`` and as many real images of ``cfg.data``'s dataset (a seeded
     subset; their features are cached per dataset, resolution, weights file and N)."""
-    from ..data import build_dataset
-    from .features import _atomic_write, _save_npy, cache_dir
-    from .metrics import frechet_distance_features
 
     net = net or load_inception(weights)
     n = x.shape[0]

@@ -13,7 +13,10 @@ a guarded loop has
     if decision.action == "abort": break
 
 and ``guard.step`` does the clipping, the optimizer/scaler/scheduler steps and the EMA update
-itself when the step is healthy. Every intervention is an :class:`Incident`, appended to
+itself when the step is healthy, through the same :class:`~steadydiff.guard.update.Update`
+the trainer uses with the guard off. One step is: inspect (one host sync) -> findings ->
+:func:`steadydiff.guard.policy.decide` -> carry the action out; or, when healthy, update ->
+check the weights -> commit. Every intervention is an :class:`Incident`, appended to
 ``RUN_DIR/incidents.jsonl`` with the evidence, the action and its cost.
 
 Per step the guard costs one small host sync (loss, grad norm, per-t-bucket loss sums) and one
@@ -40,11 +43,14 @@ from torch import nn
 
 from .. import distributed
 from ..config import GuardConfig
-from . import clipping, probes, provenance
+from ..trainer.precision import native_support
+from . import policy, probes, provenance
 from .detectors import BucketLossSpike, Divergence, Finding, GradSpike, Overflow, RunningStats
+from .policy import Action, History
 from .snapshots import Snapshot, SnapshotRing, restore_into
+from .update import Progress, ProgressLike, Update
 
-Action = Literal["step", "skip", "rollback", "abort"]
+DecisionKind = Literal["step", "skip", "rollback", "abort"]
 
 
 class GuardAbort(RuntimeError):
@@ -81,10 +87,13 @@ class Decision:
     step: the step counter after the decision (it moves back on a rollback).
     data_position: batches consumed; after a rollback the data continues from here.
     skipped_batches: after a rollback, the batch positions that will not be trained on.
-    precision: set when the guard changed the precision (fp16 -> bf16 -> fp32).
+    precision: set when the guard changed the precision (fp16 -> bf16 -> fp32); the progress
+        object already holds it, a loop of one's own switches its autocast.
+    loss, grad_norm, grad_norm_clipped: host floats when the guard inspected the step;
+        ``loss_t``: the mean loss per timestep bucket (this step).
     """
 
-    action: Action
+    action: DecisionKind
     step: int
     data_position: int
     loss: float | None = None
@@ -93,15 +102,7 @@ class Decision:
     skipped_batches: range | None = None
     precision: str | None = None
     grad_norm_clipped: float | None = None
-    loss_t: list[float | None] | None = None  # mean loss per timestep bucket (this step)
-
-
-@dataclass
-class Progress:
-    """The counters a guard rolls back. Our trainer passes its own state (same fields)."""
-
-    step: int = 0
-    batches_consumed: int = 0
+    loss_t: list[float | None] | None = None
 
 
 def _jsonable(obj: Any) -> Any:
@@ -116,55 +117,23 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-class _EMAAdapter:
-    """One interface over the EMA kinds people use: ours (``update(model, step)``,
-    ``.module``), torch's ``AveragedModel`` (``update_parameters``) and diffusers'
-    ``EMAModel`` (``step(parameters)``, ``shadow_params``)."""
-
-    def __init__(self, ema: Any):
-        self.ema = ema
-
-    def update(self, model: nn.Module, step: int) -> None:
-        e = self.ema
-        if hasattr(e, "update") and hasattr(e, "module") and hasattr(e, "num_updates"):
-            e.update(model, step)
-        elif hasattr(e, "update_parameters"):
-            e.update_parameters(model)
-        elif hasattr(e, "step") and hasattr(e, "shadow_params"):
-            e.step(model.parameters())
-        else:
-            raise TypeError(f"unsupported EMA object {type(e).__name__}: expected steadydiff's "
-                            "EMA, torch.optim.swa_utils.AveragedModel or diffusers' EMAModel")
-
-    def tensors(self) -> list[torch.Tensor]:
-        e = self.ema
-        if hasattr(e, "shadow_params"):
-            return list(e.shadow_params)
-        module = e.module if hasattr(e, "num_updates") else e
-        return [p for p in module.parameters()]
-
-    def state(self) -> dict[str, Any]:
-        e = self.ema
-        if hasattr(e, "num_updates") and hasattr(e, "module"):
-            shared = getattr(e, "shared", ())  # frozen parameters shared with the model
-            return {"module": {k: v for k, v in e.module.state_dict().items()
-                               if k not in shared}, "num_updates": e.num_updates}
-        return e.state_dict()
-
-    def load(self, state: dict[str, Any]) -> None:
-        e = self.ema
-        if hasattr(e, "num_updates") and hasattr(e, "module"):
-            e.module.load_state_dict(state["module"], strict=not getattr(e, "shared", ()))
-            e.num_updates = state["num_updates"]
-        else:
-            e.load_state_dict(state)
-
-
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """0-dim bool tensor: every tensor finite (one fused norm reduction, no sync)."""
     if not tensors:
         return torch.tensor(True)
     return torch.isfinite(torch.stack(torch._foreach_norm(tensors)).sum())
+
+
+@dataclass
+class _Seen:
+    """The step's numbers after the one host sync (every rank's, reduced)."""
+
+    loss: float
+    grad_norm: float
+    input_max: float
+    buckets: list[float | None]
+    world: int
+    judged_t: bool  # per-sample losses and timesteps were given
 
 
 class Guard:
@@ -183,9 +152,13 @@ class Guard:
         clip_mode, clip: gradient clipping (global | per_layer | agc | zclip; 0 disables).
         num_timesteps: the diffusion T, to bucket per-sample losses by timestep.
         precision: the autocast precision the loop uses (for the fp16 fallback chain).
-        progress: an object with ``step`` and ``batches_consumed`` the guard keeps (and
-            rolls back); a fresh :class:`Progress` by default.
+        progress: the object that owns ``step``, ``batches_consumed``, ``precision`` and
+            ``scaler`` (the guard advances and rolls them back); a fresh :class:`Progress`
+            holding ``scaler`` and ``precision`` by default. steadydiff's trainer passes its
+            ``TrainState`` (and ``scaler``/``precision`` are then read from it).
         device: for the precision-support check (default: the model's device).
+        update: the :class:`Update` to apply (the trainer shares its own); built from the
+            arguments above by default.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -193,24 +166,24 @@ class Guard:
                  ema: Any = None, config: GuardConfig | dict | None = None,
                  run_dir: str | Path | None = None, clip_mode: str = "global",
                  clip: float = 1.0, num_timesteps: int = 1000, precision: str | None = None,
-                 progress: Any = None, device: torch.device | None = None):
+                 progress: ProgressLike | None = None, device: torch.device | None = None,
+                 update: Update | None = None):
         if isinstance(config, dict):
             config = GuardConfig(**config)
         self.cfg = config or GuardConfig()
         self.model = model
-        # unwrap DDP/DataParallel (not any model that happens to have a .module attribute)
-        wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
-        self.net = model.module if wrapped else model
+        self.update = update or Update(model, optimizer, clip_mode=clip_mode, clip=clip,
+                                       scheduler=lr_scheduler, ema=ema)
+        self.net = self.update.net
         self.optimizer = optimizer
-        self.scheduler = lr_scheduler
-        self.scaler = scaler
-        self.ema = _EMAAdapter(ema) if ema is not None else None
+        self.ema = self.update.ema
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.clip_mode, self.clip = clip_mode, clip
         self.T = num_timesteps
-        self.precision = precision or ("fp16" if scaler is not None else "fp32")
-        self.progress = progress if progress is not None else Progress()
+        self.progress: ProgressLike = progress if progress is not None else Progress(
+            precision=precision or ("fp16" if scaler is not None else "fp32"), scaler=scaler)
         self.device = device or next(self.net.parameters()).device
+        self._supported = frozenset(p for p in ("fp32", "bf16", "fp16")
+                                    if native_support(p, self.device))
         c = self.cfg
         self.grad = GradSpike(c.momentum, c.grad_z, c.warmup_steps)
         self.loss = BucketLossSpike(c.t_buckets, c.momentum, c.loss_z, c.loss_ratio,
@@ -230,17 +203,24 @@ class Guard:
         self.counts = {"skips": 0, "rollbacks": 0, "steps_redone": 0, "batches_skipped": 0,
                        "warnings": 0}
         self._warned: dict[tuple[str, str], int] = {}
-        named = [(n, p) for n, p in self.net.named_parameters() if p.requires_grad]
-        self._names = [n for n, _ in named]
-        self._params = [p for _, p in named]
+        self._names, self._params = self.update.names, self.update.params
         # weights with RMS below 0.05 count as 0.05, so zero-initialised layers moving off
         # zero are not "jumps"
         self._norm_floor = torch.tensor([0.05 * math.sqrt(p.numel()) for p in self._params],
                                         device=self._params[0].device if self._params else None)
         self._prev_norms: torch.Tensor | None = None
-        self._probe_forward: Callable[[], object] | None = None
         self._bad_rank: int | None = None  # the rank where this step's bad value appeared
         self.snapshot()
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        """The grad scaler in use (owned by the progress object)."""
+        return self.progress.scaler
+
+    @property
+    def precision(self) -> str:
+        """The runtime precision (owned by the progress object)."""
+        return self.progress.precision
 
     # ------------------------------------------------------------------ the step
 
@@ -268,52 +248,11 @@ class Guard:
             A :class:`Decision`.
         """
         c, prog = self.cfg, self.progress
-        self._probe_forward = probe_forward
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        gnorm = clipping.total_norm(self._params)
+        gnorm = self.update.norm(prog)
+        seen = self._sync(loss, gnorm, t, per_sample_loss, inputs)
 
-        # ---- one host sync: loss, grad norm, input range, per-bucket loss sums/counts.
-        # Under DDP every rank's row is gathered (one collective) and every rank decides from
-        # the same numbers: a NaN on one rank makes all of them skip or roll back together.
-        ps = per_sample_loss.detach().float() if per_sample_loss is not None else None
-        n_local = float(ps.numel()) if ps is not None else 1.0
-        parts = [loss.detach().float().mean().reshape(1), gnorm.float().reshape(1).to(loss.device)]
-        parts.append((inputs.detach().float().abs().amax().reshape(1).to(loss.device)
-                      if inputs is not None else torch.zeros(1, device=loss.device)))
-        parts.append(torch.full((1,), n_local, device=loss.device))
-        nb = c.t_buckets
-        if t is not None and ps is not None:
-            b = (t.long() * nb // self.T).clamp_(0, nb - 1)
-            parts += [torch.zeros(nb, device=ps.device).index_add_(0, b, ps),
-                      torch.bincount(b, minlength=nb).float()]
-        rows = distributed.gather_rows(torch.cat(parts)).cpu()  # host sync, once per step
-        world = rows.shape[0]
-        self._bad_rank = _first_bad_rank(rows[:, :3]) if world > 1 else None
-        # the global mean loss (ranks may hold different shares of an uneven batch)
-        loss_v = float((rows[:, 0] * rows[:, 3]).sum() / rows[:, 3].sum())
-        gnorm_v = float(rows[:, 1].mean())
-        col = rows[:, 2]
-        in_max = float(col.max()) if bool(torch.isfinite(col).all()) else float("nan")
-        buckets: list[float | None] = [None] * nb
-        if rows.shape[1] > 4:
-            sums, counts = rows[:, 4:4 + nb].sum(0).tolist(), rows[:, 4 + nb:].sum(0).tolist()
-            buckets = [s / n if n else None for s, n in zip(sums, counts)]
-
-        # ---- detection (cheap, host side)
-        finding = self._check_inputs(in_max) if inputs is not None else None
-        if finding is None and not (math.isfinite(loss_v) and math.isfinite(gnorm_v)):
-            if self.scaler is not None:
-                # under fp16 a non-finite value is first the scaler's business: gradients
-                # that overflowed (finite loss), or a forward pass that overflowed the fp16
-                # range (the replay names the module); repeated, it is a precision problem
-                prov = (self._provenance(replay, num_micro, after_backward)
-                        if not math.isfinite(loss_v) and c.provenance else None)
-                if math.isfinite(loss_v) or (prov or {}).get("first_overflow_module"):
-                    return self._scaler_skip(loss_v, gnorm_v, prov, forward=not
-                                             math.isfinite(loss_v))
-            finding = Finding("nonfinite_loss" if not math.isfinite(loss_v) else "nonfinite_grad",
-                              "fatal", {"loss": loss_v, "grad_norm": gnorm_v})
+        # ---- before the update: the batch, the loss and gradients, the LR
+        finding = self._inspect(seen, inputs is not None, replay, num_micro, after_backward)
         lr_now = max(g["lr"] for g in self.optimizer.param_groups) * self.lr_factor
         if finding is None and self.max_lr > 0 and lr_now > c.lr_jump * self.max_lr:
             # an LR far above anything applied before (warm-up and restarts stay below the
@@ -325,92 +264,125 @@ class Guard:
                         "schedule / scheduler state"})
         if finding is None:
             # a loss spike explains the gradient spike it causes: report it as the cause
-            g_spike, l_spike = self.grad.check(gnorm_v), self.loss.check(buckets)
+            g_spike, l_spike = self.grad.check(seen.grad_norm), self.loss.check(seen.buckets)
             finding = l_spike or g_spike
             if l_spike and g_spike:
                 l_spike.evidence["grad_norm"] = g_spike.evidence
-
         if finding is not None:
-            if self._bad_rank is not None:
-                finding.evidence["rank"] = self._bad_rank  # where the bad value appeared
-            if finding.severity == "spike":
-                finding.evidence.update(self._spike_evidence())
-            if c.provenance and finding.kind != "bad_batch":
-                # replay the step with hooks: the first module that went non-finite or past
-                # the fp16 range, and the first parameters whose gradients did
-                finding.evidence["provenance"] = self._provenance(replay, num_micro,
-                                                                  after_backward)
-            if probe_forward is not None and finding.kind != "bad_batch":
-                # the expensive health probes run on every incident, not only every N steps
-                finding.evidence["health"] = self._health(probe_forward)
-            escalate = self._recent(self.skips, c.skip_window) + 1 >= c.skips_before_rollback
-            if escalate and finding.kind != "bad_batch":
-                return self._rollback(finding, loss_v, gnorm_v, reason="repeated incidents")
-            return self._skip(finding, loss_v, gnorm_v)
+            if finding.kind != "fp16_overflow":
+                self._gather_evidence(finding, replay, num_micro, after_backward,
+                                      probe_forward)
+            return self._act(finding, seen)
 
-        # ---- healthy: clip, update, check, EMA
-        zlimit = self.grad.clip_value() if self.clip_mode == "zclip" else None
-        clipped = clipping.clip(self._params, self.clip_mode, self.clip, gnorm, zclip_value=zlimit)
+        # ---- healthy: update, check the weights, commit (EMA, counters)
+        zlimit = self.grad.clip_value() if self.update.clip_mode == "zclip" else None
         if prog.step >= self.backoff_until:
             self.lr_factor = 1.0
-        self._apply_update()
+        clipped = self.update.apply(prog, gnorm, lr_factor=self.lr_factor, zclip=zlimit)
         if after_update is not None:
             after_update()
-        # one fused reduction over the weights: all finite? any weight's norm jumped?
-        norms = torch.stack(torch._foreach_norm(self._params)).float()
-        jump = (norms / torch.maximum(self._prev_norms, self._norm_floor)).max() \
-            if self._prev_norms is not None else torch.zeros((), device=norms.device)
-        check = torch.stack([torch.isfinite(norms.sum()).float(), jump])
-        if world > 1:
-            check[0] = -check[0]  # MAX of -ok == -(MIN of ok)
-            dist.all_reduce(check, op=dist.ReduceOp.MAX)
-            check[0] = -check[0]
-        ok_v, jump_v = check.cpu().tolist()  # host sync (before the EMA can see the weights)
-        if not ok_v:
-            bad = provenance.nonfinite_params(self.net)
-            f = Finding("nonfinite_params", "fatal", {
-                "params": bad[:5], "count": len(bad),
-                "note": "parameters became non-finite during or right after the update"})
-            return self._rollback(f, loss_v, gnorm_v, reason="state unusable")
-        if jump_v > c.weight_jump:
-            ratios = (norms / torch.maximum(self._prev_norms, self._norm_floor)).cpu().tolist()
-            top = sorted(zip(ratios, self._names), reverse=True)[:3]
-            f = Finding("weight_jump", "fatal", {
-                "params": [n for _, n in top], "norm_ratio": [r for r, _ in top],
-                "threshold": c.weight_jump,
-                "note": "a parameter's norm jumped in one step: corrupted or exploded weights"})
-            return self._rollback(f, loss_v, gnorm_v, reason="state unusable")
-        self._prev_norms = norms
-        if self.ema is not None:
-            self.ema.update(self.net, prog.step)
-        self.optimizer.zero_grad(set_to_none=True)
-        prog.step += 1
-        prog.batches_consumed += 1
-        self.grad.observe(gnorm_v)
-        self.loss.observe(buckets)
+        finding = self._check_weights(seen.world)
+        if finding is not None:
+            return self._act(finding, seen)
+        self.update.commit(prog)
+        self.grad.observe(seen.grad_norm)
+        self.loss.observe(seen.buckets)
         self.max_lr = max(self.max_lr, lr_now)
-        trend = self.divergence.check_and_observe(loss_v)
+        trend = self.divergence.check_and_observe(seen.loss)
         if trend is not None:
-            return self._rollback(trend, loss_v, gnorm_v, reason="slow divergence",
-                                  oldest=True)
+            return self._act(trend, seen)
         mismatch = None
-        if world > 1 and c.rank_check_every and prog.step % c.rank_check_every == 0:
+        if seen.world > 1 and c.rank_check_every and prog.step % c.rank_check_every == 0:
             mismatch = self.check_ranks()
         if prog.step % c.snapshot_every == 0:
             self.snapshot()
         if c.probe_every and prog.step % c.probe_every == 0 and probe_forward is not None:
             self._probe(probe_forward)
-        if self.clip_mode in ("global", "zclip"):
-            limit = (zlimit if zlimit is not None else self.clip) if self.clip_mode == "zclip" \
-                else self.clip
-            clipped_v = min(gnorm_v, limit) if limit else gnorm_v
-        else:
-            clipped_v = float(clipped)  # host sync: per_layer/agc only
-        return Decision("step", prog.step, prog.batches_consumed, loss_v, gnorm_v,
-                        incident=mismatch, grad_norm_clipped=clipped_v,
-                        loss_t=buckets if t is not None and per_sample_loss is not None else None)
+        return Decision("step", prog.step, prog.batches_consumed, seen.loss, seen.grad_norm,
+                        incident=mismatch,
+                        grad_norm_clipped=self._clipped_value(seen.grad_norm, clipped, zlimit),
+                        loss_t=seen.buckets if seen.judged_t else None)
 
-    # ------------------------------------------------------------------ actions
+    # ------------------------------------------------------------------ inspection
+
+    def _sync(self, loss: torch.Tensor, gnorm: torch.Tensor, t: torch.Tensor | None,
+              per_sample_loss: torch.Tensor | None, inputs: torch.Tensor | None) -> _Seen:
+        """One host sync: loss, grad norm, input range, per-bucket loss sums/counts. Under DDP
+        every rank's row is gathered (one collective) and every rank decides from the same
+        numbers: a NaN on one rank makes all of them skip or roll back together."""
+        ps = per_sample_loss.detach().float() if per_sample_loss is not None else None
+        n_local = float(ps.numel()) if ps is not None else 1.0
+        dev = loss.device
+        parts = [loss.detach().float().mean().reshape(1), gnorm.float().reshape(1).to(dev)]
+        parts.append((inputs.detach().float().abs().amax().reshape(1).to(dev)
+                      if inputs is not None else torch.zeros(1, device=dev)))
+        parts.append(torch.full((1,), n_local, device=dev))
+        nb = self.cfg.t_buckets
+        judged_t = t is not None and ps is not None
+        if judged_t:
+            b = (t.long() * nb // self.T).clamp_(0, nb - 1)
+            parts += [torch.zeros(nb, device=ps.device).index_add_(0, b, ps),
+                      torch.bincount(b, minlength=nb).float()]
+        rows = distributed.gather_rows(torch.cat(parts)).cpu()  # host sync, once per step
+        world = rows.shape[0]
+        self._bad_rank = _first_bad_rank(rows[:, :3]) if world > 1 else None
+        # the global mean loss (ranks may hold different shares of an uneven batch)
+        loss_v = float((rows[:, 0] * rows[:, 3]).sum() / rows[:, 3].sum())
+        col = rows[:, 2]
+        in_max = float(col.max()) if bool(torch.isfinite(col).all()) else float("nan")
+        buckets: list[float | None] = [None] * nb
+        if rows.shape[1] > 4:
+            sums, counts = rows[:, 4:4 + nb].sum(0).tolist(), rows[:, 4 + nb:].sum(0).tolist()
+            buckets = [s / n if n else None for s, n in zip(sums, counts)]
+        return _Seen(loss_v, float(rows[:, 1].mean()), in_max, buckets, world, judged_t)
+
+    def _inspect(self, seen: _Seen, has_inputs: bool, replay, num_micro,
+                 after_backward) -> Finding | None:
+        """The batch and the finiteness of loss and gradients. Under fp16 a non-finite
+        value is first the scaler's business: gradients that overflowed (finite loss), or a
+        forward pass that overflowed the fp16 range (the replay names the module)."""
+        finding = self._check_inputs(seen.input_max) if has_inputs else None
+        if finding is not None or (math.isfinite(seen.loss) and math.isfinite(seen.grad_norm)):
+            return finding
+        if self.progress.scaler is not None:
+            forward = not math.isfinite(seen.loss)
+            prov = (self._provenance(replay, num_micro, after_backward)
+                    if forward and self.cfg.provenance else None)
+            if not forward or (prov or {}).get("first_overflow_module"):
+                return self._overflow_finding(seen, prov, forward)
+        return Finding("nonfinite_loss" if not math.isfinite(seen.loss) else "nonfinite_grad",
+                       "fatal", {"loss": seen.loss, "grad_norm": seen.grad_norm})
+
+    def _overflow_finding(self, seen: _Seen, prov: dict | None, forward: bool) -> Finding:
+        """An fp16 overflow: ``routine`` (gradients, while the scale calibrates), ``spike``
+        (an activation in the forward pass) or ``trend`` (repeated within the window)."""
+        scale = self.progress.scaler.get_scale()
+        trend = self.overflow.record(self.progress.step, scale)
+        if trend is not None:
+            self.overflow.clear()
+            trend.evidence["precision"] = self.progress.precision
+            if prov:
+                trend.evidence["provenance"] = prov
+            return trend
+        return Finding("fp16_overflow", "spike" if forward else "routine", {
+            "loss": seen.loss, "loss_scale": scale, "provenance": prov,
+            "note": "an activation exceeded the fp16 range in the forward pass"})
+
+    def _gather_evidence(self, finding: Finding, replay, num_micro, after_backward,
+                         probe_forward) -> None:
+        c = self.cfg
+        if self._bad_rank is not None:
+            finding.evidence["rank"] = self._bad_rank  # where the bad value appeared
+        if finding.severity == "spike":
+            finding.evidence.update(self._spike_evidence())
+        if c.provenance and finding.kind != "bad_batch":
+            # replay the step with hooks: the first module that went non-finite or past the
+            # fp16 range, and the first parameters whose gradients did
+            finding.evidence["provenance"] = self._provenance(replay, num_micro,
+                                                              after_backward)
+        if probe_forward is not None and finding.kind != "bad_batch":
+            # the expensive health probes run on every incident, not only every N steps
+            finding.evidence["health"] = self._health(probe_forward)
 
     def _check_inputs(self, in_max: float) -> Finding | None:
         """A batch with NaN/Inf, or with values far beyond the usual range (x10 the running
@@ -429,99 +401,102 @@ class Guard:
         st.update(math.log(max(in_max, 1e-12)))
         return None
 
-    def _apply_update(self) -> None:
-        groups = self.optimizer.param_groups
-        if self.lr_factor != 1.0:
-            saved = [g["lr"] for g in groups]
-            for g in groups:
-                g["lr"] = g["lr"] * self.lr_factor
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        if self.lr_factor != 1.0:
-            for g, lr in zip(groups, saved):
-                g["lr"] = lr
-        if self.scheduler is not None:
-            self.scheduler.step()
-
-    def _scaler_skip(self, loss_v: float, gnorm_v: float, prov: dict | None = None,
-                     forward: bool = False) -> Decision:
-        """fp16 overflow: the scaler's normal job (lower the scale, skip the step). Gradient
-        overflows while the scale calibrates are routine and silent; a forward pass that
-        overflowed is an incident (the replay names the module); either kind repeated within
-        the window is a precision problem (fall back fp16 -> bf16 -> fp32)."""
-        prog = self.progress
-        scale = self.scaler.get_scale()
-        self.scaler.update()  # sees the inf recorded by unscale_, halves the scale
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler_skips += 1
-        f = self.overflow.record(prog.step, scale)
-        if f is None:
-            inc = None
-            if forward:
-                inc = self._record(Finding("fp16_overflow", "spike", {
-                    "loss": loss_v, "loss_scale": scale, "provenance": prov,
-                    "note": "an activation exceeded the fp16 range in the forward pass"}),
-                    "skip", cost={"steps_redone": 0, "batches_skipped": 1,
-                                  "batch_position": prog.batches_consumed})
-            prog.batches_consumed += 1
-            return Decision("skip", prog.step, prog.batches_consumed, loss_v, gnorm_v, inc)
-        prog.batches_consumed += 1
-        self.overflow.clear()
-        new = self._fallback_precision()
-        f.evidence["precision"] = self.precision
-        if prov:
-            f.evidence["provenance"] = prov
-        inc = self._record(f, "precision_fallback" if new else "skip",
-                           diagnosis={"new_precision": new} if new else
-                           {"note": "precision fallback disabled or not available"})
-        if new:
-            self.precision = new
-            self.scaler = None
-        return self._budget_check(Decision("skip", prog.step, prog.batches_consumed, loss_v,
-                                           gnorm_v, incident=inc, precision=new))
-
-    def _fallback_precision(self) -> str | None:
-        if not self.cfg.precision_fallback:
-            return None
-        from ..trainer.precision import native_support
-        chain = {"fp16": ["bf16", "fp32"], "bf16": ["fp32"]}.get(self.precision, [])
-        for p in chain:
-            if native_support(p, self.device):
-                return p
+    def _check_weights(self, world: int) -> Finding | None:
+        """After the update, before the EMA sees the weights: one fused reduction over them
+        (all finite? any weight's norm jumped?) and one host sync."""
+        norms = torch.stack(torch._foreach_norm(self._params)).float()
+        jump = (norms / torch.maximum(self._prev_norms, self._norm_floor)).max() \
+            if self._prev_norms is not None else torch.zeros((), device=norms.device)
+        check = torch.stack([torch.isfinite(norms.sum()).float(), jump])
+        if world > 1:
+            check[0] = -check[0]  # MAX of -ok == -(MIN of ok)
+            dist.all_reduce(check, op=dist.ReduceOp.MAX)
+            check[0] = -check[0]
+        ok_v, jump_v = check.cpu().tolist()  # host sync
+        if not ok_v:
+            bad = provenance.nonfinite_params(self.net)
+            return Finding("nonfinite_params", "fatal", {
+                "params": bad[:5], "count": len(bad),
+                "note": "parameters became non-finite during or right after the update"})
+        if jump_v > self.cfg.weight_jump:
+            ratios = (norms / torch.maximum(self._prev_norms, self._norm_floor)).cpu().tolist()
+            top = sorted(zip(ratios, self._names), reverse=True)[:3]
+            return Finding("weight_jump", "fatal", {
+                "params": [n for _, n in top], "norm_ratio": [r for r, _ in top],
+                "threshold": self.cfg.weight_jump,
+                "note": "a parameter's norm jumped in one step: corrupted or exploded weights"})
+        self._prev_norms = norms
         return None
 
-    def _skip(self, f: Finding, loss_v: float, gnorm_v: float) -> Decision:
-        prog = self.progress
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            self.scaler.update()  # unscale_ was called: close the scaler's step
-        self.skips.append(prog.step)
-        self.counts["skips"] += 1
-        inc = self._record(f, "skip", cost={"steps_redone": 0, "batches_skipped": 1,
-                                            "batch_position": prog.batches_consumed})
-        prog.batches_consumed += 1
-        return self._budget_check(Decision("skip", prog.step, prog.batches_consumed, loss_v,
-                                           gnorm_v, incident=inc))
+    def _clipped_value(self, gnorm_v: float, clipped: torch.Tensor,
+                       zlimit: float | None) -> float:
+        mode = self.update.clip_mode
+        if mode in ("global", "zclip"):
+            limit = (zlimit if zlimit is not None else self.update.clip) if mode == "zclip" \
+                else self.update.clip
+            return min(gnorm_v, limit) if limit else gnorm_v
+        return float(clipped)  # host sync: per_layer/agc only
 
-    def _rollback(self, f: Finding, loss_v: float, gnorm_v: float, *, reason: str,
-                  oldest: bool = False) -> Decision:
+    # ------------------------------------------------------------------ actions
+
+    def history(self) -> History:
+        """What :func:`policy.decide` needs to know about the run so far."""
+        prog = self.progress
+        return History(step=prog.step, skips=tuple(self.skips), rollbacks=tuple(self.rollbacks),
+                       precision=prog.precision, supported=self._supported,
+                       has_snapshot=len(self.ring) > 0)
+
+    def _act(self, f: Finding, seen: _Seen) -> Decision:
+        """Carry out the policy's action for finding ``f``."""
+        a = policy.decide(f, self.history(), self.cfg)
+        if a.kind == "rollback":
+            return self._rollback(f, a, seen)
+        if a.kind == "abort":
+            self.update.discard(self.progress)
+            inc = self._record(f, "abort", diagnosis={"why": a.why, "reason": a.reason})
+            return Decision("abort", self.progress.step, self.progress.batches_consumed,
+                            seen.loss, seen.grad_norm, inc)
+        return self._skip(f, a, seen)
+
+    def _skip(self, f: Finding, a: Action, seen: _Seen) -> Decision:
+        """No update this step; the batch is dropped (a scaler skip lowers the fp16 scale)."""
         c, prog = self.cfg, self.progress
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.scaler is not None:
-            try:
-                self.scaler.update()
-            except (AssertionError, RuntimeError):
-                pass  # the scaler already stepped this iteration
-        snap: Snapshot | None = self.ring.oldest() if oldest else self.ring.newest()
+        self.update.discard(prog)
+        inc = None
+        if a.scaler:
+            self.scaler_skips += 1
+            if f.severity == "trend":
+                inc = self._record(f, "precision_fallback" if a.precision else "skip",
+                                   diagnosis={"new_precision": a.precision} if a.precision else
+                                   {"note": "precision fallback disabled or not available"})
+                if a.precision:
+                    prog.precision, prog.scaler = a.precision, None
+            elif a.record:
+                inc = self._record(f, "skip", cost={"steps_redone": 0, "batches_skipped": 1,
+                                                    "batch_position": prog.batches_consumed})
+        else:
+            self.skips.append(prog.step)
+            self.counts["skips"] += 1
+            inc = self._record(f, "skip", cost={"steps_redone": 0, "batches_skipped": 1,
+                                                "batch_position": prog.batches_consumed})
+        prog.batches_consumed += 1
+        self._trim()
+        if a.budget_abort:
+            b = Finding("skip_budget", "fatal", {"skips": len(self.skips),
+                                                 "max_skips": c.max_skips,
+                                                 "window": c.budget_window})
+            inc = self._record(b, "abort", diagnosis={"why": a.budget_abort})
+            return Decision("abort", prog.step, prog.batches_consumed, seen.loss,
+                            seen.grad_norm, inc)
+        return Decision("skip", prog.step, prog.batches_consumed, seen.loss, seen.grad_norm,
+                        incident=inc, precision=a.precision if a.scaler else None)
+
+    def _rollback(self, f: Finding, a: Action, seen: _Seen) -> Decision:
+        """Restore a verified snapshot, skip the data window, back the LR off."""
+        c, prog = self.cfg, self.progress
+        self.update.discard(prog)
+        snap: Snapshot = self.ring.oldest() if a.snapshot == "oldest" else self.ring.newest()
         failure_pos, failure_step = prog.batches_consumed, prog.step
-        if snap is None or self._recent(self.rollbacks, c.budget_window) >= c.max_rollbacks:
-            why = ("no verified snapshot to roll back to" if snap is None else
-                   f"{c.max_rollbacks} rollbacks within {c.budget_window} steps already")
-            inc = self._record(f, "abort", diagnosis={"why": why, "reason": reason})
-            return Decision("abort", prog.step, prog.batches_consumed, loss_v, gnorm_v, inc)
         self.restore(snap)
         self._prev_norms = None
         new_pos = max(failure_pos + 1, snap.batches_consumed + c.skip_batches)
@@ -537,38 +512,25 @@ class Guard:
         self.counts["rollbacks"] += 1
         self.counts["steps_redone"] += redone
         self.counts["batches_skipped"] += len(skipped)
-        new_precision = None
-        prov = f.evidence.get("provenance") or {}
-        if (self.precision == "bf16" and prov.get("first_nonfinite_module")
-                and self.cfg.precision_fallback):
-            new_precision = self._fallback_precision()
-            if new_precision:
-                self.precision = new_precision
+        if a.precision:
+            prog.precision = a.precision
         inc = self._record(f, "rollback", step=failure_step, cost={
             "steps_redone": redone, "batches_skipped": len(skipped),
             "skipped_batches": [skipped.start, skipped.stop], "restored_step": snap.step},
-            diagnosis={"reason": reason, "lr_factor": self.lr_factor,
+            diagnosis={"reason": a.reason, "lr_factor": self.lr_factor,
                        "lr_restored_at_step": self.backoff_until,
-                       **({"new_precision": new_precision} if new_precision else {})})
-        return Decision("rollback", prog.step, prog.batches_consumed, loss_v, gnorm_v, inc,
-                        skipped_batches=skipped, precision=new_precision)
+                       **({"new_precision": a.precision} if a.precision else {})})
+        self._trim()
+        return Decision("rollback", prog.step, prog.batches_consumed, seen.loss,
+                        seen.grad_norm, inc, skipped_batches=skipped, precision=a.precision)
 
-    def _budget_check(self, d: Decision) -> Decision:
-        c = self.cfg
-        if self._recent(self.skips, c.budget_window) > c.max_skips:
-            f = Finding("skip_budget", "fatal", {"skips": len(self.skips),
-                                                 "max_skips": c.max_skips,
-                                                 "window": c.budget_window})
-            inc = self._record(f, "abort", diagnosis={"why": f"more than {c.max_skips} skipped "
-                                                             f"steps within {c.budget_window}"})
-            return Decision("abort", d.step, d.data_position, d.loss, d.grad_norm, inc)
-        return d
-
-    def _recent(self, events: deque[int], window: int) -> int:
-        now = self.progress.step
-        while events and events[0] < now - window:
-            events.popleft()
-        return len(events)
+    def _trim(self) -> None:
+        """Forget skips and rollbacks older than every window that counts them."""
+        c, now = self.cfg, self.progress.step
+        horizon = now - max(c.skip_window, c.budget_window)
+        for events in (self.skips, self.rollbacks):
+            while events and events[0] < horizon:
+                events.popleft()
 
     # ------------------------------------------------------------------ OOM
 
@@ -581,12 +543,11 @@ class Guard:
             torch.cuda.empty_cache()
         f = Finding("out_of_memory", "fatal", {"micro_batch": micro_batch,
                                                "error": str(error).splitlines()[0][:200]})
-        if not self.cfg.oom_backoff or micro_batch <= 1:
-            self._record(f, "abort", diagnosis={"why": "out of memory at micro-batch 1" if
-                                                micro_batch <= 1 else "oom_backoff disabled"})
-            return None
-        new = micro_batch // 2
-        self._record(f, "microbatch_backoff", diagnosis={"new_micro_batch": new})
+        new, why = policy.decide_oom(micro_batch, self.cfg)
+        if new is None:
+            self._record(f, "abort", diagnosis={"why": why})
+        else:
+            self._record(f, "microbatch_backoff", diagnosis={"new_micro_batch": new})
         return new
 
     # ------------------------------------------------------------------ evidence
@@ -727,13 +688,13 @@ class Guard:
                               batches_consumed=self.progress.batches_consumed,
                               model=self.net,
                               ema_state=self.ema.state() if self.ema else None,
-                              optimizer=self.optimizer, scheduler=self.scheduler,
-                              scaler=self.scaler)
+                              optimizer=self.optimizer, scheduler=self.update.scheduler,
+                              scaler=self.progress.scaler)
 
     def restore(self, snap: Snapshot) -> None:
         """Restore model, EMA, optimizer, scheduler, scaler and RNG from ``snap``."""
-        restore_into(snap, model=self.net, optimizer=self.optimizer, scheduler=self.scheduler,
-                     scaler=self.scaler)
+        restore_into(snap, model=self.net, optimizer=self.optimizer,
+                     scheduler=self.update.scheduler, scaler=self.progress.scaler)
         if self.ema is not None and snap.ema is not None:
             self.ema.load(snap.ema)
 
@@ -745,15 +706,20 @@ class Guard:
         return self.incidents_before + len(self.incidents)
 
     def state_dict(self) -> dict[str, Any]:
-        """Detector statistics, budgets and backoff (what exact resume needs)."""
-        return {
+        """Detector statistics, budgets and backoff (what exact resume needs). The progress
+        (step, data position, precision, scaler) belongs to its owner: the trainer saves its
+        own; a guard that keeps its own :class:`Progress` saves the precision (a fallback
+        must survive the resume of somebody else's loop)."""
+        own = ({"precision": self.progress.precision}
+               if isinstance(self.progress, Progress) else {})
+        return {**own,
             "grad": self.grad.stats.state(), "loss": [s.state() for s in self.loss.stats],
             "inputs": self.inputs.state(),
             "divergence": self.divergence.state(), "overflow": list(self.overflow.events),
             "skips": list(self.skips), "rollbacks": list(self.rollbacks),
             "lr_factor": self.lr_factor, "backoff_until": self.backoff_until,
             "max_lr": self.max_lr,
-            "precision": self.precision, "counts": dict(self.counts),
+            "counts": dict(self.counts),
             "scaler_skips": self.scaler_skips, "incidents": self.num_incidents,
         }
 
@@ -767,7 +733,10 @@ class Guard:
         self.skips, self.rollbacks = deque(s["skips"]), deque(s["rollbacks"])
         self.lr_factor, self.backoff_until = s["lr_factor"], s["backoff_until"]
         self.max_lr = float(s.get("max_lr", 0.0))
-        self.precision = s["precision"]
+        if isinstance(self.progress, Progress) and s.get("precision"):
+            self.progress.precision = s["precision"]
+            if s["precision"] != "fp16":
+                self.progress.scaler = None
         self.counts.update(s["counts"])
         self.scaler_skips = s.get("scaler_skips", 0)
         self.incidents_before = int(s.get("incidents", 0))

@@ -30,7 +30,7 @@ import os
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -137,6 +137,7 @@ class Checkpoint:
     optimizer: dict[str, Any] | None
     rng: dict[str, Any] | None
     state: dict[str, Any]
+    nonfinite: list[str] = field(default_factory=list)  # loaded with allow_nonfinite only
 
     @property
     def step(self) -> int:
@@ -319,8 +320,10 @@ def latest_good(root: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, device: torch.device | str = "cpu", *,
-                    weights_only: bool = False) -> Checkpoint:
-    """Load a verified checkpoint directory. ``weights_only`` skips optimizer and RNG."""
+                    weights_only: bool = False, allow_nonfinite: bool = False) -> Checkpoint:
+    """Load a verified checkpoint directory. ``weights_only`` skips optimizer and RNG;
+    ``allow_nonfinite`` returns weights holding NaN/Inf (named in ``Checkpoint.nonfinite``)
+    instead of refusing them: for looking at a diverged model, never for training it."""
     problems = verify_checkpoint(path)
     if problems:
         raise CheckpointError("checkpoint failed verification:\n  " + "\n  ".join(problems))
@@ -348,6 +351,11 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", *,
         rng = safely("rng.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
     # safetensors loads NaN/Inf without complaint; a checkpoint is only usable if finite.
     bad = nonfinite_tensors(model) + [f"ema:{k}" for k in nonfinite_tensors(ema)]
-    if bad:
-        raise CheckpointError(f"{path}: non-finite weights in {', '.join(bad[:5])}")
-    return Checkpoint(path, model, ema, opt, rng, state)
+    if bad and not allow_nonfinite:
+        raise CheckpointError(f"{path}: {nonfinite_message(bad)}")
+    return Checkpoint(path, model, ema, opt, rng, state, nonfinite=bad)
+
+
+def nonfinite_message(names: list[str]) -> str:
+    """How a checkpoint's non-finite tensors are named in errors."""
+    return f"non-finite weights in {', '.join(names[:5])}"

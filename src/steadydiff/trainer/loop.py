@@ -1,13 +1,16 @@
 """The training loop, readable top to bottom.
 
     setup (device, data, model, EMA, optimizer, scaler) -> resume -> loop of
-    {step, status/metrics, samples, checkpoint, done?}
+    {status, evaluation, samples, checkpoint, done?, step}
 
-The per-step work is :func:`train_step`, a plain function over :class:`TrainState`, so the
-stability guard and the tests call exactly the code the trainer runs. Progress is counted in
-one unit, optimizer steps; all randomness of a step is derived from (seed, step) for the whole
-global batch, so a resumed run replays the same timesteps, noise and label dropout, and so does
-a run on another number of processes (torchrun: see docs/distributed.md).
+The loop order is EDM2's: each pass first reports on the state it has (metrics, evaluation,
+sample grid, checkpoint, each at its interval or when the run is done), then stops if done,
+then trains one step, so the last step needs no special case. The per-step work is
+:func:`train_step`, a plain function over :class:`TrainState`, and what the guard decided is
+carried out by :func:`handle_decision`; the tests call exactly these two. Progress is counted
+in one unit, optimizer steps; all randomness of a step is derived from (seed, step) for the
+whole global batch, so a resumed run replays the same timesteps, noise and label dropout, and
+so does a run on another number of processes (torchrun: see docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -15,84 +18,50 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Literal
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from .. import distributed, seeding
+from ..adapters import AdapterRun
 from ..config import Config, ConfigError, config_diff, validate
 from ..data import as_pairs, build_dataset, make_loader
-from ..diffusion import Draws, Schedule, diffusion_loss, draw, make_schedule, sample
+from ..diffusion import Draws, diffusion_loss, draw, make_schedule, sample
 from ..eval.during import make_evaluator
 from ..eval.grid import grid_nrow, save_grid
-from ..guard import Decision, Guard, GuardAbort, clipping
-from ..guard.faults import FaultInjector, make_injector
+from ..guard import Decision, Guard, GuardAbort
+from ..guard.faults import make_injector
+from ..guard.update import Update, plain_step
 from ..lint import lint
+from ..loading import resolve_device
 from ..models import build_model
+from ..report import write_report
+from ..rundir import JSONL_LOGS, RunDir
 from . import checkpoint as ckpt
 from . import precision as prec
-from .ema import EMA
 from . import telemetry
+from .checkpoint_io import CheckpointIO
+from .ema import EMA
+from .hooks import FULL_WEIGHTS, NO_FAULTS
 from .optim import build_optimizer, lr_at, set_lr
+from .state import StepOutput, TrainState
 
 log = logging.getLogger(__name__)
+
+__all__ = ["RunResult", "StepOutput", "TrainState", "attach_guard", "build_state",
+           "configure_runtime", "handle_decision", "resolve_device", "run", "save",
+           "train_step"]
 
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
 RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
                "data.path", "train.on_save_error", "sample.", "logging.", "faults", "eval.",
                "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every")
-
-
-@dataclass
-class TrainState:
-    """Everything that decides the future of the run (what a checkpoint holds)."""
-
-    cfg: Config
-    model: nn.Module
-    ema: EMA
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler | None
-    schedule: Schedule
-    device: torch.device
-    precision: str                # the runtime precision (the guard may fall back from fp16)
-    grad_accum: int               # runtime micro-batches per step (OOM backoff doubles it)
-    step: int = 0                 # optimizer steps completed
-    batches_consumed: int = 0     # data position: global batches drawn from the stream
-    bad_images: set[int] = field(default_factory=set)  # indices found unloadable in training
-    rank: int = 0
-    world_size: int = 1
-    ddp: nn.Module | None = None  # the DistributedDataParallel wrapper under torchrun
-    guard: Guard | None = None
-    faults: FaultInjector | None = None  # None unless faults are configured: zero cost
-    evaluator: Any = None  # eval.during.TrainingEvaluator when eval.every > 0
-    adapter: Any = None  # adapters.AdapterRun when fine-tuning (adapter.kind != none)
-
-
-@dataclass
-class StepOutput:
-    """What one call of :func:`train_step` produced. Tensors stay on the device."""
-
-    loss: torch.Tensor            # 0-dim, mean over the global batch
-    grad_norm: torch.Tensor       # 0-dim, global norm before clipping
-    per_sample_loss: torch.Tensor  # (B,)
-    t: torch.Tensor               # (B,) timesteps
-    lr: float
-    grad_norm_clipped: torch.Tensor | None = None  # without the guard (the guard has it)
-    decision: Decision | None = None  # the guard's decision (None when the guard is off)
-    layer_grad_norms: torch.Tensor | None = None  # (P,) on layer-statistics steps only
-    probe_forward: Any = None  # one forward pass on this batch, for the health probes
-
-    @property
-    def stepped(self) -> bool:
-        return self.decision is None or self.decision.action == "step"
 
 
 @dataclass
@@ -130,15 +99,11 @@ def _micro_loss(state: TrainState, xm: torch.Tensor, ym: torch.Tensor | None,
     model: a replay or probe on one rank must not enter DDP's collectives."""
     faults = state.faults
     model = state.model if local or state.ddp is None else state.ddp
-    if faults:
-        faults.micro_batch(step, xm.shape[0])
-    with prec.autocast(state.precision, state.device), \
-            (faults.forward(step, state.model) if faults else contextlib.nullcontext()):
+    faults.micro_batch(step, xm.shape[0])
+    with prec.autocast(state.precision, state.device), faults.forward(step, state.model):
         out = diffusion_loss(model, xm, ym, state.schedule, state.cfg.diffusion, draws=draws)
     loss, per_sample = out.loss.float() * weight, out.per_sample.detach().float()
-    if faults:
-        loss, per_sample = faults.loss(step, loss), faults.loss(step, per_sample)
-    return loss, per_sample, out.t
+    return faults.loss(step, loss), faults.loss(step, per_sample), out.t
 
 
 def step_draws(state: TrainState, step: int, x: torch.Tensor) -> tuple[Draws, int]:
@@ -159,27 +124,25 @@ def step_draws(state: TrainState, step: int, x: torch.Tensor) -> tuple[Draws, in
 
 def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput:
     """One optimizer step on a global batch ``(x, y, idx)``: micro-batches with gradient
-    accumulation, autocast, the fp16 grad scaler, clipping, AdamW, EMA.
+    accumulation, autocast, the fp16 grad scaler, then the update (clipping, AdamW, EMA).
 
     With a guard, the guard inspects the step after the backward pass and applies, skips or
     rolls back the update (see :class:`Guard`); an out-of-memory error halves the micro-batch
-    and retries. Randomness comes from :func:`step_draws`, so the same batch at the same step
+    and retries. Without one, the same :class:`~steadydiff.guard.update.Update` applies it
+    unchecked. Randomness comes from :func:`step_draws`, so the same batch at the same step
     reproduces exactly. Under torchrun ``batch`` is this rank's slice of the global batch and
     DDP averages the gradients (one all-reduce per step, in the last micro-batch).
     """
-    cfg, model, opt, faults, guard = state.cfg, state.model, state.optimizer, state.faults, \
-        state.guard
+    cfg, model, faults, guard = state.cfg, state.model, state.faults, state.guard
     step = state.step
-    if faults:
-        faults.kill(step, "before_step")
+    faults.kill(step, "before_step")
     x, y = batch[0].to(state.device, non_blocking=True), batch[1].to(state.device)
     if len(batch) > 3 and batch[3].any():  # images replaced because they failed to load
         state.bad_images.update(batch[2][batch[3]].tolist())
     y = y if model.num_classes else None
-    lr = lr_at(step, cfg.optim, cfg.train.steps)
-    if faults:
-        x, lr = faults.batch(step, x), faults.lr(step, lr)
-    set_lr(opt, lr)
+    x = faults.batch(step, x)
+    lr = faults.lr(step, lr_at(step, cfg.optim, cfg.train.steps))
+    set_lr(state.optimizer, lr)
 
     draws, total = step_draws(state, step, x)
     while True:  # retried only after an out-of-memory backoff
@@ -215,9 +178,8 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
                 raise GuardAbort(f"out of memory at step {step} with a micro-batch of "
                                  f"{xs[0].shape[0]}: {e}", guard.incidents[-1]) from None
             state.grad_accum = -(-x.shape[0] // new)
-    if faults:
-        faults.grads(step, model)
-        faults.kill(step, "in_step")
+    faults.grads(step, model)
+    faults.kill(step, "in_step")
     per_sample = torch.cat(losses)
     t_all = torch.cat(ts)
     every = cfg.logging.layer_stats_every
@@ -232,6 +194,9 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
     def probe_forward():
         return _micro_loss(state, xs[0], ys[0], ds[0], step, 1.0, local=True)
 
+    def after_update() -> None:
+        faults.params(step, model)
+
     if guard is not None:
         def replay(i: int) -> torch.Tensor:
             loss_i = _micro_loss(state, xs[i], ys[i], ds[i], step, weights[i], local=True)[0]
@@ -239,55 +204,54 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
 
         d = guard.step(per_sample.mean(), t=t_all, per_sample_loss=per_sample, inputs=x,
                        replay=replay, num_micro=len(xs),
-                       after_backward=(lambda: faults.grads(step, model)) if faults else None,
-                       after_update=(lambda: faults.params(step, model)) if faults else None,
-                       probe_forward=probe_forward)
-        if faults:
-            faults.end_step(step)
-            if d.action == "rollback":
-                faults.rollback()
-        return StepOutput(per_sample.mean(), torch.tensor(d.grad_norm if d.grad_norm is not None
-                                                          else float("nan")),
-                          per_sample, t_all, lr, decision=d, layer_grad_norms=layer_grads,
-                          probe_forward=probe_forward if layer_grads is not None else None)
-
-    # ---- no guard: what every other trainer does
-    params = [p for g in opt.param_groups for p in g["params"]]
-    if state.scaler:
-        state.scaler.unscale_(opt)
-    grad_norm = clipping.total_norm(params)
-    clipped = clipping.clip(params, cfg.optim.clip_mode, cfg.optim.grad_clip, grad_norm)
-    stepped = True
-    if state.scaler:
-        scale = state.scaler.get_scale()  # host sync, fp16 only
-        state.scaler.step(opt)
-        state.scaler.update()
-        stepped = state.scaler.get_scale() >= scale  # a lowered scale means inf grads: skipped
-    else:
-        opt.step()
-    if faults:
-        faults.params(step, model)
-        faults.end_step(step)
-    opt.zero_grad(set_to_none=True)
-    if stepped:
-        state.ema.update(model, step)
-    state.step += 1
-    state.batches_consumed += 1
-    return StepOutput(per_sample.mean(), grad_norm.detach(), per_sample, t_all, lr,
-                      grad_norm_clipped=clipped.detach(), layer_grad_norms=layer_grads,
+                       after_backward=lambda: faults.grads(step, model),
+                       after_update=after_update, probe_forward=probe_forward)
+        nan = float("nan")
+        gnorm = torch.tensor(nan if d.grad_norm is None else d.grad_norm)
+        clipped = torch.tensor(nan if d.grad_norm_clipped is None else d.grad_norm_clipped)
+    else:  # the same update, no detection: what every other trainer does
+        gnorm, clipped = plain_step(state.update, state, after_update=after_update)
+        d = Decision("step", state.step, state.batches_consumed)
+    faults.end_step(step)
+    if d.action == "rollback":
+        faults.rollback()
+    return StepOutput(per_sample.mean(), gnorm, clipped, per_sample, t_all, lr, d,
+                      layer_grad_norms=layer_grads,
                       probe_forward=probe_forward if layer_grads is not None else None)
 
 
+Handled = Literal["stepped", "skipped", "rolled_back"]
+
+
+def handle_decision(state: TrainState, d: Decision,
+                    say: Callable[[str], None] = print) -> Handled:
+    """Carry out what the loop must after the guard's decision ``d`` (the guard already
+    changed the state: counters, weights, precision).
+
+    Returns ``stepped`` (an update was applied: the weights' after-update check ran),
+    ``skipped``, or ``rolled_back`` (the data stream must reopen at
+    ``state.batches_consumed``).
+
+    Raises:
+        GuardAbort: the guard gave up.
+    """
+    if d.precision:
+        say(f"guard: precision fallback -> {d.precision}")
+    if d.action == "abort":
+        inc = d.incident
+        raise GuardAbort(f"aborted at step {state.step}: "
+                         f"{inc.diagnosis.get('why', inc.kind) if inc else 'unknown'}", inc)
+    if d.action == "rollback":
+        say(f"guard: rolled back to step {state.step} ({d.incident.kind}); "
+            f"data continues at batch {state.batches_consumed}")
+        return "rolled_back"
+    if d.action == "skip":
+        return "skipped"
+    state.weights.after_update(state)  # an adapter's |dW|/|W| clamp
+    return "stepped"
+
+
 # --------------------------------------------------------------------------- setup
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is available; "
-                          "use train.device=cpu or auto")
-    return torch.device(name)
 
 
 def configure_runtime(cfg: Config, device: torch.device,
@@ -326,72 +290,51 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
             "or model.num_classes=0 for an unconditional model")
     model = build_model(cfg.model, image_size=cfg.data.image_size,
                         channels=cfg.data.channels).to(device)
-    adapter = None
-    if cfg.adapter.kind != "none":  # frozen base + trainable adapter (docs/adapters.md)
-        from ..adapters import AdapterRun
-        adapter = AdapterRun.prepare(cfg, model)
+    # frozen base + trainable adapter (docs/adapters.md), or the whole model
+    weights = AdapterRun.prepare(cfg, model) if cfg.adapter.kind != "none" else FULL_WEIGHTS
+    ema = EMA.from_config(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.optim)
     return TrainState(
-        cfg=cfg, model=model, ema=EMA.from_config(model, cfg.train), adapter=adapter,
-        optimizer=build_optimizer(model, cfg.optim),
+        cfg=cfg, model=model, ema=ema, weights=weights, optimizer=optimizer,
         scaler=prec.make_scaler(cfg.train.precision, device),
         schedule=make_schedule(cfg.diffusion), device=device,
         precision=cfg.train.precision, grad_accum=cfg.train.grad_accum,
-        rank=ctx.rank, world_size=ctx.world_size, faults=make_injector(cfg.faults, ctx.rank))
+        update=Update(model, optimizer, clip_mode=cfg.optim.clip_mode,
+                      clip=cfg.optim.grad_clip, ema=ema),
+        rank=ctx.rank, world_size=ctx.world_size,
+        faults=make_injector(cfg.faults, ctx.rank) or NO_FAULTS)
 
 
 def attach_guard(state: TrainState, run_dir: Path | None) -> Guard | None:
-    """Build the guard over ``state`` (after any resume: its first snapshot is this state)."""
+    """Build the guard over ``state`` (after any resume: its first snapshot is this state).
+    The guard reads and advances ``state``'s counters, precision and scaler, and applies the
+    state's own update."""
     cfg = state.cfg
     if not cfg.guard.enabled:
         return None
-    state.guard = Guard(state.model, state.optimizer, scaler=state.scaler, ema=state.ema,
-                        config=cfg.guard, run_dir=run_dir, clip_mode=cfg.optim.clip_mode,
-                        clip=cfg.optim.grad_clip, num_timesteps=cfg.diffusion.timesteps,
-                        precision=state.precision, progress=state, device=state.device)
+    state.guard = Guard(state.model, state.optimizer, config=cfg.guard, run_dir=run_dir,
+                        num_timesteps=cfg.diffusion.timesteps, progress=state,
+                        device=state.device, update=state.update)
     return state.guard
 
 
-def set_precision(state: TrainState, precision: str) -> None:
-    """Switch the runtime precision (a guard fallback, or a resumed run that had fallen back):
-    fp16 keeps a scaler, the others have none."""
-    state.precision = precision
-    if precision != "fp16":
-        state.scaler = None
-    if state.guard is not None:
-        state.guard.scaler = state.scaler
-        state.guard.precision = precision
+# --------------------------------------------------------------------------- checkpoints
 
 
-def state_dict(state: TrainState) -> dict[str, Any]:
-    """The JSON-able part of the training state (tensors are saved separately)."""
-    return {
-        "step": state.step, "batches_consumed": state.batches_consumed,
-        "images_seen": state.step * state.cfg.train.batch_size,
-        "ema": state.ema.state(),
-        "scaler": state.scaler.state_dict() if state.scaler else None,
-        "precision": state.precision, "grad_accum": state.grad_accum,
-        "bad_images": sorted(state.bad_images),
-        "guard": state.guard.state_dict() if state.guard else None,
-        "eval": state.evaluator.state_dict() if state.evaluator else None,
-        "adapter": state.adapter.info() if state.adapter else None,
-        "config": state.cfg.to_dict(), "torch": torch.__version__,
-        "world_size": state.world_size,
-    }
-
-
-def save(state: TrainState, run_dir: Path) -> Path | None:
-    """Write a checkpoint. On disk full / permission denied the previous checkpoint stays
+def save(state: TrainState, run: RunDir | Path) -> Path | None:
+    """Write a checkpoint into the run directory ``run``. On disk full / permission denied the previous checkpoint stays
     intact; ``train.on_save_error`` decides between retrying at the next checkpoint
     (returns None) and stopping (raises :class:`CheckpointSaveError`).
 
     Under torchrun rank 0 writes (the replicas are identical) and tells every rank the
     outcome, so all of them go on, or all raise the same error, together."""
+    run = run if isinstance(run, RunDir) else RunDir(run)
     if state.world_size == 1:
-        return _save(state, run_dir)
+        return _save(state, run)
     outcome: tuple[str, Any] | None = None
     if state.rank == 0:
         try:
-            outcome = ("ok", _save(state, run_dir))
+            outcome = ("ok", _save(state, run))
         except (GuardAbort, CheckpointSaveError) as e:  # diverged, base modified, disk
             outcome = ("error", e)
     kind, value = distributed.broadcast_object(outcome)
@@ -400,26 +343,17 @@ def save(state: TrainState, run_dir: Path) -> Path | None:
     return value
 
 
-def _save(state: TrainState, run_dir: Path) -> Path | None:
-    faults = state.faults
-    on_file = (lambda _name: faults.kill(state.step, "in_checkpoint")) if faults else None
-    model, ema = state.model, state.ema.module
-    if state.adapter is not None:  # adapter tensors only, after checking the base is intact
-        state.adapter.verify_base(state)
-        model, ema = state.adapter.tensors(state)
+def _save(state: TrainState, run: RunDir) -> Path | None:
     try:
-        return ckpt.save_checkpoint(
-            run_dir / "checkpoints", state.step, model=model, ema=ema,
-            optimizer=state.optimizer, state=state_dict(state),
-            keep=state.cfg.train.keep_checkpoints, on_file=on_file)
+        return CheckpointIO(state).save(run.checkpoints, keep=state.cfg.train.keep_checkpoints)
     except ckpt.CheckpointError as e:  # the only cause: non-finite weights or EMA
-        prev = ckpt.latest_good(run_dir / "checkpoints")
+        prev = run.latest_good()
         raise TrainingDiverged(
             f"{e}; the model diverged and the guard is "
             f"{'on but could not recover it' if state.guard else 'off (guard.enabled=false)'}"
             f"; the last good checkpoint is {prev or 'none'}") from None
     except OSError as e:
-        prev = ckpt.latest_good(run_dir / "checkpoints")
+        prev = run.latest_good()
         msg = (f"could not write checkpoint at step {state.step}: {e}; the previous "
                f"checkpoint ({prev or 'none'}) is intact")
         if state.cfg.train.on_save_error == "stop":
@@ -430,28 +364,15 @@ def _save(state: TrainState, run_dir: Path) -> Path | None:
         return None
 
 
-def restore(state: TrainState, c: ckpt.Checkpoint) -> None:
-    """Load a checkpoint into a freshly built state (weights, optimizer, RNG, counters)."""
-    if state.adapter is not None:  # the adapter (+ EMA), after checking the base
-        state.adapter.restore(state, c)
-    else:
-        state.model.load_state_dict(c.model)
-        state.ema.module.load_state_dict(c.ema)
-    state.optimizer.load_state_dict(c.optimizer)
-    state.ema.load_state(c.state["ema"])
-    if state.scaler and c.state.get("scaler"):
-        state.scaler.load_state_dict(c.state["scaler"])
-    state.step = int(c.state["step"])
-    state.batches_consumed = int(c.state["batches_consumed"])
-    state.grad_accum = int(c.state.get("grad_accum") or state.grad_accum)
-    state.bad_images = set(c.state.get("bad_images", []))
-    precision = c.state.get("precision") or state.precision
-    if precision != state.precision:  # the guard fell back before this checkpoint
-        set_precision(state, precision)
-    if state.evaluator is not None:
-        state.evaluator.load_state_dict(c.state.get("eval"))
-    if c.rng is not None:
-        ckpt.restore_rng(c.rng)
+def save_best(state: TrainState, run: RunDir) -> Path | None:
+    """The best evaluation's checkpoint (``checkpoints/best``, one kept): the same writer as
+    every other checkpoint. A failure is reported and never takes the run down."""
+    try:
+        return CheckpointIO(state).save(run.best, keep=1)
+    except (ckpt.CheckpointError, OSError) as err:
+        log.warning("could not write the best checkpoint at step %d: %s", state.step, err)
+        print(f"warning: could not write the best checkpoint at step {state.step}: {err}")
+        return None
 
 
 def check_resume_config(saved: Config, cfg: Config, allow_change: bool) -> list[str]:
@@ -472,6 +393,7 @@ def check_resume_config(saved: Config, cfg: Config, allow_change: bool) -> list[
             "itself:\n" + "\n".join(lines) + "\nresume with the original config, use a new "
             "--out directory, or pass --allow-config-change to accept the changes")
     return lines
+
 
 
 # --------------------------------------------------------------------------- the loop
@@ -522,70 +444,80 @@ def _is_collective_failure(e: RuntimeError) -> bool:
                                    "timed out", "connection reset"))
 
 
+def _resume_source(run: RunDir, resume: str | Path | bool, main: bool) -> Path | None:
+    """The checkpoint to resume from (rank 0 picks it, every rank reads that one): the
+    newest intact one for ``resume=True``, the given one, or none for a fresh run (which
+    refuses a directory that already holds checkpoints)."""
+    source: Path | Exception | None = None
+    if main:
+        if resume is True:
+            source = run.latest_good()
+        elif resume:
+            source = ckpt.resolve_checkpoint(resume)
+        elif run.list_checkpoints():
+            source = ConfigError(f"{run.root} already holds checkpoints; resume it, or choose "
+                                 "a new --out directory (nothing there is overwritten)")
+    source = distributed.broadcast_object(source)
+    if isinstance(source, Exception):
+        raise source
+    return source
+
+
+def _resume(state: TrainState, source: Path, allow_config_change: bool,
+            say: Callable[[str], None]) -> ckpt.Checkpoint:
+    """Restore ``state`` from the checkpoint at ``source``; say what changed."""
+    cfg, world = state.cfg, state.world_size
+    c = ckpt.load_checkpoint(source, state.device)
+    saved_cfg = validate(c.state["config"], f"{source}/state.json config")
+    # a finished run trains no further step: its config changes cannot break anything
+    done = c.step >= cfg.train.steps
+    changes = check_resume_config(saved_cfg, cfg, allow_config_change or done)
+    CheckpointIO(state).restore(c)
+    say(f"resumed from {source} at step {state.step}"
+        + (" (the run is already complete)" if done else "")
+        + ("; config changes:\n" + "\n".join(changes) if changes else ""))
+    saved_world = int(c.state.get("world_size", 1))
+    if saved_world != world:
+        say(f"note: the checkpoint was written by {saved_world} process(es), this run has "
+            f"{world}: the global batch, the sample order and the noise are the same (batches "
+            "are split by position), but the gradient reduction order differs, so the result "
+            "matches an uninterrupted run to rounding, not bit for bit")
+    return c
+
+
 def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
          watchdog: distributed.Watchdog, run_dir: Path, dataset, resume,
          allow_config_change: bool) -> RunResult:
     t_start = time.perf_counter()
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
+    run = RunDir(run_dir)
     prec.check_precision(cfg.train.precision, device, cfg.train.allow_slow_precision)
     for warning in lint(cfg, device):  # dangerous but legal settings: say why, at start
         say(f"warning: {warning}")
     configure_runtime(cfg, device, ctx)
 
+    # ---- setup
     data = as_pairs(dataset) if dataset is not None else build_dataset(cfg.data)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, getattr(data, "num_classes", 0), device, ctx)
     state.evaluator = make_evaluator(cfg, run_dir)
 
-    # ---- resume: the same command again continues the run; rank 0 picks the checkpoint
-    # and every rank reads that one
-    resumed_from: Path | None = None
-    source: Path | None = None
-    if main:
-        if resume is True:
-            source = ckpt.latest_good(run_dir / "checkpoints")
-        elif resume:
-            source = ckpt.resolve_checkpoint(resume)
-        elif ckpt.list_checkpoints(run_dir / "checkpoints"):
-            source = ConfigError(f"{run_dir} already holds checkpoints; resume it, or choose "
-                                 "a new --out directory (nothing there is overwritten)")
-    source = distributed.broadcast_object(source)
-    if isinstance(source, Exception):
-        raise source
-    if source is not None:
-        c = ckpt.load_checkpoint(source, device)
-        saved_cfg = validate(c.state["config"], f"{source}/state.json config")
-        # a finished run trains no further step: its config changes cannot break anything
-        done = c.step >= cfg.train.steps
-        changes = check_resume_config(saved_cfg, cfg, allow_config_change or done)
-        restore(state, c)
-        resumed_from = source
-        say(f"resumed from {source} at step {state.step}"
-            + (" (the run is already complete)" if done else "")
-            + ("; config changes:\n" + "\n".join(changes) if changes else ""))
-        saved_world = int(c.state.get("world_size", 1))
-        if saved_world != ctx.world_size:
-            say(f"note: the checkpoint was written by {saved_world} process(es), this run has "
-                f"{ctx.world_size}: the global batch, the sample order and the noise are the "
-                "same (batches are split by position), but the gradient reduction order "
-                "differs, so the result matches an uninterrupted run to rounding, not "
-                "bit for bit")
+    # ---- resume: the same command again continues the run
+    source = _resume_source(run, resume, main)
+    c = _resume(state, source, allow_config_change, say) if source is not None else None
     if ctx.enabled:
         state.ddp = distributed.wrap(state.model, device)  # broadcasts rank 0's weights
-
     guard = attach_guard(state, run_dir if main else None)
-    if guard is not None and source is not None and c.state.get("guard"):
-        guard.load_state_dict(c.state["guard"])
-        if c.state["config"]["optim"] != cfg.optim.model_dump(mode="json"):
-            guard.max_lr = 0.0  # an LR change the user accepted is not an lr_spike
+    if c is not None:
+        CheckpointIO(state).restore_guard(c)
 
     tb = None
     if main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())
-        for name in ("metrics.jsonl", "layers.jsonl", "incidents.jsonl", "eval.jsonl"):
-            telemetry.truncate_jsonl(run_dir / name, state.step)
+        run.root.mkdir(parents=True, exist_ok=True)
+        run.config.write_text(cfg.to_yaml())
+        for name in JSONL_LOGS:
+            telemetry.truncate_jsonl(run.root / name, state.step)
         tb = telemetry.TensorBoard(run_dir) if cfg.logging.tensorboard else None
 
     def batches_from(position: int):
@@ -594,100 +526,90 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
                                 num_workers=cfg.data.num_workers, rank=ctx.rank,
                                 world_size=ctx.world_size, pin_memory=device.type == "cuda"))
 
+    # ---- the loop: {status, evaluation, samples, checkpoint, done?, step}
     batches = batches_from(state.batches_consumed)
     samples: list[Path] = []
     last_ckpt: Path | None = source
-    total = cfg.train.steps
-    bar = tqdm(total=total, initial=state.step, disable=not (cfg.logging.progress and main),
+    total, log_cfg, tcfg = cfg.train.steps, cfg.logging, cfg.train
+    bar = tqdm(total=total, initial=state.step, disable=not (log_cfg.progress and main),
                dynamic_ncols=True, desc="train")
     window: list[StepOutput] = []
     tick = time.perf_counter()
     last_loss: float | None = None
     saved = state.step
+    stepped = False  # a step was trained since the last pass: there is something to report
     try:
-        with (open(run_dir / "metrics.jsonl", "a") if main else contextlib.nullcontext()) \
-                as metrics, \
-                (open(run_dir / "layers.jsonl", "a") if main else contextlib.nullcontext()) \
-                as layers:
-            while state.step < total and not (state.evaluator and state.evaluator.stopped):
-                watchdog.beat(f"step {state.step}")
-                out = train_step(state, next(batches))
-                d = out.decision
-                if d is not None and d.action != "step":
-                    if d.precision:
-                        say(f"guard: precision fallback {state.precision} -> {d.precision}")
-                        set_precision(state, d.precision)
-                    if d.action == "abort":
-                        raise GuardAbort(f"aborted at step {state.step}: "
-                                         f"{d.incident.diagnosis.get('why', d.incident.kind)}",
-                                         d.incident)
-                    if d.action == "rollback":
-                        bar.n = state.step
-                        say(f"guard: rolled back to step {state.step} ({d.incident.kind}); "
-                            f"data continues at batch {state.batches_consumed}")
-                        batches = batches_from(state.batches_consumed)
-                        window, saved = [], min(saved, state.step)
-                    continue
-                if state.adapter is not None:  # |dW|/|W| per module, clamp past the limit
-                    state.adapter.after_step(state)
-                window.append(out)
+        with (open(run.metrics, "a") if main else contextlib.nullcontext()) as metrics, \
+                (open(run.layers, "a") if main else contextlib.nullcontext()) as layers:
+            while True:
                 step = state.step
-                bar.update(1)
-
-                if out.layer_grad_norms is not None and main:  # a layer-statistics step
-                    layers.write(json.dumps(telemetry.layer_stats(state, out)) + "\n")
-                    layers.flush()
-                if step % cfg.logging.log_every == 0 or step == total:
-                    now = time.perf_counter()
-                    row = telemetry.metrics_row(state, window, (now - tick) / len(window),
-                                                skipped_at_scan + len(state.bad_images))
-                    tick, window = now, []
-                    last_loss = row["loss"]
-                    if main:
-                        metrics.write(json.dumps(row) + "\n")
-                        metrics.flush()
+                done = step >= total or state.evaluator.stopped
+                if stepped:
+                    out = window[-1]
+                    if out.layer_grad_norms is not None and main:  # layer-statistics step
+                        layers.write(json.dumps(telemetry.layer_stats(state, out)) + "\n")
+                        layers.flush()
+                    if step % log_cfg.log_every == 0 or done:
+                        now = time.perf_counter()
+                        row = telemetry.metrics_row(state, window, (now - tick) / len(window),
+                                                    skipped_at_scan + len(state.bad_images))
+                        tick, window = now, []
+                        last_loss = row["loss"]
+                        if main:
+                            metrics.write(json.dumps(row) + "\n")
+                            metrics.flush()
+                            if tb:
+                                tb.scalars(row)
+                            bar.set_postfix_str(_status(row), refresh=False)
+                    if state.evaluator.due(step):
+                        # before the checkpoint, which holds the result; rank 0 measures,
+                        # every rank takes its best/patience state, so all stop early together
+                        if main:
+                            watchdog.beat(f"evaluation at step {step}")
+                            state.evaluator.run(state, tb, lambda: save_best(state, run))
+                        state.evaluator.load_state_dict(
+                            distributed.broadcast_object(state.evaluator.state_dict()))
+                        done = done or state.evaluator.stopped
+                    if (tcfg.sample_every and step % tcfg.sample_every == 0 or done) and main:
+                        watchdog.beat(f"sample grid at step {step}")
+                        samples.append(write_sample_grid(state, run.sample_grid(step)))
                         if tb:
-                            tb.scalars(row)
-                        bar.set_postfix_str(_status(row), refresh=False)
-
-                if state.evaluator is not None and state.evaluator.due(step):
-                    # before the checkpoint, which holds the result; rank 0 measures, every
-                    # rank takes its best/patience state, so all stop early together
-                    if main:
-                        watchdog.beat(f"evaluation at step {step}")
-                        state.evaluator.run(state, tb)
-                    state.evaluator.load_state_dict(
-                        distributed.broadcast_object(state.evaluator.state_dict()))
-                if ((cfg.train.sample_every and step % cfg.train.sample_every == 0)
-                        or step == total) and main:
-                    watchdog.beat(f"sample grid at step {step}")
-                    samples.append(write_sample_grid(
-                        state, run_dir / "samples" / f"step_{step:08d}.png"))
-                    if tb:
-                        tb.image(samples[-1], step)
-                if ((cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0)
-                        or step == total) and step != saved:
-                    watchdog.beat(f"checkpoint at step {step}")
-                    written = save(state, run_dir)
-                    if written is not None:
-                        last_ckpt, saved = written, step
+                            tb.image(samples[-1], step)
+                    if (tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0
+                            or done) and step != saved:
+                        watchdog.beat(f"checkpoint at step {step}")
+                        written = save(state, run)
+                        if written is not None:
+                            last_ckpt, saved = written, step
+                if done:
+                    break
+                watchdog.beat(f"step {step}")
+                out = train_step(state, next(batches))
+                how = handle_decision(state, out.decision, say)
+                stepped = how == "stepped"
+                if stepped:
+                    window.append(out)
+                    bar.update(1)
+                elif how == "rolled_back":
+                    bar.n = state.step
+                    batches = batches_from(state.batches_consumed)
+                    window, saved = [], min(saved, state.step)
             if saved != state.step:  # the final checkpoint failed: one more try, then stop
-                last_ckpt = save(state, run_dir)
+                last_ckpt = save(state, run)
                 if last_ckpt is None:
                     raise CheckpointSaveError(f"could not write the final checkpoint at step "
                                               f"{state.step}; see the errors above")
     except GuardAbort as e:
         bar.close()
         if main:
-            _finish(state, run_dir, "aborted", reason=str(e), tb=tb)
+            _finish(state, run, "aborted", reason=str(e), tb=tb)
         raise
     bar.close()
-    stopped = state.evaluator.stop_reason() if state.evaluator and state.evaluator.stopped \
-        else None
+    stopped = state.evaluator.stop_reason() if state.evaluator.stopped else None
     if stopped:
         say(stopped)
-    summary = _finish(state, run_dir, "finished", reason=stopped, tb=tb) if main else None
-    return RunResult(run_dir, state.step, last_loss, last_ckpt, samples, resumed_from,
+    summary = _finish(state, run, "finished", reason=stopped, tb=tb) if main else None
+    return RunResult(run_dir, state.step, last_loss, last_ckpt, samples, c.path if c else None,
                      time.perf_counter() - t_start,
                      incidents=guard.num_incidents if guard else 0, guard_summary=summary,
                      stopped_early=stopped)
@@ -706,12 +628,12 @@ def _status(row: dict) -> str:
     return s
 
 
-def _finish(state: TrainState, run_dir: Path, status: str, reason: str | None = None,
+def _finish(state: TrainState, run: RunDir, status: str, reason: str | None = None,
             tb: telemetry.TensorBoard | None = None) -> str | None:
     """End of a run (finished or aborted): summary.json, the guard's one-screen summary,
     the health report."""
     summary = state.guard.summary() if state.guard is not None else None
-    telemetry.write_summary(run_dir, status, state.step,
+    telemetry.write_summary(run.root, status, state.step,
                             state.guard.num_incidents if state.guard else 0, summary, reason)
     if summary:
         print(summary)
@@ -719,8 +641,7 @@ def _finish(state: TrainState, run_dir: Path, status: str, reason: str | None = 
         tb.close()
     if state.cfg.logging.report:
         try:
-            from ..report import write_report
-            print(f"report: {write_report(run_dir)}")
+            print(f"report: {write_report(run.root)}")
         except Exception as e:  # the report must never take a finished run down
             log.warning("could not write report.html: %s: %s", type(e).__name__, e)
     return summary
@@ -735,8 +656,7 @@ def write_sample_grid(state: TrainState, path: Path) -> Path:
     if model.num_classes:
         y = torch.arange(s.num, device=state.device) % model.num_classes
     gen = seeding.generator(state.device, s.seed)
-    with (state.adapter.sampling_context(state) if state.adapter is not None
-          else contextlib.nullcontext()):  # an fp16/bf16 base runs under its autocast
+    with state.weights.sampling_context(state):  # an fp16/bf16 base runs under its autocast
         x = sample(model, state.schedule, state.cfg.diffusion.prediction,
                    (s.num, model.in_channels, model.image_size, model.image_size),
                    sampler=s.sampler, steps=s.steps, y=y, cfg_scale=s.cfg_scale, eta=s.eta,

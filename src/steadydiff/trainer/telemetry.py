@@ -13,15 +13,17 @@ import math
 import resource
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import numpy as np
 import torch
+from PIL import Image
 
 from .. import distributed
 from ..config import ConfigError
-
-if TYPE_CHECKING:
-    from .loop import StepOutput, TrainState
+from ..guard import probes
+from ..rundir import RunDir
+from .state import StepOutput, TrainState
 
 METRIC_KEYS = ("step", "images_seen", "loss", "grad_norm", "grad_norm_clipped", "lr",
                "lr_factor", "sec_per_step", "ema_decay", "grad_scale", "precision",
@@ -37,9 +39,9 @@ def memory_mb(device: torch.device) -> float:
     return rss / 2**20 if sys.platform == "darwin" else rss / 1024  # bytes on macOS, KiB else
 
 
-def _bucket_means(window: list["StepOutput"], buckets: int, T: int) -> list[float | None]:
+def _bucket_means(window: list[StepOutput], buckets: int, T: int) -> list[float | None]:
     sums, counts = [0.0] * buckets, [0] * buckets
-    if all(o.decision is not None and o.decision.loss_t is not None for o in window):
+    if all(o.decision.loss_t is not None for o in window):
         for o in window:  # the guard's per-step bucket means (already on the host)
             for b, m in enumerate(o.decision.loss_t):
                 if m is not None:
@@ -55,10 +57,10 @@ def _bucket_means(window: list["StepOutput"], buckets: int, T: int) -> list[floa
     return [s / n if n else None for s, n in zip(sums, counts)]
 
 
-def metrics_row(state: "TrainState", window: list["StepOutput"], sec_per_step: float,
+def metrics_row(state: TrainState, window: list[StepOutput], sec_per_step: float,
                 data_skipped: int) -> dict[str, Any]:
     """One metrics.jsonl row with the fixed keys :data:`METRIC_KEYS`."""
-    if all(o.decision is not None for o in window):  # the guard already synced these
+    if all(o.decision.loss is not None for o in window):  # the guard already synced these
         loss = sum(o.decision.loss for o in window) / len(window)
         gnorm = sum(o.decision.grad_norm for o in window) / len(window)
         clipped = sum(o.decision.grad_norm_clipped for o in window) / len(window)
@@ -106,11 +108,9 @@ def truncate_jsonl(path: Path, step: int) -> None:
 
 
 @torch.no_grad()
-def layer_stats(state: "TrainState", out: "StepOutput") -> dict[str, Any]:
+def layer_stats(state: TrainState, out: StepOutput) -> dict[str, Any]:
     """Per-layer statistics for layers.jsonl: gradient norms (before clipping, captured in
     the step), weight norms, and the attention/normalization probes (one extra forward)."""
-    from ..guard import probes
-
     names = [n for n, p in state.model.named_parameters() if p.requires_grad]
     params = [p for p in state.model.parameters() if p.requires_grad]
     weights = torch.stack(torch._foreach_norm(params)).float().cpu().tolist()
@@ -129,7 +129,7 @@ class TensorBoard:
     """The same scalars as metrics.jsonl (and sample grids) as TensorBoard event files."""
 
     def __init__(self, run_dir: Path):
-        try:
+        try:  # deferred: tensorboard is an optional extra
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise ConfigError("logging.tensorboard=true needs the tensorboard package: "
@@ -146,8 +146,6 @@ class TensorBoard:
                 self.writer.add_scalar(f"loss_t/bucket_{b}", v, step)
 
     def image(self, path: Path, step: int) -> None:
-        import numpy as np
-        from PIL import Image
         img = np.asarray(Image.open(path).convert("RGB"))
         self.writer.add_image("samples", img, step, dataformats="HWC")
 
@@ -162,4 +160,4 @@ def write_summary(run_dir: Path, status: str, steps: int, incidents: int,
                "guard_summary": guard_summary}
     if reason:
         summary["reason"] = reason
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    RunDir(run_dir).summary.write_text(json.dumps(summary, indent=1))

@@ -1,0 +1,179 @@
+"""The one optimizer update: unscale, clip, (scaler) step, LR scheduler, EMA, advance.
+
+Every update steadydiff makes goes through :class:`Update`, with the guard on (the guard
+inspects between :meth:`Update.norm` and :meth:`Update.apply`, and checks the weights between
+:meth:`Update.apply` and :meth:`Update.commit`) and with it off (:func:`plain_step`: the same
+calls, no detection). The counters (``step``, ``batches_consumed``), the precision and the grad
+scaler belong to the *progress* object the caller passes: the trainer's ``TrainState``, or the
+guard's own :class:`Progress` in somebody else's loop. Nothing here keeps a copy of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+
+from . import clipping
+
+
+class ProgressLike(Protocol):
+    """What the update reads and advances: our ``TrainState`` or :class:`Progress`."""
+
+    step: int
+    batches_consumed: int
+    precision: str
+    scaler: torch.amp.GradScaler | None
+
+
+@dataclass
+class Progress:
+    """The counters, precision and scaler of a loop that is not steadydiff's trainer (the
+    trainer passes its own state, which has the same fields)."""
+
+    step: int = 0
+    batches_consumed: int = 0
+    precision: str = "fp32"
+    scaler: torch.amp.GradScaler | None = None
+
+
+class EMAHandle:
+    """One interface over the EMA kinds people use: ours (``update(model, step)``,
+    ``.module``), torch's ``AveragedModel`` (``update_parameters``) and diffusers'
+    ``EMAModel`` (``step(parameters)``, ``shadow_params``)."""
+
+    def __init__(self, ema: Any):
+        self.ema = ema
+
+    def update(self, model: nn.Module, step: int) -> None:
+        e = self.ema
+        if hasattr(e, "update") and hasattr(e, "module") and hasattr(e, "num_updates"):
+            e.update(model, step)
+        elif hasattr(e, "update_parameters"):
+            e.update_parameters(model)
+        elif hasattr(e, "step") and hasattr(e, "shadow_params"):
+            e.step(model.parameters())
+        else:
+            raise TypeError(f"unsupported EMA object {type(e).__name__}: expected steadydiff's "
+                            "EMA, torch.optim.swa_utils.AveragedModel or diffusers' EMAModel")
+
+    def tensors(self) -> list[torch.Tensor]:
+        e = self.ema
+        if hasattr(e, "shadow_params"):
+            return list(e.shadow_params)
+        module = e.module if hasattr(e, "num_updates") else e
+        return [p for p in module.parameters()]
+
+    def state(self) -> dict[str, Any]:
+        e = self.ema
+        if hasattr(e, "num_updates") and hasattr(e, "module"):
+            shared = getattr(e, "shared", ())  # frozen parameters shared with the model
+            return {"module": {k: v for k, v in e.module.state_dict().items()
+                               if k not in shared}, "num_updates": e.num_updates}
+        return e.state_dict()
+
+    def load(self, state: dict[str, Any]) -> None:
+        e = self.ema
+        if hasattr(e, "num_updates") and hasattr(e, "module"):
+            e.module.load_state_dict(state["module"], strict=not getattr(e, "shared", ()))
+            e.num_updates = state["num_updates"]
+        else:
+            e.load_state_dict(state)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module under DDP/DataParallel (not any model that has a ``.module`` attribute)."""
+    wrapped = isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+    return model.module if wrapped else model
+
+
+class Update:
+    """The optimizer update over ``optimizer``'s trainable parameters.
+
+    Args:
+        model: the trained module (DDP-wrapped is fine); the EMA follows its parameters.
+        optimizer: its optimizer.
+        clip_mode, clip: gradient clipping (see :mod:`steadydiff.guard.clipping`).
+        scheduler: optional LR scheduler, stepped after each applied update.
+        ema: optional EMA (any kind :class:`EMAHandle` accepts).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 clip_mode: str = "global", clip: float = 1.0, scheduler: Any = None,
+                 ema: Any = None):
+        self.net = unwrap(model)
+        self.optimizer = optimizer
+        self.clip_mode, self.clip = clip_mode, clip
+        self.scheduler = scheduler
+        self.ema = EMAHandle(ema) if ema is not None else None
+        named = [(n, p) for n, p in self.net.named_parameters() if p.requires_grad]
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+
+    def norm(self, prog: ProgressLike) -> torch.Tensor:
+        """Unscale the fp16 gradients (if a scaler is in use) and return their global norm
+        (0-dim, on the device: no host sync)."""
+        if prog.scaler is not None:
+            prog.scaler.unscale_(self.optimizer)
+        return clipping.total_norm(self.params)
+
+    def apply(self, prog: ProgressLike, grad_norm: torch.Tensor, *, lr_factor: float = 1.0,
+              zclip: float | None = None) -> torch.Tensor:
+        """Clip and step the optimizer (through the scaler under fp16) with the learning rate
+        times ``lr_factor``; then step the scheduler. Returns the clipped norm (0-dim)."""
+        clipped = clipping.clip(self.params, self.clip_mode, self.clip, grad_norm,
+                                zclip_value=zclip)
+        groups = self.optimizer.param_groups
+        saved = [g["lr"] for g in groups]
+        if lr_factor != 1.0:
+            for g in groups:
+                g["lr"] = g["lr"] * lr_factor
+        if prog.scaler is not None:
+            prog.scaler.step(self.optimizer)
+            prog.scaler.update()
+        else:
+            self.optimizer.step()
+        if lr_factor != 1.0:
+            for g, lr in zip(groups, saved):
+                g["lr"] = lr
+        if self.scheduler is not None:
+            self.scheduler.step()
+        return clipped
+
+    def commit(self, prog: ProgressLike, *, ema: bool = True) -> None:
+        """The step is done: update the EMA (unless told the update did not happen), clear
+        the gradients, advance the counters by one step and one batch."""
+        if ema and self.ema is not None:
+            self.ema.update(self.net, prog.step)
+        self.optimizer.zero_grad(set_to_none=True)
+        prog.step += 1
+        prog.batches_consumed += 1
+
+    def discard(self, prog: ProgressLike) -> None:
+        """No update this step: clear the gradients and close the scaler's iteration (it
+        lowers the scale when ``unscale_`` saw an inf)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        if prog.scaler is not None:
+            try:
+                prog.scaler.update()
+            except (AssertionError, RuntimeError):
+                pass  # the scaler already stepped this iteration (a post-update rollback)
+
+
+def plain_step(update: Update, prog: ProgressLike, *,
+               after_update: Callable[[], None] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The update with no detection at all (``guard.enabled=false``): what every other
+    trainer does. Under fp16 a step the scaler skipped (inf gradients) leaves the EMA alone.
+    ``after_update`` runs right after the optimizer step (fault injection). Returns
+    ``(grad_norm, clipped_norm)``, both 0-dim on the device."""
+    gnorm = update.norm(prog)
+    scale = prog.scaler.get_scale() if prog.scaler is not None else None  # host sync, fp16
+    clipped = update.apply(prog, gnorm)
+    if after_update is not None:
+        after_update()
+    stepped = scale is None or prog.scaler.get_scale() >= scale  # lowered scale: skipped
+    update.commit(prog, ema=stepped)
+    return gnorm.detach(), clipped.detach()

@@ -1,0 +1,158 @@
+"""A trained model from a checkpoint, ready for sampling: :func:`load` and :class:`Pipeline`.
+
+The one place that turns a checkpoint into a model: the config it records, the model it
+describes, the weights (EMA or raw; base + adapter for an adapter checkpoint). ``steadydiff
+sample``, ``steadydiff eval``, ``steadydiff doctor`` and the Python API all load through it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from . import seeding
+from .adapters import build_adapted, set_scale
+from .config import Config, ConfigError, validate
+from .diffusion import Schedule, make_schedule, sample as run_sampler
+from .models import build_model
+from .trainer import checkpoint as ckpt
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else the CPU; ``cuda`` without CUDA is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device=cuda but no CUDA device is available; "
+                          "use train.device=cpu or auto")
+    return torch.device(name)
+
+
+def checkpoint_config(c: ckpt.Checkpoint) -> Config:
+    """The validated config a checkpoint records."""
+    return validate(c.state["config"], source=f"{c.path}/state.json config")
+
+
+def build_from_checkpoint(c: ckpt.Checkpoint, cfg: Config, *, use_ema: bool = True,
+                          base: str | Path | None = None) -> nn.Module:
+    """The model checkpoint ``c`` holds (fp32, on the CPU, in eval mode, frozen).
+
+    Args:
+        c: a loaded checkpoint.
+        cfg: its config (:func:`checkpoint_config`).
+        use_ema: the EMA weights (default) or the raw ones.
+        base: an adapter checkpoint's base weights, when they moved since training.
+
+    Raises:
+        CheckpointError: the weights do not fit the model the config describes.
+    """
+    if cfg.adapter.kind != "none":  # base weights + adapter (docs/adapters.md)
+        return build_adapted(c, cfg, use_ema=use_ema, base=base)
+    model = build_model(cfg.model, image_size=cfg.data.image_size, channels=cfg.data.channels)
+    try:
+        model.load_state_dict(c.ema if use_ema else c.model)
+    except RuntimeError as e:
+        raise ckpt.CheckpointError(f"{c.path}: weights do not match the model its config "
+                                   f"describes: {e}") from None
+    return model.eval().requires_grad_(False)
+
+
+@dataclass
+class Pipeline:
+    """A trained model ready for sampling (returned by :func:`load`)."""
+
+    model: nn.Module
+    schedule: Schedule
+    config: Config
+    device: torch.device
+    checkpoint: Path
+    step: int
+    adapter: str | None = None  # "lora" / "hypernetwork" for an adapter checkpoint
+    nonfinite: list[str] = field(default_factory=list)  # with allow_nonfinite only
+
+    @property
+    def num_classes(self) -> int:
+        return self.model.num_classes
+
+    def set_adapter_scale(self, scale: float) -> None:
+        """Apply the adapter at ``scale``: 0 is the base model, 1 the trained adapter."""
+        if self.adapter is None:
+            raise ValueError(f"{self.checkpoint} holds no adapter; --adapter-scale applies "
+                             "to adapter checkpoints only")
+        set_scale(self.model, scale)
+
+    @torch.no_grad()
+    def sample(self, num: int | None = None, *, sampler: str | None = None,
+               steps: int | None = None, class_label: int | None = None,
+               labels: torch.Tensor | None = None, cfg_scale: float | None = None,
+               eta: float | None = None, seed: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draw ``num`` samples. Defaults come from the config's ``sample`` section.
+
+        For a class-conditional model, ``class_label`` fixes the class; otherwise the labels
+        cycle through all classes (or are taken from ``labels``).
+
+        Returns:
+            ``(x, y)``: x (N, C, H, W) float32 in [-1, 1] on the CPU, and the labels used
+            (None for unconditional models).
+        """
+        s = self.config.sample
+        num = num or s.num
+        y = None
+        if self.num_classes:
+            if labels is not None:
+                y = labels.to(self.device).long()
+            elif class_label is not None:
+                if not 0 <= class_label < self.num_classes:
+                    raise ValueError(f"class_label must be in [0, {self.num_classes - 1}], "
+                                     f"got {class_label}")
+                y = torch.full((num,), class_label, device=self.device, dtype=torch.long)
+            else:
+                y = torch.arange(num, device=self.device) % self.num_classes
+        elif class_label is not None or labels is not None:
+            raise ValueError("this model is unconditional (model.num_classes=0); "
+                             "it takes no class label")
+        m = self.model
+        gen = seeding.generator(self.device, s.seed if seed is None else seed)
+        x = run_sampler(m, self.schedule, self.config.diffusion.prediction,
+                        (num, m.in_channels, m.image_size, m.image_size),
+                        sampler=sampler or s.sampler, steps=steps or s.steps, y=y,
+                        cfg_scale=s.cfg_scale if cfg_scale is None else cfg_scale,
+                        eta=s.eta if eta is None else eta, generator=gen, device=self.device)
+        return x.float().cpu(), (y.cpu() if y is not None else None)
+
+
+def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
+         use_ema: bool = True, adapter_scale: float | None = None,
+         base: str | Path | None = None, allow_nonfinite: bool = False) -> Pipeline:
+    """Load a trained model for sampling.
+
+    Args:
+        checkpoint: a checkpoint directory, or a run directory (its newest intact
+            checkpoint is used; corrupt ones are reported and skipped).
+        device: where to put the model (default: CUDA if available, else CPU).
+        use_ema: load the EMA weights (default) instead of the raw model weights.
+        adapter_scale: an adapter checkpoint's adapter is applied at this scale (default
+            1; 0 gives the base model). Refused for checkpoints without an adapter.
+        base: an adapter checkpoint's base weights, when they moved since training (their
+            sha256 must match the one the checkpoint records).
+        allow_nonfinite: load weights holding NaN/Inf (a diverged model, to look at what it
+            produces; ``Pipeline.nonfinite`` names them) instead of refusing them.
+
+    Returns:
+        A :class:`Pipeline` with the model in eval mode.
+    """
+    path = ckpt.resolve_checkpoint(checkpoint)
+    dev = torch.device(device) if device is not None else resolve_device("auto")
+    c = ckpt.load_checkpoint(path, dev, weights_only=True, allow_nonfinite=allow_nonfinite)
+    cfg = checkpoint_config(c)
+    model = build_from_checkpoint(c, cfg, use_ema=use_ema, base=base).to(dev)
+    pipe = Pipeline(model, make_schedule(cfg.diffusion), cfg, dev, path, c.step,
+                    adapter=None if cfg.adapter.kind == "none" else cfg.adapter.kind,
+                    nonfinite=c.nonfinite)
+    if adapter_scale is not None:
+        pipe.set_adapter_scale(adapter_scale)
+    return pipe

@@ -1,0 +1,90 @@
+"""One object saves and loads every stateful part of a training run.
+
+:class:`CheckpointIO` is the single writer and reader of a :class:`TrainState` in a checkpoint
+(the format itself, atomic and verified, is trainer/checkpoint.py's): the periodic
+checkpoints, the final one and the best evaluation's (``checkpoints/best``) all come from
+:meth:`CheckpointIO.save`, so they hold the same parts — an adapter run's best checkpoint holds
+the adapter, exactly like its periodic ones. Adding a stateful part is one entry in
+:meth:`CheckpointIO.parts` and one line in :meth:`CheckpointIO.restore`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint as ckpt
+from .state import TrainState, set_precision
+
+
+class CheckpointIO:
+    """Save and restore every stateful part of ``state``."""
+
+    def __init__(self, state: TrainState):
+        self.state = state
+
+    def parts(self) -> dict[str, Any]:
+        """The JSON-able part of the state (``state.json``; tensors are saved apart)."""
+        s = self.state
+        return {
+            "step": s.step, "batches_consumed": s.batches_consumed,
+            "images_seen": s.step * s.cfg.train.batch_size,
+            "ema": s.ema.state(),
+            "scaler": s.scaler.state_dict() if s.scaler else None,
+            "precision": s.precision, "grad_accum": s.grad_accum,
+            "bad_images": sorted(s.bad_images),
+            "guard": s.guard.state_dict() if s.guard else None,
+            "eval": s.evaluator.state_dict(),
+            "adapter": s.weights.info(),
+            "config": s.cfg.to_dict(), "torch": torch.__version__,
+            "world_size": s.world_size,
+        }
+
+    def save(self, root: Path, *, keep: int) -> Path:
+        """Write a verified checkpoint of the state under ``root`` (a run's ``checkpoints/``
+        or ``checkpoints/best``), keeping the newest ``keep``.
+
+        Raises:
+            CheckpointError: non-finite weights or EMA (nothing is written).
+            OSError: the disk refused it (the previous checkpoint is intact).
+            GuardAbort: the weights' own check refused it (an adapter's base changed).
+        """
+        s = self.state
+        s.weights.verify(s)
+        model, ema = s.weights.tensors(s)
+        step = s.step
+        return ckpt.save_checkpoint(root, step, model=model, ema=ema, optimizer=s.optimizer,
+                                    state=self.parts(), keep=keep,
+                                    on_file=lambda _name: s.faults.kill(step, "in_checkpoint"))
+
+    def restore(self, c: ckpt.Checkpoint) -> None:
+        """Load checkpoint ``c`` into a freshly built state (weights, optimizer, RNG,
+        counters, and the parts that keep their own state)."""
+        s = self.state
+        s.weights.restore(s, c)
+        s.optimizer.load_state_dict(c.optimizer)
+        s.ema.load_state(c.state["ema"])
+        if s.scaler and c.state.get("scaler"):
+            s.scaler.load_state_dict(c.state["scaler"])
+        s.step = int(c.state["step"])
+        s.batches_consumed = int(c.state["batches_consumed"])
+        s.grad_accum = int(c.state.get("grad_accum") or s.grad_accum)
+        s.bad_images = set(c.state.get("bad_images", []))
+        precision = c.state.get("precision") or s.precision
+        if precision != s.precision:  # the guard fell back before this checkpoint
+            set_precision(s, precision)
+        s.evaluator.load_state_dict(c.state.get("eval"))
+        if c.rng is not None:
+            ckpt.restore_rng(c.rng)
+
+    def restore_guard(self, c: ckpt.Checkpoint) -> None:
+        """The guard's statistics and budgets (the guard is built after the resume: its first
+        snapshot is the restored state)."""
+        s = self.state
+        if s.guard is None or not c.state.get("guard"):
+            return
+        s.guard.load_state_dict(c.state["guard"])
+        if c.state["config"]["optim"] != s.cfg.optim.model_dump(mode="json"):
+            s.guard.max_lr = 0.0  # an LR change the user accepted is not an lr_spike

@@ -1,0 +1,120 @@
+"""The optional parts of a run plug into the trainer here, with no-op defaults.
+
+Three small protocols, each a base class whose methods do nothing, so the loop and the step
+call them unconditionally (no ``if faults:`` branches) and an absent part costs a method call:
+
+- :class:`StepHooks`: the points inside one step where fault injection acts
+  (guard/faults.py ``FaultInjector``; docs/faults.md);
+- :class:`Weights`: which tensors the run trains and saves — the whole model by default, the
+  adapter's tensors over a frozen base for LoRA/hypernetworks (adapters/core.py ``AdapterRun``);
+- :class:`Evaluation`: periodic evaluation, the best checkpoint and early stopping
+  (eval/during.py ``TrainingEvaluator``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Callable, ContextManager
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint
+
+# the trainer's TrainState (trainer/state.py, which builds on these defaults: named, not
+# imported, so the two modules do not import each other)
+TrainState = Any
+
+
+class StepHooks:
+    """Fault-injection points of one step, in the order the step calls them."""
+
+    def kill(self, step: int, where: str) -> None:
+        """``where``: before_step | in_step | in_checkpoint."""
+
+    def batch(self, step: int, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def lr(self, step: int, lr: float) -> float:
+        return lr
+
+    def micro_batch(self, step: int, size: int) -> None:
+        """Before a micro-batch's forward pass (a simulated memory limit raises here)."""
+
+    def forward(self, step: int, model: nn.Module) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss
+
+    def grads(self, step: int, model: nn.Module) -> None:
+        """After the backward pass (and after each replayed backward)."""
+
+    def params(self, step: int, model: nn.Module) -> None:
+        """Right after the optimizer step."""
+
+    def end_step(self, step: int) -> None:
+        """The step is over, whatever was decided."""
+
+    def rollback(self) -> None:
+        """The guard rolled back."""
+
+
+NO_FAULTS = StepHooks()
+
+
+class Weights:
+    """The full model: every parameter is trained, saved and restored."""
+
+    def tensors(self, state: TrainState) -> tuple[nn.Module | dict[str, torch.Tensor],
+                                                    nn.Module | dict[str, torch.Tensor]]:
+        """What a checkpoint holds as (model, EMA) weights."""
+        return state.model, state.ema.module
+
+    def restore(self, state: TrainState, c: Checkpoint) -> None:
+        """Load a checkpoint's weights into ``state``."""
+        state.model.load_state_dict(c.model)
+        state.ema.module.load_state_dict(c.ema)
+
+    def verify(self, state: TrainState) -> None:
+        """Before a checkpoint is written (raise to refuse it)."""
+
+    def after_update(self, state: TrainState) -> None:
+        """After every applied update."""
+
+    def sampling_context(self, state: TrainState) -> ContextManager[None]:
+        """Around in-training sampling (sample grids, evaluation)."""
+        return contextlib.nullcontext()
+
+    def info(self) -> dict[str, Any] | None:
+        """What state.json records about the weights (None: nothing)."""
+        return None
+
+
+FULL_WEIGHTS = Weights()
+
+
+class Evaluation:
+    """No evaluation during training (``eval.every: 0``)."""
+
+    stopped: bool = False
+
+    def due(self, step: int) -> bool:
+        return False
+
+    def run(self, state: TrainState, tb: Any = None,
+            save_best: Callable[[], Path | None] | None = None) -> dict[str, Any]:
+        raise RuntimeError("evaluation is off (eval.every=0)")
+
+    def stop_reason(self) -> str | None:
+        return None
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return None
+
+    def load_state_dict(self, d: dict[str, Any] | None) -> None:
+        pass
+
+
+NO_EVALUATION = Evaluation()

@@ -1,0 +1,75 @@
+"""The training state: everything that decides the future of a run, with one owner per fact.
+
+:class:`TrainState` owns the counters (``step``, ``batches_consumed``), the runtime precision
+and the grad scaler; the guard and the update read and advance them through it and keep no
+copies. :class:`~steadydiff.trainer.checkpoint_io.CheckpointIO` saves and restores all of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..config import Config
+from ..diffusion import Schedule
+from ..guard import Decision, Guard
+from ..guard.update import Update
+from .ema import EMA
+from .hooks import FULL_WEIGHTS, NO_EVALUATION, NO_FAULTS, Evaluation, StepHooks, Weights
+
+
+@dataclass
+class TrainState:
+    """Everything that decides the future of the run (what a checkpoint holds)."""
+
+    cfg: Config
+    model: nn.Module
+    ema: EMA
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler | None
+    schedule: Schedule
+    device: torch.device
+    precision: str                # the runtime precision (the guard may fall back from fp16)
+    grad_accum: int               # runtime micro-batches per step (OOM backoff doubles it)
+    update: Update                # the one optimizer update (guard on or off)
+    step: int = 0                 # optimizer steps completed
+    batches_consumed: int = 0     # data position: global batches drawn from the stream
+    bad_images: set[int] = field(default_factory=set)  # indices found unloadable in training
+    rank: int = 0
+    world_size: int = 1
+    ddp: nn.Module | None = None  # the DistributedDataParallel wrapper under torchrun
+    guard: Guard | None = None
+    faults: StepHooks = NO_FAULTS            # fault injection (docs/faults.md)
+    weights: Weights = FULL_WEIGHTS          # the full model, or an adapter over a base
+    evaluator: Evaluation = NO_EVALUATION    # evaluation during training (eval.every)
+
+
+@dataclass
+class StepOutput:
+    """What one call of :func:`~steadydiff.trainer.loop.train_step` produced. Tensors stay
+    on the device; ``decision`` holds host floats only when the guard inspected the step."""
+
+    loss: torch.Tensor            # 0-dim, mean over the global batch
+    grad_norm: torch.Tensor       # 0-dim, global norm before clipping
+    grad_norm_clipped: torch.Tensor  # 0-dim, after clipping
+    per_sample_loss: torch.Tensor  # (B,)
+    t: torch.Tensor               # (B,) timesteps
+    lr: float
+    decision: Decision
+    layer_grad_norms: torch.Tensor | None = None  # (P,) on layer-statistics steps only
+    probe_forward: Callable[[], Any] | None = None  # one forward pass, for the health probes
+
+    @property
+    def stepped(self) -> bool:
+        return self.decision.action == "step"
+
+
+def set_precision(state: TrainState, precision: str) -> None:
+    """Switch the runtime precision (a resumed run that had fallen back): fp16 keeps a
+    scaler, the others have none. The guard reads both from ``state``."""
+    state.precision = precision
+    if precision != "fp16":
+        state.scaler = None

@@ -1,0 +1,105 @@
+"""The guard's decision table on its own: guard/policy.py is a pure function of (finding,
+history, config), so every rule is checked here without a model, an optimizer or a file."""
+
+import pytest
+
+from steadydiff.config import GuardConfig
+from steadydiff.guard.detectors import Finding
+from steadydiff.guard.policy import History, decide, decide_oom, fallback, recent
+
+CFG = GuardConfig(skips_before_rollback=3, skip_window=50, max_skips=4, budget_window=1000,
+                  max_rollbacks=2)
+ALL = frozenset({"fp32", "bf16", "fp16"})
+
+
+def f(kind, severity="spike", **evidence):
+    return Finding(kind, severity, evidence)
+
+
+def test_recent_counts_only_the_window():
+    assert recent((1, 5, 40, 90), now=100, window=50) == 1  # 90 only (50 <= e)
+    assert recent((50, 51), now=100, window=50) == 2
+    assert recent((), now=100, window=50) == 0
+
+
+@pytest.mark.parametrize("kind", ["nonfinite_loss", "nonfinite_grad", "loss_spike",
+                                  "grad_spike", "lr_spike"])
+def test_a_first_incident_is_skipped(kind):
+    a = decide(f(kind), History(step=10), CFG)
+    assert (a.kind, a.budget_abort, a.scaler) == ("skip", None, False)
+
+
+def test_repeated_incidents_escalate_to_a_rollback():
+    h = History(step=30, skips=(20, 25))  # this one is the 3rd within 50 steps
+    a = decide(f("grad_spike"), h, CFG)
+    assert (a.kind, a.reason, a.snapshot) == ("rollback", "repeated incidents", "newest")
+    # the same two skips long ago do not escalate
+    assert decide(f("grad_spike"), History(step=300, skips=(20, 25)), CFG).kind == "skip"
+
+
+def test_a_bad_batch_never_escalates():
+    h = History(step=30, skips=(27, 28, 29))
+    assert decide(f("bad_batch", "fatal"), h, CFG).kind == "skip"
+
+
+def test_state_unusable_and_divergence_roll_back():
+    for kind in ("nonfinite_params", "weight_jump"):
+        a = decide(f(kind, "fatal"), History(step=5), CFG)
+        assert (a.kind, a.reason, a.snapshot) == ("rollback", "state unusable", "newest")
+    a = decide(f("divergence", "trend"), History(step=5), CFG)
+    assert (a.kind, a.reason, a.snapshot) == ("rollback", "slow divergence", "oldest")
+
+
+def test_rollback_needs_a_snapshot_and_budget():
+    a = decide(f("nonfinite_params", "fatal"), History(step=5, has_snapshot=False), CFG)
+    assert (a.kind, a.why) == ("abort", "no verified snapshot to roll back to")
+    a = decide(f("nonfinite_params", "fatal"), History(step=500, rollbacks=(100, 400)), CFG)
+    assert a.kind == "abort" and a.why == "2 rollbacks within 1000 steps already"
+    a = decide(f("nonfinite_params", "fatal"), History(step=1500, rollbacks=(100, 400)), CFG)
+    assert a.kind == "rollback"  # those rollbacks are outside the window
+
+
+def test_skip_budget_counts_skips_spread_over_the_whole_window():
+    """Skips every 100 steps never escalate (each is alone within skip_window) but the
+    budget counts all of them within budget_window: the 5th skip past max_skips=4 aborts."""
+    skips = (100, 200, 300, 400)
+    a = decide(f("grad_spike"), History(step=500, skips=skips), CFG)
+    assert a.kind == "skip" and a.budget_abort == "more than 4 skipped steps within 1000"
+    a = decide(f("grad_spike"), History(step=500, skips=skips[1:]), CFG)
+    assert a.kind == "skip" and a.budget_abort is None
+
+
+def test_fp16_overflow_is_the_scalers_until_it_repeats():
+    routine = decide(f("fp16_overflow", "routine"), History(step=3, precision="fp16"), CFG)
+    assert (routine.kind, routine.scaler, routine.record, routine.precision) == \
+        ("skip", True, False, None)
+    forward = decide(f("fp16_overflow", "spike"), History(step=3, precision="fp16"), CFG)
+    assert forward.scaler and forward.record and forward.precision is None
+    h = History(step=3, precision="fp16", supported=ALL)
+    assert decide(f("fp16_overflow", "trend"), h, CFG).precision == "bf16"
+    h = History(step=3, precision="fp16", supported=frozenset({"fp32", "fp16"}))
+    assert decide(f("fp16_overflow", "trend"), h, CFG).precision == "fp32"
+    off = GuardConfig(precision_fallback=False)
+    assert decide(f("fp16_overflow", "trend"), History(step=3, precision="fp16",
+                                                      supported=ALL), off).precision is None
+
+
+def test_bf16_rollback_naming_a_module_falls_back_to_fp32():
+    named = f("nonfinite_loss", provenance={"first_nonfinite_module": "mid.attn"})
+    h = History(step=30, skips=(20, 25), precision="bf16", supported=ALL)
+    a = decide(named, h, CFG)
+    assert (a.kind, a.precision) == ("rollback", "fp32")
+    assert decide(f("nonfinite_loss"), h, CFG).precision is None  # nothing named
+
+
+def test_fallback_chain():
+    assert fallback("fp16", ALL) == "bf16"
+    assert fallback("bf16", ALL) == "fp32"
+    assert fallback("fp32", ALL) is None
+    assert fallback("fp16", ALL, enabled=False) is None
+
+
+def test_oom():
+    assert decide_oom(8, CFG) == (4, "micro-batch 8 -> 4")
+    assert decide_oom(1, CFG)[0] is None
+    assert decide_oom(8, GuardConfig(oom_backoff=False)) == (None, "oom_backoff disabled")
