@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
@@ -12,11 +12,10 @@ from torch import nn
 from . import seeding
 from .config import Config, ConfigError, load_config, validate
 from .diffusion import Schedule, make_schedule, sample as run_sampler
+from .kinds import AdapterKind, SamplerName
 from .models import build_model
 from .trainer import checkpoint as ckpt
 from .trainer.loop import RunResult, resolve_device, run
-
-SamplerName = Literal["ddpm", "ddim", "dpmpp_2m", "euler"]
 
 
 def _as_config(config: Config | dict[str, Any] | str | Path) -> Config:
@@ -60,7 +59,7 @@ class Pipeline:
     device: torch.device
     checkpoint: Path
     step: int
-    adapter: str | None = None  # "lora" / "hypernetwork" for an adapter checkpoint
+    adapter: AdapterKind | None = None  # "lora" / "hypernetwork" for an adapter checkpoint
 
     @property
     def num_classes(self) -> int:

@@ -3,7 +3,7 @@
 One section per component (data, model, diffusion, optim, train, sample, logging, guard).
 Every section forbids unknown keys, so a typo is an error that names the key (with a
 "did you mean") instead of a silent fall-back to the default. Ranges live next to the field,
-so the error message can say what would be valid.
+so the error message can say what would be valid. Enumerations come from ``kinds.py``.
 """
 
 from __future__ import annotations
@@ -15,6 +15,11 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from .kinds import (LABELLED_DATASETS, AdapterKind, Channels, ClipMode, DatasetName,
+                    DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, LossWeighting,
+                    LRSchedule, ModelKind, OnSaveError, Precision, Prediction, SamplerName,
+                    ScheduleName, TimestepSampling)
 
 
 class ConfigError(ValueError):
@@ -29,12 +34,12 @@ class Section(BaseModel):
 
 
 class DataConfig(Section):
-    dataset: Literal["digits", "fashion_mnist", "folder"] = "digits"
+    dataset: DatasetName = "digits"
     path: str | None = Field(None, description="image folder root (dataset=folder); "
                              "fashion_mnist: the folder of its idx files (default "
                              "/usr/share/datasets/fashion-mnist)")
     image_size: int = Field(16, ge=4, le=1024)
-    channels: Literal[1, 3] = 1
+    channels: Channels = 1
     class_labels: bool = Field(
         False, description="folder: labels from the first-level sub-folder names")
     hflip: bool = Field(False, description="random horizontal flip (per sample, seeded)")
@@ -78,7 +83,7 @@ class UNetConfig(Section):
 
 
 class DiTConfig(Section):
-    preset: Literal["tiny", "small", "S", "B", "L", "XL"] = "tiny"
+    preset: DiTPreset = "tiny"
     patch_size: int = Field(2, ge=1, le=16)
     depth: int | None = Field(None, ge=1, le=64, description="overrides the preset")
     hidden_size: int | None = Field(None, ge=8, le=4096, description="overrides the preset")
@@ -88,7 +93,7 @@ class DiTConfig(Section):
 
 
 class ModelConfig(Section):
-    kind: Literal["unet", "dit"] = "unet"
+    kind: ModelKind = "unet"
     num_classes: int = Field(0, ge=0, le=100_000,
                              description="0: unconditional; >0 adds a null class for CFG")
     qk_norm: bool = False
@@ -101,16 +106,16 @@ class ModelConfig(Section):
 
 class DiffusionConfig(Section):
     timesteps: int = Field(1000, ge=2, le=100_000)
-    schedule: Literal["linear", "cosine", "sigmoid", "piecewise"] = "linear"
+    schedule: ScheduleName = "linear"
     beta_start: float = Field(1e-4, gt=0.0, lt=1.0)
     beta_end: float = Field(0.02, gt=0.0, lt=1.0)
     # piecewise-linear log-SNR: [[t_fraction, log_snr], ...], t_fraction from 0 to 1.
     piecewise: list[list[float]] = Field([[0.0, 10.0], [1.0, -10.0]])
     zero_terminal_snr: bool = False
-    prediction: Literal["eps", "x0", "v"] = "eps"
-    loss_weighting: Literal["uniform", "min_snr"] = "uniform"
+    prediction: Prediction = "eps"
+    loss_weighting: LossWeighting = "uniform"
     min_snr_gamma: float = Field(5.0, gt=0.0, le=1e4)
-    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    timestep_sampling: TimestepSampling = "uniform"
     logit_mean: float = Field(0.0, ge=-10.0, le=10.0)
     logit_std: float = Field(1.0, gt=0.0, le=10.0)
     cfg_dropout: float = Field(0.1, ge=0.0, le=1.0,
@@ -133,7 +138,7 @@ class OptimConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0, le=10.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0, le=1.0)
-    schedule: Literal["constant", "cosine"] = "constant"
+    schedule: LRSchedule = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine floor, x lr")
     layer_decay: float = Field(1.0, gt=0.0, le=1.0,
@@ -142,7 +147,7 @@ class OptimConfig(Section):
         1.0, ge=0.0, description="clip threshold: the max norm (global, per_layer), the "
         "max ratio |g|/|w| per unit (agc); zclip: the max norm while its statistics warm up "
         "(its z-threshold is guard.grad_z); 0 disables clipping")
-    clip_mode: Literal["global", "per_layer", "agc", "zclip"] = "global"
+    clip_mode: ClipMode = "global"
 
     @model_validator(mode="after")
     def _check(self) -> "OptimConfig":
@@ -163,10 +168,10 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(500, ge=0, description="0: only at the end")
     keep_checkpoints: int = Field(3, ge=1, le=1000)
     sample_every: int = Field(500, ge=0, description="0: only at the end")
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Precision = "fp32"
     allow_slow_precision: bool = Field(
         False, description="run bf16/fp16 on a device without native support anyway")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: DeviceName = "auto"
     deterministic: bool = False
     num_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0: torch default")
     ema_decay: float = Field(0.999, ge=0.0, lt=1.0)
@@ -179,7 +184,7 @@ class TrainConfig(Section):
     watchdog_timeout: float = Field(
         1800.0, ge=0.0, description="torchrun: end a rank whose training made no progress "
         "for this many seconds (stacks printed, exit 5); 0 disables the watchdog")
-    on_save_error: Literal["retry", "stop"] = Field(
+    on_save_error: OnSaveError = Field(
         "retry", description="disk full / permission denied while saving a checkpoint: keep "
         "training and retry at the next checkpoint (retry), or stop cleanly (stop)")
 
@@ -196,7 +201,7 @@ class TrainConfig(Section):
 
 
 class SampleConfig(Section):
-    sampler: Literal["ddpm", "ddim", "dpmpp_2m", "euler"] = "dpmpp_2m"
+    sampler: SamplerName = "dpmpp_2m"
     steps: int = Field(50, ge=1, le=100_000)
     num: int = Field(64, ge=1, le=100_000)
     cfg_scale: float = Field(1.0, ge=0.0, le=100.0)
@@ -215,12 +220,12 @@ class EvalConfig(Section):
     every: int = Field(0, ge=0, description="steps between evaluations; 0 disables them")
     num: int = Field(200, ge=8, le=100_000, description="samples per evaluation (compared with "
                      "as many real images; keep it fixed across a run: FD depends on it)")
-    sampler: Literal["ddpm", "ddim", "dpmpp_2m", "euler"] = "dpmpp_2m"
+    sampler: SamplerName = "dpmpp_2m"
     steps: int = Field(20, ge=1, le=100_000)
     cfg_scale: float | None = Field(None, ge=0.0, le=100.0,
                                     description="guidance scale; null: sample.cfg_scale")
     seed: int = Field(0, ge=0, description="sampling seed: every evaluation uses the same noise")
-    metric: Literal["fd", "kid", "precision", "recall", "class_accuracy"] = Field(
+    metric: EvalMetric = Field(
         "fd", description="what 'best' and early stopping follow (fd, kid: lower is better)")
     k: int = Field(3, ge=1, le=100, description="nearest neighbours for precision/recall")
     patience: int = Field(0, ge=0, description="evaluations without an improvement before "
@@ -313,13 +318,13 @@ class GuardConfig(Section):
 class AdapterConfig(Section):
     """Fine-tuning with an adapter over frozen base weights (see docs/adapters.md)."""
 
-    kind: Literal["none", "lora", "hypernetwork"] = Field(
+    kind: AdapterKind = Field(
         "none", description="none: train the whole model (no fine-tuning)")
     base: str | None = Field(None, description="base weights: a steadydiff checkpoint or run "
                              "directory, or a .safetensors file whose keys match the model")
     use_ema_base: bool = Field(True, description="steadydiff checkpoint: start from its EMA "
                                "weights (else the raw model weights)")
-    base_precision: Literal["fp32", "bf16", "fp16"] = Field(
+    base_precision: Precision = Field(
         "fp32", description="dtype the frozen base is kept in; the adapter trains in fp32")
     targets: list[str] = Field(
         ["*"], min_length=1, description="module-name patterns (fnmatch globs, or 're:' + a "
@@ -350,9 +355,7 @@ class AdapterConfig(Section):
 class FaultConfig(Section):
     """One injected fault (for tests and the stability benchmark; see docs/faults.md)."""
 
-    kind: Literal["nan_batch", "outlier_batch", "loss_scale", "lr_scale", "param_nan",
-                  "param_huge", "bitflip", "grad_nan", "fp16_overflow", "oom", "kill",
-                  "hang"]
+    kind: FaultKind
     step: int = Field(ge=0, description="optimizer step at which it fires")
     factor: float | None = Field(None, description="outlier/loss/lr/huge multiplier (default "
                                  "1e4; fp16_overflow 1e5); oom: the largest micro-batch that "
@@ -361,7 +364,7 @@ class FaultConfig(Section):
     steps: int = Field(1, ge=1, description="lr_scale: for how many steps")
     target: str | None = Field(None, description="parameter (param_*, grad_nan) or module "
                                "(fp16_overflow) name; None: a default one")
-    where: Literal["before_step", "in_step", "in_checkpoint"] = Field(
+    where: FaultWhere = Field(
         "in_step", description="kill, hang: where in the step the process is killed / "
         "stops responding")
     rank: int | None = Field(None, ge=0, description="torchrun: fire on this rank only; "
@@ -393,10 +396,10 @@ class Config(Section):
             raise ValueError("optim.clip_mode=zclip takes its threshold from the guard's "
                              "grad-norm statistics; set guard.enabled=true or choose "
                              "optim.clip_mode global, per_layer or agc")
-        if self.eval.every and self.data.dataset == "folder":
+        if self.eval.every and self.data.dataset not in LABELLED_DATASETS:
             raise ValueError("eval.every needs a labelled dataset for its feature network "
-                             "(data.dataset digits or fashion_mnist); an image folder has "
-                             "none: set eval.every=0 and use `steadydiff eval "
+                             f"(data.dataset {' or '.join(LABELLED_DATASETS)}); an image "
+                             "folder has none: set eval.every=0 and use `steadydiff eval "
                              "--inception-weights` (see docs/evaluation.md)")
         return self
 

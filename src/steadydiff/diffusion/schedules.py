@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ..config import DiffusionConfig
+from ..kinds import SCHEDULES, ScheduleName
 
 __all__ = ["Schedule", "make_schedule"]
 
@@ -243,7 +244,7 @@ def _rescale_zero_terminal_snr(ab: Tensor) -> Tensor:
     return s * s
 
 
-def _check(ab: Tensor, T: int, zero_terminal: bool, kind: str) -> None:
+def _check(ab: Tensor, T: int, zero_terminal: bool, kind: ScheduleName) -> None:
     if ab.shape != (T,) or not torch.isfinite(ab).all():
         raise ValueError(f"{kind} schedule produced a non-finite ᾱ table")
     if (ab[1:] > ab[:-1]).any():
@@ -286,7 +287,7 @@ def make_schedule(cfg: DiffusionConfig) -> Schedule:
         ab = _piecewise_alpha_bar(cfg.piecewise, T)
     else:  # the config's Literal makes this unreachable; kept for direct callers
         raise ValueError(f"unknown diffusion.schedule {cfg.schedule!r}; "
-                         "valid: linear, cosine, sigmoid, piecewise")
+                         f"valid: {', '.join(SCHEDULES)}")
     if cfg.zero_terminal_snr:
         ab = _rescale_zero_terminal_snr(ab)
     _check(ab, T, cfg.zero_terminal_snr, cfg.schedule)

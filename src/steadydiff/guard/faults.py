@@ -23,13 +23,15 @@ import torch
 from torch import nn
 
 from ..config import FaultConfig
+from ..kinds import FaultKind, FaultWhere
 
 FP16_MAX = 65504.0
 
 
 # default strength per kind when ``factor`` is not given
-DEFAULT_FACTOR = {"outlier_batch": 1e4, "loss_scale": 1e4, "lr_scale": 1e4, "param_huge": 1e4,
-                  "fp16_overflow": 1e5}
+DEFAULT_FACTOR: dict[FaultKind, float] = {"outlier_batch": 1e4, "loss_scale": 1e4,
+                                          "lr_scale": 1e4, "param_huge": 1e4,
+                                          "fp16_overflow": 1e5}
 
 
 class SimulatedOOM(torch.OutOfMemoryError):
@@ -59,7 +61,8 @@ class FaultInjector:
         self.started: set[int] = set()
         self.fired: list[dict] = []  # what was injected, for the benchmark's ground truth
 
-    def _active(self, step: int, kinds: tuple[str, ...]) -> Iterator[tuple[int, FaultConfig]]:
+    def _active(self, step: int,
+                kinds: tuple[FaultKind, ...]) -> Iterator[tuple[int, FaultConfig]]:
         for i, f in enumerate(self.faults):
             if f.kind in kinds and i not in self.spent:
                 span = f.steps if f.kind == "lr_scale" else 1
@@ -85,7 +88,7 @@ class FaultInjector:
 
     # ---- the hooks, in the order the step calls them
 
-    def kill(self, step: int, where: str) -> None:
+    def kill(self, step: int, where: FaultWhere) -> None:
         """``kill``: SIGKILL this process; ``hang``: stop responding (sleep) without dying,
         as a deadlocked worker or a stuck filesystem would."""
         for _, f in self._active(step, ("kill", "hang")):
