@@ -4,12 +4,21 @@ One section per component (data, model, diffusion, optim, train, sample, logging
 Every section forbids unknown keys, so a typo is an error that names the key (with a
 "did you mean") instead of a silent fall-back to the default. Ranges live next to the field,
 so the error message can say what would be valid. Enumerations come from ``kinds.py``.
+
+A validated config is a value: its sections are frozen and its lists are tuples, so nothing
+can change it after validation, and the config a run prints and saves is the one it used.
+Code that needs a different config derives one with :func:`replace`, which validates again
+(types, ranges and cross-field checks all apply to the copy).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import json
+import types
+import typing
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,8 +35,41 @@ class ConfigError(ValueError):
     """A config that cannot be used. The message names the key and what would be valid."""
 
 
+class FrozenConfigError(AttributeError):
+    """An assignment to a field of a validated config, which is read-only (see :func:`replace`)."""
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Pydantic's own frozen error says only "Instance is frozen"; this one names the key
+        # and the way to get a changed config.
+        path = _section_paths().get(type(self))
+        if path is None:  # not in the tree (a fault of the faults list)
+            how = f"{type(self).__name__}.model_copy(update={{{name!r}: {value!r}}})"
+            key = f"{type(self).__name__}.{name}"
+        else:
+            key = f"{path}.{name}" if path else name
+            how = f"steadydiff.config.replace(cfg, {{{key!r}: {value!r}}})"
+        raise FrozenConfigError(f"{key}: a validated config is read-only; derive a changed "
+                                f"copy instead: {how}")
+
+
+@functools.cache
+def _section_paths() -> dict[type[BaseModel], str]:
+    """Each section class of the tree -> its dotted key ('' for Config, 'model.unet', ...)."""
+    out: dict[type[BaseModel], str] = {Config: ""}
+
+    def walk(cls: type[BaseModel], prefix: str) -> None:
+        for name, field in cls.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                out[ann] = f"{prefix}{name}"
+                walk(ann, f"{prefix}{name}.")
+
+    walk(Config, "")
+    return out
 
 
 # --------------------------------------------------------------------------- data
@@ -47,7 +89,7 @@ class DataConfig(Section):
     num_workers: int = Field(0, ge=0, le=64)
     follow_symlinks: bool = Field(
         False, description="folder: follow symlinks that lead outside the data root")
-    classes: list[int] | None = Field(
+    classes: tuple[int, ...] | None = Field(
         None, description="train on these class ids only (labels keep their ids); "
         "None: all classes")
 
@@ -73,9 +115,10 @@ class DataConfig(Section):
 
 class UNetConfig(Section):
     channels: int = Field(64, ge=4, le=1024, description="base width")
-    channel_mult: list[int] = Field([1, 2, 2], min_length=1, max_length=8)
+    channel_mult: tuple[int, ...] = Field((1, 2, 2), min_length=1, max_length=8)
     num_res_blocks: int = Field(2, ge=1, le=8)
-    attention_resolutions: list[int] = Field([8], description="feature-map sizes with attention")
+    attention_resolutions: tuple[int, ...] = Field(
+        (8,), description="feature-map sizes with attention")
     head_channels: int = Field(32, ge=4, le=512)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     norm_groups: int = Field(32, ge=1, le=512)
@@ -110,7 +153,7 @@ class DiffusionConfig(Section):
     beta_start: float = Field(1e-4, gt=0.0, lt=1.0)
     beta_end: float = Field(0.02, gt=0.0, lt=1.0)
     # piecewise-linear log-SNR: [[t_fraction, log_snr], ...], t_fraction from 0 to 1.
-    piecewise: list[list[float]] = Field([[0.0, 10.0], [1.0, -10.0]])
+    piecewise: tuple[tuple[float, ...], ...] = ((0.0, 10.0), (1.0, -10.0))
     zero_terminal_snr: bool = False
     prediction: Prediction = "eps"
     loss_weighting: LossWeighting = "uniform"
@@ -326,8 +369,8 @@ class AdapterConfig(Section):
                                "weights (else the raw model weights)")
     base_precision: Precision = Field(
         "fp32", description="dtype the frozen base is kept in; the adapter trains in fp32")
-    targets: list[str] = Field(
-        ["*"], min_length=1, description="module-name patterns (fnmatch globs, or 're:' + a "
+    targets: tuple[str, ...] = Field(
+        ("*",), min_length=1, description="module-name patterns (fnmatch globs, or 're:' + a "
         "regular expression): lora adapts the matching Linear/Conv2d/Embedding layers, "
         "hypernetwork the matching attention layers")
     rank: int = Field(4, ge=1, le=4096, description="lora: rank r of the delta B @ A")
@@ -382,7 +425,7 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     guard: GuardConfig = GuardConfig()
     adapter: AdapterConfig = AdapterConfig()
-    faults: list[FaultConfig] = Field(default_factory=list)
+    faults: tuple[FaultConfig, ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
@@ -434,6 +477,20 @@ def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
     return cls
 
 
+def _type_name(ann: Any) -> str:
+    """A field's type as the YAML author sees it: the tree's tuples are YAML lists."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is tuple:
+        inner = _type_name(args[0]) if len(args) == 2 and args[1] is Ellipsis else \
+            ", ".join(_type_name(a) for a in args)
+        return f"list[{inner}]"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if ann is type(None):
+        return "null"
+    return getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+
+
 def _describe_range(path: tuple[Any, ...]) -> str:
     """Describe what values the field at ``path`` accepts, from its annotation and bounds."""
     parent = _section_at(path[:-1])
@@ -444,14 +501,14 @@ def _describe_range(path: tuple[Any, ...]) -> str:
         return ""
     if getattr(field.annotation, "__origin__", None) is Literal:
         return ""  # pydantic's message already lists the allowed values
-    ann = getattr(field.annotation, "__name__", None) or str(field.annotation)
+    ann = _type_name(field.annotation)
     bounds = []
     for m in field.metadata:
         for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
             v = getattr(m, attr, None)
             if v is not None:
                 bounds.append(f"{sym} {v}")
-    desc = f" (expected {str(ann).replace('typing.', '')}"
+    desc = f" (expected {ann}"
     if bounds:
         desc += ", " + " and ".join(bounds)
     return desc + ")"
@@ -477,7 +534,10 @@ def format_validation_error(err: ValidationError, source: str = "config") -> str
         else:
             got = e.get("input")
             got_s = json.dumps(got) if isinstance(got, (int, float, str, bool, type(None))) else repr(got)
-            lines.append(f"  {key}: {e['msg']}, got {got_s}{_describe_range(loc)}")
+            # the tree's tuples are lists in YAML: say so in the author's terms
+            msg = e["msg"].replace("valid tuple", "valid list").replace("Tuple should",
+                                                                        "List should")
+            lines.append(f"  {key}: {msg}, got {got_s}{_describe_range(loc)}")
     return "\n".join(lines)
 
 
@@ -489,22 +549,27 @@ def _parse_value(text: str) -> Any:
         raise ConfigError(f"cannot parse override value {text!r}: {e}") from None
 
 
+def _set_key(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set the dotted ``key`` of a raw config dict to ``value``, creating sections on the way."""
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override key {key!r} is empty or malformed")
+    node = raw
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {key!r}: '{p}' is a value, not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``section.key=value`` overrides to a raw (unvalidated) config dict."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
         key, _, value = item.partition("=")
-        parts = key.strip().split(".")
-        if not all(parts):
-            raise ConfigError(f"override key {key!r} is empty or malformed")
-        node = raw
-        for p in parts[:-1]:
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {key!r}: '{p}' is a value, not a section")
-            node = nxt
-        node[parts[-1]] = _parse_value(value)
+        _set_key(raw, key, _parse_value(value))
     return raw
 
 
@@ -534,6 +599,37 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
     raw = apply_overrides(raw, list(overrides or []))
+    return validate(raw, source)
+
+
+def replace(cfg: Config, changes: Mapping[str, Any] | Iterable[str],
+            source: str = "config") -> Config:
+    """A validated copy of ``cfg`` with ``changes`` applied; ``cfg`` itself is unchanged.
+
+    Args:
+        cfg: a validated config.
+        changes: ``{"train.steps": 5, "guard.enabled": False}`` (dotted keys, Python values),
+            or ``--set`` strings: ``["train.steps=5", "guard.enabled=false"]``.
+        source: names the config in error messages.
+
+    Returns:
+        The new config, validated like a loaded one: a typo, an out-of-range value or a
+        broken cross-field rule is a :class:`ConfigError` naming the key. Which keys count
+        as set by the user (lint reads ``model_fields_set``) carries over from ``cfg``.
+    """
+    raw = cfg.model_dump(mode="json", exclude_unset=True)
+    if isinstance(changes, Mapping):
+        for key, value in changes.items():
+            if isinstance(value, BaseModel):
+                value = value.model_dump(mode="json", exclude_unset=True)
+            elif isinstance(value, (list, tuple)):
+                value = [v.model_dump(mode="json", exclude_unset=True)
+                         if isinstance(v, BaseModel) else v for v in value]
+            _set_key(raw, key, value)
+    else:
+        if isinstance(changes, str):
+            raise ConfigError(f"replace: pass a list of overrides, not the string {changes!r}")
+        raw = apply_overrides(raw, list(changes))
     return validate(raw, source)
 
 

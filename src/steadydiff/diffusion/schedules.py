@@ -12,6 +12,7 @@ on first use so that the hot path (one lookup per training step) does not re-upl
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -197,8 +198,9 @@ def _sigmoid_alpha_bar(u: Tensor, start: float = -3.0, end: float = 3.0,
     return ((v_end - out) / (v_end - v_start)).clamp(0.0, 1.0)
 
 
-def _piecewise_alpha_bar(points: list[list[float]], T: int) -> Tensor:
+def _piecewise_alpha_bar(points: Sequence[Sequence[float]], T: int) -> Tensor:
     """ᾱ from a log-SNR that is piecewise linear in t/(T-1) through ``points``."""
+    points = [list(p) for p in points]  # the config holds tuples; messages show YAML lists
     if len(points) < 2 or any(len(p) != 2 for p in points):
         raise ValueError("diffusion.piecewise must be a list of at least two [t_fraction, log_snr] "
                          f"pairs, got {points!r}")

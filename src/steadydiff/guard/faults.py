@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -51,15 +51,21 @@ def _default_module(model: nn.Module) -> str:
 
 
 class FaultInjector:
-    """Applies the configured faults at their steps. All methods are no-ops off-step."""
+    """Applies the configured faults at their steps. All methods are no-ops off-step.
 
-    def __init__(self, faults: list[FaultConfig]):
+    The configured faults are read, never written (a validated config is frozen): what the
+    injector learns while running (which faults began or are spent, the micro-batch limit an
+    ``oom`` fault settled on) is its own state.
+    """
+
+    def __init__(self, faults: Sequence[FaultConfig]):
         self.faults = [f if f.factor is not None or f.kind not in DEFAULT_FACTOR
                        else f.model_copy(update={"factor": DEFAULT_FACTOR[f.kind]})
                        for f in faults]
         self.spent: set[int] = set()
         self.started: set[int] = set()
         self.fired: list[dict] = []  # what was injected, for the benchmark's ground truth
+        self.oom_limit: dict[int, int] = {}  # fault index -> the largest micro-batch that fits
 
     def _active(self, step: int,
                 kinds: tuple[FaultKind, ...]) -> Iterator[tuple[int, FaultConfig]]:
@@ -115,11 +121,12 @@ class FaultInjector:
         return x
 
     def micro_batch(self, step: int, size: int) -> None:
-        for _, f in self._active(step, ("oom",)):
-            limit = int(f.factor) if f.factor is not None and f.factor >= 1 else None
-            if limit is None:  # "half the current one": fixed the first time it fires
-                limit = max(1, size // 2)
-                f.factor = float(limit)
+        for i, f in self._active(step, ("oom",)):
+            limit = self.oom_limit.get(i)
+            if limit is None:  # "half the current one" is fixed the first time it fires
+                limit = int(f.factor) if f.factor is not None and f.factor >= 1 \
+                    else max(1, size // 2)
+                self.oom_limit[i] = limit
             if size > limit:
                 self._record(f, step, limit=limit)
                 raise SimulatedOOM(f"simulated out of memory: micro-batch {size} > {limit}")
@@ -184,7 +191,7 @@ class FaultInjector:
             self._record(f, step, param=name, factor=f.factor)
 
 
-def make_injector(faults: list[FaultConfig], rank: int = 0) -> FaultInjector | None:
+def make_injector(faults: Sequence[FaultConfig], rank: int = 0) -> FaultInjector | None:
     """An injector for the ``faults`` that fire on ``rank`` (a fault with ``rank: None``
     fires on every rank), or None when there are none (zero cost)."""
     mine = [f for f in faults if f.rank is None or f.rank == rank]
