@@ -30,10 +30,11 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch
 
 import torch  # noqa: E402
 
+from steadydiff.kinds import SAMPLER_NAMES as SAMPLERS  # noqa: E402
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import REPO, env_info, print_table  # noqa: E402
 
-SAMPLERS = ("ddpm", "ddim", "dpmpp_2m", "euler")
 STEPS = (10, 20, 50, 100, 1000)
 STYLE = {"ddpm": "o-", "ddim": "s--", "dpmpp_2m": "^-", "euler": "x:"}
 

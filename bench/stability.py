@@ -89,7 +89,7 @@ def case_settings(name: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def make_config(name: str, mode: str, a: argparse.Namespace):
-    from steadydiff.config import load_config
+    from steadydiff.config import load_config, replace
     s = case_settings(name, a)
     sets = [f"train.steps={s['steps']}", "train.sample_every=0", "train.checkpoint_every=0",
             f"guard.snapshot_every={a.snapshot_every}", "logging.progress=false",
@@ -103,13 +103,13 @@ def make_config(name: str, mode: str, a: argparse.Namespace):
         sets.append(f"train.batch_size={s['batch_size']}")
     sets += a.set
     cfg = load_config(a.config, sets)
+    changes: dict[str, Any] = {}
     if "report" in type(cfg.logging).model_fields:
-        cfg.logging.report = False  # the HTML report is not what is measured
+        changes["logging.report"] = False  # the HTML report is not what is measured
     fault = SCENARIOS[name][0]
     if fault is not None:
-        from steadydiff.config import FaultConfig
-        cfg.faults = [FaultConfig(**fault, step=s["fault_step"])]
-    return cfg, s
+        changes["faults"] = [{**fault, "step": s["fault_step"]}]
+    return replace(cfg, changes), s
 
 
 # --------------------------------------------------------------------------- measurement

@@ -112,12 +112,11 @@ class TrainerVariant(Variant):
     def __init__(self, cfg, device: torch.device, init_state: dict, guard: bool):
         from tqdm import tqdm
 
+        from steadydiff.config import replace
         from steadydiff.trainer import loop
         self.loop = loop
         self.name = "guard" if guard else "off"
-        cfg = cfg.model_copy(deep=True)
-        cfg.guard.enabled = guard
-        self.cfg = cfg
+        cfg = self.cfg = replace(cfg, {"guard.enabled": guard})
         self.state = loop.build_state(cfg, cfg.model.num_classes, device)
         self.state.model.load_state_dict(init_state)
         self.state.ema.module.load_state_dict(init_state)

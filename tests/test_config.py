@@ -3,9 +3,11 @@
 from pathlib import Path
 
 import pytest
+import yaml
 
-from steadydiff.config import (STABLE_KEYS, Config, ConfigError, apply_overrides, config_diff,
-                               load_config)
+from steadydiff.config import (STABLE_KEYS, Config, ConfigError, FaultConfig, FrozenConfigError,
+                               GuardConfig, apply_overrides, config_diff, load_config, replace,
+                               validate)
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -29,7 +31,7 @@ def test_overrides_are_typed():
     cfg = load_config(None, ["train.steps=7", "optim.lr=1e-3", "model.unet.channel_mult=[1,2]",
                              "data.path=null", "train.deterministic=true"])
     assert cfg.train.steps == 7 and cfg.optim.lr == 1e-3
-    assert cfg.model.unet.channel_mult == [1, 2] and cfg.train.deterministic is True
+    assert cfg.model.unet.channel_mult == (1, 2) and cfg.train.deterministic is True
 
 
 @pytest.mark.parametrize("override, expected", [
@@ -81,3 +83,66 @@ def test_yaml_round_trip_and_diff(tmp_path):
     assert again == cfg
     changed = load_config(p, ["optim.lr=0.5", "model.unet.channels=8"])
     assert config_diff(cfg, changed) == [("model.unet.channels", 64, 8), ("optim.lr", 2e-4, 0.5)]
+
+
+# --------------------------------------------------------------------------- frozen
+
+
+def test_a_validated_config_is_read_only():
+    cfg = load_config(None, ["train.steps=7"])
+    with pytest.raises(FrozenConfigError, match=r"train\.steps: a validated config is read-only"
+                                                r".*replace\(cfg, \{'train\.steps': 5\}\)"):
+        cfg.train.steps = 5
+    with pytest.raises(FrozenConfigError, match="model.unet.channels"):
+        cfg.model.unet.channels = 8
+    with pytest.raises(FrozenConfigError, match="^guard: "):
+        cfg.guard = GuardConfig()
+    with pytest.raises(AttributeError):  # lists are tuples: no in-place append
+        cfg.model.unet.channel_mult.append(4)
+    with_fault = load_config(None, ["faults=[{kind: oom, step: 3}]"])
+    with pytest.raises(FrozenConfigError, match="FaultConfig.step"):
+        with_fault.faults[0].step = 4
+    assert cfg.train.steps == 7 and cfg.model.unet.channel_mult == (1, 2, 2)
+    assert hash(cfg) == hash(load_config(None, ["train.steps=7"]))  # a value: hashable
+
+
+def test_replace_derives_a_validated_copy():
+    cfg = load_config(None, ["train.steps=7", "diffusion.cfg_dropout=0.2"])
+    new = replace(cfg, {"train.steps": 9, "model.unet.channel_mult": [1, 2]})
+    assert (new.train.steps, new.model.unet.channel_mult) == (9, (1, 2))
+    assert cfg.train.steps == 7 and cfg.model.unet.channel_mult == (1, 2, 2)  # untouched
+    assert config_diff(cfg, new) == [("model.unet.channel_mult", [1, 2, 2], [1, 2]),
+                                     ("train.steps", 7, 9)]
+    # --set strings work too, and the keys the user set stay set (lint reads them)
+    same = replace(cfg, ["train.steps=9", "model.unet.channel_mult=[1,2]"])
+    assert same == new and "cfg_dropout" in same.diffusion.model_fields_set
+    assert "ema_decay" not in same.train.model_fields_set
+    faults = replace(cfg, {"faults": [FaultConfig(kind="kill", step=2),
+                                      {"kind": "oom", "step": 1}]})
+    assert [f.kind for f in faults.faults] == ["kill", "oom"]
+    # the copy is validated: types, ranges, cross-field rules and typos are errors
+    with pytest.raises(ConfigError, match="train.steps: Input should be greater than"):
+        replace(cfg, {"train.steps": 0})
+    with pytest.raises(ConfigError, match="must be divisible by train.grad_accum"):
+        replace(cfg, {"train.grad_accum": 3})
+    with pytest.raises(ConfigError, match="did you mean 'train.steps'"):
+        replace(cfg, ["train.stepz=3"])
+
+
+def test_round_trip_keeps_types_and_the_printed_config(tmp_path):
+    """to_dict / to_yaml -> validate gives the same config, with the Literal values and
+    tuples intact, and the YAML printed at start (and saved as config.yaml) is plain YAML:
+    lists, no Python tuples."""
+    cfg = load_config(Path(__file__).parent.parent / "configs" / "digits_cond.yaml",
+                      ["faults=[{kind: oom, step: 3}]", "diffusion.schedule=piecewise",
+                       "data.classes=[1,2]", "adapter.targets=['*.attn.qkv']"])
+    assert validate(cfg.to_dict()) == cfg
+    text = cfg.to_yaml()
+    again = validate(yaml.safe_load(text))
+    assert again == cfg and again.to_yaml() == text
+    assert "!!python" not in text and "channel_mult:\n" in text
+    raw = yaml.safe_load(text)
+    assert raw["diffusion"]["piecewise"] == [[0.0, 10.0], [1.0, -10.0]]
+    assert raw["faults"] == [{"kind": "oom", "step": 3, "factor": None, "steps": 1,
+                              "target": None, "where": "in_step", "rank": None}]
+    assert isinstance(again.data.classes, tuple) and again.faults[0].kind == "oom"

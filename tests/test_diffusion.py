@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from steadydiff.config import DiffusionConfig
+from steadydiff.kinds import PREDICTIONS, SCHEDULES
 from steadydiff.diffusion import (
     LossOutput,
     Schedule,
@@ -20,7 +21,7 @@ from steadydiff.diffusion import (
     training_target,
 )
 
-KINDS = ["linear", "cosine", "sigmoid", "piecewise"]
+KINDS = list(SCHEDULES)  # the contract suite covers every schedule the config accepts
 PIECEWISE = [[0.0, 12.0], [0.3, 2.0], [0.7, -3.0], [1.0, -9.0]]
 
 
@@ -147,7 +148,7 @@ def _rand_coeffs(n):
     return torch.sigmoid(lam).sqrt(), torch.sigmoid(-lam).sqrt()
 
 
-@pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
+@pytest.mark.parametrize("prediction", PREDICTIONS)
 def test_targets_invert_exactly(prediction):
     g = torch.Generator().manual_seed(1)
     x0 = torch.randn(16, 3, 4, 4, generator=g, dtype=torch.float64)
@@ -176,7 +177,7 @@ def test_v_algebra_closed_form():
 def test_zero_alpha_conversions_have_no_nan():
     a, s = torch.zeros(2), torch.ones(2)
     x_t = torch.randn(2, 1, 2, 2)
-    for pred in ("eps", "x0", "v"):
+    for pred in PREDICTIONS:
         x0, eps = to_x0_eps(pred, torch.randn_like(x_t), x_t, a, s)
         assert torch.isfinite(x0).all() and torch.isfinite(eps).all()
     x0, eps = to_x0_eps("eps", x_t, x_t, a, s)  # the exact eps at SNR 0 is x_t itself
@@ -199,7 +200,7 @@ def test_q_sample_moments():
 # ---------------------------------------------------------------------- weighting
 
 
-@pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
+@pytest.mark.parametrize("prediction", PREDICTIONS)
 def test_min_snr_weights_closed_form(prediction):
     gamma = 5.0
     cfg = DiffusionConfig(prediction=prediction, loss_weighting="min_snr", min_snr_gamma=gamma)
@@ -218,7 +219,7 @@ def test_min_snr_weights_closed_form(prediction):
     assert torch.equal(uni, torch.ones_like(snr))
 
 
-@pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
+@pytest.mark.parametrize("prediction", PREDICTIONS)
 def test_weighted_loss_equals_min_snr_times_x0_error(prediction):
     """Derivation: with x_t fixed, x0 = (x_t - sigma·eps)/alpha gives ‖eps err‖² =
     snr·‖x0 err‖²; x0 = alpha·x_t - sigma·v gives ‖v err‖² = ‖x0 err‖²/sigma² = (snr+1)·‖x0 err‖².
@@ -278,7 +279,7 @@ class Recorder(nn.Module):
         return self.conv(x)
 
 
-@pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
+@pytest.mark.parametrize("prediction", PREDICTIONS)
 @pytest.mark.parametrize("weighting", ["uniform", "min_snr"])
 def test_diffusion_loss_reproducible_from_generator(prediction, weighting):
     cfg = DiffusionConfig(timesteps=100, prediction=prediction, loss_weighting=weighting,
@@ -331,7 +332,7 @@ def test_diffusion_loss_matches_manual_computation():
 
 
 def test_diffusion_loss_zero_terminal_snr_is_finite():
-    for pred in ("eps", "x0", "v"):
+    for pred in PREDICTIONS:
         cfg = DiffusionConfig(timesteps=10, prediction=pred, zero_terminal_snr=True,
                               loss_weighting="min_snr")
         sched = make_schedule(cfg)

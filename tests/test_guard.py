@@ -382,6 +382,33 @@ def test_oom_at_first_step_equals_grad_accum_run(tmp_path):
         assert torch.equal(ca.ema[k], cb.ema[k]), k
 
 
+def test_faults_leave_the_config_unchanged(tmp_path):
+    """The injector keeps what it learns while running (the micro-batch an ``oom`` fault
+    settled on, the default strength of a fault) as its own state: the user's validated
+    config, and the config the run saves, stay what the user wrote."""
+    from steadydiff.guard.faults import FaultInjector, SimulatedOOM
+
+    cfg = tiny("train.steps=3", "train.checkpoint_every=0",
+               faults=[{"kind": "oom", "step": 1, "factor": 0}])
+    before = cfg.to_dict()
+    res = steadydiff.train(cfg, out_dir=tmp_path / "run")
+    assert res.steps == 3 and [r["action"] for r in incidents(tmp_path / "run")] == [
+        "microbatch_backoff"]
+    assert cfg.to_dict() == before and cfg.faults[0].factor == 0
+    assert ckpt.load_checkpoint(res.checkpoint).state["config"] == before
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text()) == before
+
+    faults = tiny(faults=[{"kind": "oom", "step": 0}, {"kind": "outlier_batch", "step": 0}]).faults
+    inj = FaultInjector(faults)
+    with pytest.raises(SimulatedOOM, match="micro-batch 8 > 4"):
+        inj.micro_batch(0, 8)
+    inj.micro_batch(0, 4)  # the limit stays 4, not half of 4
+    with pytest.raises(SimulatedOOM, match="micro-batch 5 > 4"):
+        inj.micro_batch(0, 5)
+    assert torch.equal(inj.batch(0, torch.ones(1)), torch.full((1,), 1e4))
+    assert [f.factor for f in faults] == [None, None]
+
+
 def test_oom_without_backoff_aborts(tmp_path):
     with pytest.raises(GuardAbort, match="out of memory at step 2"):
         steadydiff.train(tiny("guard.oom_backoff=false",

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from steadydiff.config import DiffusionConfig
+from steadydiff.kinds import PREDICTIONS
 from steadydiff.diffusion import (
     SAMPLERS,
     Denoiser,
@@ -62,7 +63,7 @@ def schedules():
 
 
 @pytest.mark.parametrize("zero", [False, True], ids=["linear", "linear-ztsnr"])
-@pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
+@pytest.mark.parametrize("prediction", PREDICTIONS)
 @pytest.mark.parametrize("name", list(STEPS))
 def test_sampler_recovers_gaussian_data(schedules, name, prediction, zero):
     out, model = run(name, schedules[zero], prediction)
@@ -209,7 +210,7 @@ def test_cfg_batches_once_per_step_with_2n_rows(schedules):
     assert len(model.log) == 7 and all(rows == 2 for rows, _, _ in model.log)
 
 
-@pytest.mark.parametrize("prediction", ["eps", "x0", "v"])
+@pytest.mark.parametrize("prediction", PREDICTIONS)
 def test_cfg_scale_one_is_conditional_and_guidance_is_eps_space(schedules, prediction):
     sched = schedules[False]
     model = ClassModel()
@@ -265,7 +266,7 @@ def test_zero_terminal_snr_first_step_is_pure_noise(schedules):
     assert sampling_timesteps(sched, 10)[0] == 999 and sched.alpha_sigma(999.0)[0] == 0
     model = ClassModel()
     for name in SAMPLERS:
-        for pred in ("eps", "x0", "v"):
+        for pred in PREDICTIONS:
             out = sample(model, sched, pred, (2, 1, 2, 2), sampler=name, steps=10,
                          y=torch.tensor([0, 1]), cfg_scale=2.0, clip_x0=False,
                          generator=torch.Generator().manual_seed(0))

@@ -20,6 +20,8 @@ import os
 import sys
 from pathlib import Path
 
+from .kinds import SAMPLER_NAMES
+
 EXIT_OK, EXIT_BAD_INPUT, EXIT_ABORTED, EXIT_SAVE_FAILED = 0, 2, 3, 4
 
 
@@ -63,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "config (its sample section).")
     s.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest "
                                       "intact checkpoint)")
-    s.add_argument("--sampler", choices=["ddpm", "ddim", "dpmpp_2m", "euler"], default=None)
+    s.add_argument("--sampler", choices=SAMPLER_NAMES, default=None,
+                   help="default: the checkpoint config's sample.sampler")
     s.add_argument("--steps", type=int, default=None, help="sampling steps")
     s.add_argument("--num", type=int, default=None, help="number of samples")
     s.add_argument("--class-label", type=int, default=None,

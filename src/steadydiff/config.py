@@ -3,38 +3,85 @@
 One section per component (data, model, diffusion, optim, train, sample, logging, guard).
 Every section forbids unknown keys, so a typo is an error that names the key (with a
 "did you mean") instead of a silent fall-back to the default. Ranges live next to the field,
-so the error message can say what would be valid.
+so the error message can say what would be valid. Enumerations come from ``kinds.py``.
+
+A validated config is a value: its sections are frozen and its lists are tuples, so nothing
+can change it after validation, and the config a run prints and saves is the one it used.
+Code that needs a different config derives one with :func:`replace`, which validates again
+(types, ranges and cross-field checks all apply to the copy).
 """
 
 from __future__ import annotations
 
 import difflib
+import functools
 import json
+import types
+import typing
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .kinds import (LABELLED_DATASETS, AdapterKind, Channels, ClipMode, DatasetName,
+                    DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, LossWeighting,
+                    LRSchedule, ModelKind, OnSaveError, Precision, Prediction, SamplerName,
+                    ScheduleName, TimestepSampling)
+
 
 class ConfigError(ValueError):
     """A config that cannot be used. The message names the key and what would be valid."""
 
 
+class FrozenConfigError(AttributeError):
+    """An assignment to a field of a validated config, which is read-only (see :func:`replace`)."""
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Pydantic's own frozen error says only "Instance is frozen"; this one names the key
+        # and the way to get a changed config.
+        path = _section_paths().get(type(self))
+        if path is None:  # not in the tree (a fault of the faults list)
+            how = f"{type(self).__name__}.model_copy(update={{{name!r}: {value!r}}})"
+            key = f"{type(self).__name__}.{name}"
+        else:
+            key = f"{path}.{name}" if path else name
+            how = f"steadydiff.config.replace(cfg, {{{key!r}: {value!r}}})"
+        raise FrozenConfigError(f"{key}: a validated config is read-only; derive a changed "
+                                f"copy instead: {how}")
+
+
+@functools.cache
+def _section_paths() -> dict[type[BaseModel], str]:
+    """Each section class of the tree -> its dotted key ('' for Config, 'model.unet', ...)."""
+    out: dict[type[BaseModel], str] = {Config: ""}
+
+    def walk(cls: type[BaseModel], prefix: str) -> None:
+        for name, field in cls.model_fields.items():
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                out[ann] = f"{prefix}{name}"
+                walk(ann, f"{prefix}{name}.")
+
+    walk(Config, "")
+    return out
 
 
 # --------------------------------------------------------------------------- data
 
 
 class DataConfig(Section):
-    dataset: Literal["digits", "fashion_mnist", "folder"] = "digits"
+    dataset: DatasetName = "digits"
     path: str | None = Field(None, description="image folder root (dataset=folder); "
                              "fashion_mnist: the folder of its idx files (default "
                              "/usr/share/datasets/fashion-mnist)")
     image_size: int = Field(16, ge=4, le=1024)
-    channels: Literal[1, 3] = 1
+    channels: Channels = 1
     class_labels: bool = Field(
         False, description="folder: labels from the first-level sub-folder names")
     hflip: bool = Field(False, description="random horizontal flip (per sample, seeded)")
@@ -42,7 +89,7 @@ class DataConfig(Section):
     num_workers: int = Field(0, ge=0, le=64)
     follow_symlinks: bool = Field(
         False, description="folder: follow symlinks that lead outside the data root")
-    classes: list[int] | None = Field(
+    classes: tuple[int, ...] | None = Field(
         None, description="train on these class ids only (labels keep their ids); "
         "None: all classes")
 
@@ -68,9 +115,10 @@ class DataConfig(Section):
 
 class UNetConfig(Section):
     channels: int = Field(64, ge=4, le=1024, description="base width")
-    channel_mult: list[int] = Field([1, 2, 2], min_length=1, max_length=8)
+    channel_mult: tuple[int, ...] = Field((1, 2, 2), min_length=1, max_length=8)
     num_res_blocks: int = Field(2, ge=1, le=8)
-    attention_resolutions: list[int] = Field([8], description="feature-map sizes with attention")
+    attention_resolutions: tuple[int, ...] = Field(
+        (8,), description="feature-map sizes with attention")
     head_channels: int = Field(32, ge=4, le=512)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     norm_groups: int = Field(32, ge=1, le=512)
@@ -78,7 +126,7 @@ class UNetConfig(Section):
 
 
 class DiTConfig(Section):
-    preset: Literal["tiny", "small", "S", "B", "L", "XL"] = "tiny"
+    preset: DiTPreset = "tiny"
     patch_size: int = Field(2, ge=1, le=16)
     depth: int | None = Field(None, ge=1, le=64, description="overrides the preset")
     hidden_size: int | None = Field(None, ge=8, le=4096, description="overrides the preset")
@@ -88,7 +136,7 @@ class DiTConfig(Section):
 
 
 class ModelConfig(Section):
-    kind: Literal["unet", "dit"] = "unet"
+    kind: ModelKind = "unet"
     num_classes: int = Field(0, ge=0, le=100_000,
                              description="0: unconditional; >0 adds a null class for CFG")
     qk_norm: bool = False
@@ -101,16 +149,16 @@ class ModelConfig(Section):
 
 class DiffusionConfig(Section):
     timesteps: int = Field(1000, ge=2, le=100_000)
-    schedule: Literal["linear", "cosine", "sigmoid", "piecewise"] = "linear"
+    schedule: ScheduleName = "linear"
     beta_start: float = Field(1e-4, gt=0.0, lt=1.0)
     beta_end: float = Field(0.02, gt=0.0, lt=1.0)
     # piecewise-linear log-SNR: [[t_fraction, log_snr], ...], t_fraction from 0 to 1.
-    piecewise: list[list[float]] = Field([[0.0, 10.0], [1.0, -10.0]])
+    piecewise: tuple[tuple[float, ...], ...] = ((0.0, 10.0), (1.0, -10.0))
     zero_terminal_snr: bool = False
-    prediction: Literal["eps", "x0", "v"] = "eps"
-    loss_weighting: Literal["uniform", "min_snr"] = "uniform"
+    prediction: Prediction = "eps"
+    loss_weighting: LossWeighting = "uniform"
     min_snr_gamma: float = Field(5.0, gt=0.0, le=1e4)
-    timestep_sampling: Literal["uniform", "logit_normal"] = "uniform"
+    timestep_sampling: TimestepSampling = "uniform"
     logit_mean: float = Field(0.0, ge=-10.0, le=10.0)
     logit_std: float = Field(1.0, gt=0.0, le=10.0)
     cfg_dropout: float = Field(0.1, ge=0.0, le=1.0,
@@ -133,7 +181,7 @@ class OptimConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0, le=10.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0, le=1.0)
-    schedule: Literal["constant", "cosine"] = "constant"
+    schedule: LRSchedule = "constant"
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine floor, x lr")
     layer_decay: float = Field(1.0, gt=0.0, le=1.0,
@@ -142,7 +190,7 @@ class OptimConfig(Section):
         1.0, ge=0.0, description="clip threshold: the max norm (global, per_layer), the "
         "max ratio |g|/|w| per unit (agc); zclip: the max norm while its statistics warm up "
         "(its z-threshold is guard.grad_z); 0 disables clipping")
-    clip_mode: Literal["global", "per_layer", "agc", "zclip"] = "global"
+    clip_mode: ClipMode = "global"
 
     @model_validator(mode="after")
     def _check(self) -> "OptimConfig":
@@ -163,10 +211,10 @@ class TrainConfig(Section):
     checkpoint_every: int = Field(500, ge=0, description="0: only at the end")
     keep_checkpoints: int = Field(3, ge=1, le=1000)
     sample_every: int = Field(500, ge=0, description="0: only at the end")
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    precision: Precision = "fp32"
     allow_slow_precision: bool = Field(
         False, description="run bf16/fp16 on a device without native support anyway")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: DeviceName = "auto"
     deterministic: bool = False
     num_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0: torch default")
     ema_decay: float = Field(0.999, ge=0.0, lt=1.0)
@@ -179,7 +227,7 @@ class TrainConfig(Section):
     watchdog_timeout: float = Field(
         1800.0, ge=0.0, description="torchrun: end a rank whose training made no progress "
         "for this many seconds (stacks printed, exit 5); 0 disables the watchdog")
-    on_save_error: Literal["retry", "stop"] = Field(
+    on_save_error: OnSaveError = Field(
         "retry", description="disk full / permission denied while saving a checkpoint: keep "
         "training and retry at the next checkpoint (retry), or stop cleanly (stop)")
 
@@ -196,7 +244,7 @@ class TrainConfig(Section):
 
 
 class SampleConfig(Section):
-    sampler: Literal["ddpm", "ddim", "dpmpp_2m", "euler"] = "dpmpp_2m"
+    sampler: SamplerName = "dpmpp_2m"
     steps: int = Field(50, ge=1, le=100_000)
     num: int = Field(64, ge=1, le=100_000)
     cfg_scale: float = Field(1.0, ge=0.0, le=100.0)
@@ -215,12 +263,12 @@ class EvalConfig(Section):
     every: int = Field(0, ge=0, description="steps between evaluations; 0 disables them")
     num: int = Field(200, ge=8, le=100_000, description="samples per evaluation (compared with "
                      "as many real images; keep it fixed across a run: FD depends on it)")
-    sampler: Literal["ddpm", "ddim", "dpmpp_2m", "euler"] = "dpmpp_2m"
+    sampler: SamplerName = "dpmpp_2m"
     steps: int = Field(20, ge=1, le=100_000)
     cfg_scale: float | None = Field(None, ge=0.0, le=100.0,
                                     description="guidance scale; null: sample.cfg_scale")
     seed: int = Field(0, ge=0, description="sampling seed: every evaluation uses the same noise")
-    metric: Literal["fd", "kid", "precision", "recall", "class_accuracy"] = Field(
+    metric: EvalMetric = Field(
         "fd", description="what 'best' and early stopping follow (fd, kid: lower is better)")
     k: int = Field(3, ge=1, le=100, description="nearest neighbours for precision/recall")
     patience: int = Field(0, ge=0, description="evaluations without an improvement before "
@@ -313,16 +361,16 @@ class GuardConfig(Section):
 class AdapterConfig(Section):
     """Fine-tuning with an adapter over frozen base weights (see docs/adapters.md)."""
 
-    kind: Literal["none", "lora", "hypernetwork"] = Field(
+    kind: AdapterKind = Field(
         "none", description="none: train the whole model (no fine-tuning)")
     base: str | None = Field(None, description="base weights: a steadydiff checkpoint or run "
                              "directory, or a .safetensors file whose keys match the model")
     use_ema_base: bool = Field(True, description="steadydiff checkpoint: start from its EMA "
                                "weights (else the raw model weights)")
-    base_precision: Literal["fp32", "bf16", "fp16"] = Field(
+    base_precision: Precision = Field(
         "fp32", description="dtype the frozen base is kept in; the adapter trains in fp32")
-    targets: list[str] = Field(
-        ["*"], min_length=1, description="module-name patterns (fnmatch globs, or 're:' + a "
+    targets: tuple[str, ...] = Field(
+        ("*",), min_length=1, description="module-name patterns (fnmatch globs, or 're:' + a "
         "regular expression): lora adapts the matching Linear/Conv2d/Embedding layers, "
         "hypernetwork the matching attention layers")
     rank: int = Field(4, ge=1, le=4096, description="lora: rank r of the delta B @ A")
@@ -350,9 +398,7 @@ class AdapterConfig(Section):
 class FaultConfig(Section):
     """One injected fault (for tests and the stability benchmark; see docs/faults.md)."""
 
-    kind: Literal["nan_batch", "outlier_batch", "loss_scale", "lr_scale", "param_nan",
-                  "param_huge", "bitflip", "grad_nan", "fp16_overflow", "oom", "kill",
-                  "hang"]
+    kind: FaultKind
     step: int = Field(ge=0, description="optimizer step at which it fires")
     factor: float | None = Field(None, description="outlier/loss/lr/huge multiplier (default "
                                  "1e4; fp16_overflow 1e5); oom: the largest micro-batch that "
@@ -361,7 +407,7 @@ class FaultConfig(Section):
     steps: int = Field(1, ge=1, description="lr_scale: for how many steps")
     target: str | None = Field(None, description="parameter (param_*, grad_nan) or module "
                                "(fp16_overflow) name; None: a default one")
-    where: Literal["before_step", "in_step", "in_checkpoint"] = Field(
+    where: FaultWhere = Field(
         "in_step", description="kill, hang: where in the step the process is killed / "
         "stops responding")
     rank: int | None = Field(None, ge=0, description="torchrun: fire on this rank only; "
@@ -379,7 +425,7 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     guard: GuardConfig = GuardConfig()
     adapter: AdapterConfig = AdapterConfig()
-    faults: list[FaultConfig] = Field(default_factory=list)
+    faults: tuple[FaultConfig, ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
@@ -393,10 +439,10 @@ class Config(Section):
             raise ValueError("optim.clip_mode=zclip takes its threshold from the guard's "
                              "grad-norm statistics; set guard.enabled=true or choose "
                              "optim.clip_mode global, per_layer or agc")
-        if self.eval.every and self.data.dataset == "folder":
+        if self.eval.every and self.data.dataset not in LABELLED_DATASETS:
             raise ValueError("eval.every needs a labelled dataset for its feature network "
-                             "(data.dataset digits or fashion_mnist); an image folder has "
-                             "none: set eval.every=0 and use `steadydiff eval "
+                             f"(data.dataset {' or '.join(LABELLED_DATASETS)}); an image "
+                             "folder has none: set eval.every=0 and use `steadydiff eval "
                              "--inception-weights` (see docs/evaluation.md)")
         return self
 
@@ -431,6 +477,20 @@ def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
     return cls
 
 
+def _type_name(ann: Any) -> str:
+    """A field's type as the YAML author sees it: the tree's tuples are YAML lists."""
+    origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is tuple:
+        inner = _type_name(args[0]) if len(args) == 2 and args[1] is Ellipsis else \
+            ", ".join(_type_name(a) for a in args)
+        return f"list[{inner}]"
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in args)
+    if ann is type(None):
+        return "null"
+    return getattr(ann, "__name__", None) or str(ann).replace("typing.", "")
+
+
 def _describe_range(path: tuple[Any, ...]) -> str:
     """Describe what values the field at ``path`` accepts, from its annotation and bounds."""
     parent = _section_at(path[:-1])
@@ -441,14 +501,14 @@ def _describe_range(path: tuple[Any, ...]) -> str:
         return ""
     if getattr(field.annotation, "__origin__", None) is Literal:
         return ""  # pydantic's message already lists the allowed values
-    ann = getattr(field.annotation, "__name__", None) or str(field.annotation)
+    ann = _type_name(field.annotation)
     bounds = []
     for m in field.metadata:
         for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
             v = getattr(m, attr, None)
             if v is not None:
                 bounds.append(f"{sym} {v}")
-    desc = f" (expected {str(ann).replace('typing.', '')}"
+    desc = f" (expected {ann}"
     if bounds:
         desc += ", " + " and ".join(bounds)
     return desc + ")"
@@ -474,7 +534,10 @@ def format_validation_error(err: ValidationError, source: str = "config") -> str
         else:
             got = e.get("input")
             got_s = json.dumps(got) if isinstance(got, (int, float, str, bool, type(None))) else repr(got)
-            lines.append(f"  {key}: {e['msg']}, got {got_s}{_describe_range(loc)}")
+            # the tree's tuples are lists in YAML: say so in the author's terms
+            msg = e["msg"].replace("valid tuple", "valid list").replace("Tuple should",
+                                                                        "List should")
+            lines.append(f"  {key}: {msg}, got {got_s}{_describe_range(loc)}")
     return "\n".join(lines)
 
 
@@ -486,22 +549,27 @@ def _parse_value(text: str) -> Any:
         raise ConfigError(f"cannot parse override value {text!r}: {e}") from None
 
 
+def _set_key(raw: dict[str, Any], key: str, value: Any) -> None:
+    """Set the dotted ``key`` of a raw config dict to ``value``, creating sections on the way."""
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override key {key!r} is empty or malformed")
+    node = raw
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {key!r}: '{p}' is a value, not a section")
+        node = nxt
+    node[parts[-1]] = value
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``section.key=value`` overrides to a raw (unvalidated) config dict."""
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form section.key=value")
         key, _, value = item.partition("=")
-        parts = key.strip().split(".")
-        if not all(parts):
-            raise ConfigError(f"override key {key!r} is empty or malformed")
-        node = raw
-        for p in parts[:-1]:
-            nxt = node.setdefault(p, {})
-            if not isinstance(nxt, dict):
-                raise ConfigError(f"override {key!r}: '{p}' is a value, not a section")
-            node = nxt
-        node[parts[-1]] = _parse_value(value)
+        _set_key(raw, key, _parse_value(value))
     return raw
 
 
@@ -531,6 +599,37 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
     raw = apply_overrides(raw, list(overrides or []))
+    return validate(raw, source)
+
+
+def replace(cfg: Config, changes: Mapping[str, Any] | Iterable[str],
+            source: str = "config") -> Config:
+    """A validated copy of ``cfg`` with ``changes`` applied; ``cfg`` itself is unchanged.
+
+    Args:
+        cfg: a validated config.
+        changes: ``{"train.steps": 5, "guard.enabled": False}`` (dotted keys, Python values),
+            or ``--set`` strings: ``["train.steps=5", "guard.enabled=false"]``.
+        source: names the config in error messages.
+
+    Returns:
+        The new config, validated like a loaded one: a typo, an out-of-range value or a
+        broken cross-field rule is a :class:`ConfigError` naming the key. Which keys count
+        as set by the user (lint reads ``model_fields_set``) carries over from ``cfg``.
+    """
+    raw = cfg.model_dump(mode="json", exclude_unset=True)
+    if isinstance(changes, Mapping):
+        for key, value in changes.items():
+            if isinstance(value, BaseModel):
+                value = value.model_dump(mode="json", exclude_unset=True)
+            elif isinstance(value, (list, tuple)):
+                value = [v.model_dump(mode="json", exclude_unset=True)
+                         if isinstance(v, BaseModel) else v for v in value]
+            _set_key(raw, key, value)
+    else:
+        if isinstance(changes, str):
+            raise ConfigError(f"replace: pass a list of overrides, not the string {changes!r}")
+        raw = apply_overrides(raw, list(changes))
     return validate(raw, source)
 
 

@@ -29,7 +29,7 @@ import warnings
 from collections import OrderedDict, deque
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from steadydiff.kinds import CHANNELS, DATASETS, Channels, Split
 from steadydiff.seeding import derive_seed
 
 if TYPE_CHECKING:
@@ -84,8 +85,8 @@ class DigitsDataset(Dataset):
     num_classes: int = 10
     PRECOMPUTE_BYTES = 256 * 2**20
 
-    def __init__(self, image_size: int = 16, channels: Literal[1, 3] = 1) -> None:
-        if channels not in (1, 3):
+    def __init__(self, image_size: int = 16, channels: Channels = 1) -> None:
+        if channels not in CHANNELS:
             raise DataError(f"digits: channels must be 1 or 3, got {channels!r}")
         if image_size < 1:
             raise DataError(f"digits: image_size must be >= 1, got {image_size!r}")
@@ -179,10 +180,10 @@ class FashionMNISTDataset(Dataset):
 
     num_classes: int = 10
 
-    def __init__(self, image_size: int = 28, channels: Literal[1, 3] = 1,
+    def __init__(self, image_size: int = 28, channels: Channels = 1,
                  root: str | os.PathLike[str] | None = None,
-                 split: Literal["train", "test"] = "train") -> None:
-        if channels not in (1, 3):
+                 split: Split = "train") -> None:
+        if channels not in CHANNELS:
             raise DataError(f"fashion_mnist: channels must be 1 or 3, got {channels!r}")
         if image_size < 1:
             raise DataError(f"fashion_mnist: image_size must be >= 1, got {image_size!r}")
@@ -300,9 +301,9 @@ class ImageFolderDataset(Dataset):
     """
 
     def __init__(self, root: str | os.PathLike[str], image_size: int,
-                 channels: Literal[1, 3] = 3, class_labels: bool = False,
+                 channels: Channels = 3, class_labels: bool = False,
                  center_crop: bool = True, follow_symlinks: bool = False) -> None:
-        if channels not in (1, 3):
+        if channels not in CHANNELS:
             raise DataError(f"image folder: channels must be 1 or 3, got {channels!r}")
         if image_size < 1:
             raise DataError(f"image folder: image_size must be >= 1, got {image_size!r}")
@@ -879,8 +880,8 @@ def build_dataset(cfg: DataConfig) -> Dataset:
                                   class_labels=cfg.class_labels, center_crop=cfg.center_crop,
                                   follow_symlinks=cfg.follow_symlinks)
     else:
-        raise DataError(f"data.dataset {cfg.dataset!r} is unknown; valid: 'digits', "
-                        "'fashion_mnist', 'folder'")
+        raise DataError(f"data.dataset {cfg.dataset!r} is unknown; valid: "
+                        f"{', '.join(DATASETS)}")
     return ClassSubset(data, cfg.classes) if cfg.classes is not None else data
 
 

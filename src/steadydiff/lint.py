@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 from .config import Config
+from .kinds import ModelKind, Precision
 
 if TYPE_CHECKING:
     import torch
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 # (Peebles & Xie 2023); tiny CPU models tolerate ~10x more (configs/digits_*.yaml use 2e-3).
 # The ceilings are ~15x (UNet) and ~10x (DiT, which diverges sooner: attention logit growth)
 # the published values.
-LR_CEILING: dict[str, float] = {"unet": 3e-3, "dit": 1e-3}
+LR_CEILING: dict[ModelKind, float] = {"unet": 3e-3, "dit": 1e-3}
 
 # Smallest norm epsilon each autocast precision resolves (model.*.norm_eps below warns).
 # fp16: the smallest normal number is 6.1e-5 and below it values are subnormal with a fixed
@@ -37,7 +38,7 @@ LR_CEILING: dict[str, float] = {"unet": 3e-3, "dit": 1e-3}
 # bf16: fp32's exponent range, so eps is representable, but only 8 significant bits: var + eps
 #   rounds to var once var > 256·eps, so an eps under 1e-6 protects nothing but dead channels.
 #   1e-6 is the smallest eps of published bf16 recipes (DiT, SD3).
-NORM_EPS_FLOOR: dict[str, float] = {"fp16": 1e-5, "bf16": 1e-6}
+NORM_EPS_FLOOR: dict[Precision, float] = {"fp16": 1e-5, "bf16": 1e-6}
 
 MAX_GRAD_ACCUM = 16          # above: few optimizer steps per image seen, stale statistics
 MAX_CLIP_NORM = 2.0          # global / per-layer max norm above which clipping rarely acts

@@ -17,11 +17,12 @@ from . import seeding
 from .adapters import build_adapted, set_scale
 from .config import Config, ConfigError, validate
 from .diffusion import Schedule, make_schedule, sample as run_sampler
+from .kinds import AdapterKind, DeviceName, SamplerName
 from .models import build_model
 from .trainer import checkpoint as ckpt
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: DeviceName | str) -> torch.device:
     """``auto`` -> CUDA when available, else the CPU; ``cuda`` without CUDA is an error."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,7 +71,7 @@ class Pipeline:
     device: torch.device
     checkpoint: Path
     step: int
-    adapter: str | None = None  # "lora" / "hypernetwork" for an adapter checkpoint
+    adapter: AdapterKind | None = None  # "lora" / "hypernetwork" for an adapter checkpoint
     nonfinite: list[str] = field(default_factory=list)  # with allow_nonfinite only
 
     @property
@@ -85,7 +86,7 @@ class Pipeline:
         set_scale(self.model, scale)
 
     @torch.no_grad()
-    def sample(self, num: int | None = None, *, sampler: str | None = None,
+    def sample(self, num: int | None = None, *, sampler: SamplerName | None = None,
                steps: int | None = None, class_label: int | None = None,
                labels: torch.Tensor | None = None, cfg_scale: float | None = None,
                eta: float | None = None, seed: int | None = None

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..kinds import AdapterKind
 from ..models.layers import Attention
 
 __all__ = ["AdapterModule", "HyperAttention", "LoRAConv2d", "LoRAEmbedding", "LoRALinear",
@@ -212,7 +213,7 @@ class HyperAttention(AdapterModule):
             m.fc2.bias.mul_(factor)
 
 
-def wrap(module: nn.Module, kind: str, *, rank: int, alpha: float, dropout: float,
+def wrap(module: nn.Module, kind: AdapterKind, *, rank: int, alpha: float, dropout: float,
          hidden_mult: float) -> AdapterModule | None:
     """The adapter for ``module`` (or None when ``kind`` does not apply to its type)."""
     if kind == "lora":

@@ -11,18 +11,15 @@ suspicious step, and distributed training on it to be independent of the world s
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
-
 import torch
 from torch import Tensor, nn
 
 from ..config import DiffusionConfig
+from ..kinds import LOSS_WEIGHTINGS, PREDICTIONS, TIMESTEP_SAMPLINGS, Prediction
 from .schedules import Schedule
 
 __all__ = ["Draws", "LossOutput", "draw", "sample_timesteps", "q_sample", "training_target", "to_x0_eps",
            "loss_weights", "diffusion_loss"]
-
-Prediction = Literal["eps", "x0", "v"]
 
 
 def _bcast(a: Tensor, x: Tensor) -> Tensor:
@@ -72,7 +69,7 @@ def sample_timesteps(n: int, cfg: DiffusionConfig, T: int, generator: torch.Gene
         u = torch.sigmoid(cfg.logit_mean + cfg.logit_std * z)  # (0, 1)
         return (u * T).long().clamp_(0, T - 1)
     raise ValueError(f"unknown diffusion.timestep_sampling {cfg.timestep_sampling!r}; "
-                     "valid: uniform, logit_normal")
+                     f"valid: {', '.join(TIMESTEP_SAMPLINGS)}")
 
 
 def q_sample(x0: Tensor, alpha: Tensor, sigma: Tensor, noise: Tensor) -> Tensor:
@@ -101,7 +98,7 @@ def training_target(prediction: Prediction, x0: Tensor, noise: Tensor, alpha: Te
     if prediction == "v":
         # Salimans & Ho 2022, eq. after (9): v is the velocity of (alpha, sigma) on the circle.
         return _bcast(alpha, x0) * noise - _bcast(sigma, x0) * x0
-    raise ValueError(f"unknown prediction {prediction!r}; valid: eps, x0, v")
+    raise ValueError(f"unknown prediction {prediction!r}; valid: {', '.join(PREDICTIONS)}")
 
 
 def to_x0_eps(prediction: Prediction, out: Tensor, x_t: Tensor, alpha: Tensor,
@@ -139,7 +136,7 @@ def to_x0_eps(prediction: Prediction, out: Tensor, x_t: Tensor, alpha: Tensor,
         x0 = a * x_t - s * out
         eps = s * x_t + a * out
     else:
-        raise ValueError(f"unknown prediction {prediction!r}; valid: eps, x0, v")
+        raise ValueError(f"unknown prediction {prediction!r}; valid: {', '.join(PREDICTIONS)}")
     return x0, eps
 
 
@@ -161,7 +158,7 @@ def loss_weights(cfg: DiffusionConfig, snr: Tensor) -> Tensor:
         return torch.ones_like(snr)
     if cfg.loss_weighting != "min_snr":
         raise ValueError(f"unknown diffusion.loss_weighting {cfg.loss_weighting!r}; "
-                         "valid: uniform, min_snr")
+                         f"valid: {', '.join(LOSS_WEIGHTINGS)}")
     g = cfg.min_snr_gamma
     if cfg.prediction == "eps":
         # γ/0 = inf -> clamped to 1; γ/inf = 0. No 0/0.
@@ -170,7 +167,7 @@ def loss_weights(cfg: DiffusionConfig, snr: Tensor) -> Tensor:
         return snr.clamp(max=g)
     if cfg.prediction == "v":
         return snr.clamp(max=g) / (snr + 1.0)  # inf: γ/inf = 0
-    raise ValueError(f"unknown prediction {cfg.prediction!r}; valid: eps, x0, v")
+    raise ValueError(f"unknown prediction {cfg.prediction!r}; valid: {', '.join(PREDICTIONS)}")
 
 
 @dataclass

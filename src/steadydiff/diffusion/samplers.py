@@ -16,19 +16,19 @@ step in a form that never divides by alpha_t: see the comments in each sampler.
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
 
-from .objectives import Prediction, num_classes_of, to_x0_eps
+from ..kinds import PREDICTIONS, SPACINGS, Prediction, SamplerName, Spacing
+from .objectives import num_classes_of, to_x0_eps
 from .schedules import Schedule
 
 __all__ = ["Denoiser", "sampling_timesteps", "ddpm", "ddim", "dpmpp_2m", "euler", "SAMPLERS",
            "sample"]
 
 DenoiseFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
-Spacing = Literal["trailing", "leading", "linspace"]
 
 
 def sampling_timesteps(schedule: Schedule, steps: int, spacing: Spacing = "trailing") -> Tensor:
@@ -55,7 +55,7 @@ def sampling_timesteps(schedule: Schedule, steps: int, spacing: Spacing = "trail
     elif spacing == "linspace":
         ts = torch.linspace(T - 1, 0, steps, dtype=torch.float64).round()
     else:
-        raise ValueError(f"unknown spacing {spacing!r}; valid: trailing, leading, linspace")
+        raise ValueError(f"unknown spacing {spacing!r}; valid: {', '.join(SPACINGS)}")
     return ts.float()
 
 
@@ -81,8 +81,8 @@ class Denoiser:
 
     def __init__(self, model: nn.Module, schedule: Schedule, prediction: Prediction,
                  cfg_scale: float = 1.0, y: Tensor | None = None, clip_x0: bool = True) -> None:
-        if prediction not in ("eps", "x0", "v"):
-            raise ValueError(f"unknown prediction {prediction!r}; valid: eps, x0, v")
+        if prediction not in PREDICTIONS:
+            raise ValueError(f"unknown prediction {prediction!r}; valid: {', '.join(PREDICTIONS)}")
         self.model, self.schedule, self.prediction = model, schedule, prediction
         self.cfg_scale, self.y, self.clip_x0 = float(cfg_scale), y, clip_x0
         self.null: int | None = None
@@ -261,7 +261,8 @@ def dpmpp_2m(denoise: DenoiseFn, x: Tensor, ts: Tensor, schedule: Schedule) -> T
     return x
 
 
-SAMPLERS: dict[str, Callable[..., Tensor]] = {
+# The sampler registry: its keys are exactly kinds.SAMPLER_NAMES (tests/test_kinds.py).
+SAMPLERS: dict[SamplerName, Callable[..., Tensor]] = {
     "ddpm": ddpm,
     "ddim": ddim,
     "dpmpp_2m": dpmpp_2m,
@@ -277,7 +278,7 @@ def _default_device(model: nn.Module, generator: torch.Generator | None) -> torc
 
 
 def sample(model: nn.Module, schedule: Schedule, prediction: Prediction,
-           shape: tuple[int, ...], *, sampler: str = "dpmpp_2m", steps: int = 50,
+           shape: tuple[int, ...], *, sampler: SamplerName = "dpmpp_2m", steps: int = 50,
            y: Tensor | None = None, cfg_scale: float = 1.0, eta: float = 0.0,
            generator: torch.Generator | None = None, device: torch.device | str | None = None,
            clip_x0: bool = True, spacing: Spacing = "trailing") -> Tensor:

@@ -12,12 +12,14 @@ on first use so that the hot path (one lookup per training step) does not re-upl
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
 from ..config import DiffusionConfig
+from ..kinds import SCHEDULES, ScheduleName
 
 __all__ = ["Schedule", "make_schedule"]
 
@@ -196,8 +198,9 @@ def _sigmoid_alpha_bar(u: Tensor, start: float = -3.0, end: float = 3.0,
     return ((v_end - out) / (v_end - v_start)).clamp(0.0, 1.0)
 
 
-def _piecewise_alpha_bar(points: list[list[float]], T: int) -> Tensor:
+def _piecewise_alpha_bar(points: Sequence[Sequence[float]], T: int) -> Tensor:
     """ᾱ from a log-SNR that is piecewise linear in t/(T-1) through ``points``."""
+    points = [list(p) for p in points]  # the config holds tuples; messages show YAML lists
     if len(points) < 2 or any(len(p) != 2 for p in points):
         raise ValueError("diffusion.piecewise must be a list of at least two [t_fraction, log_snr] "
                          f"pairs, got {points!r}")
@@ -243,7 +246,7 @@ def _rescale_zero_terminal_snr(ab: Tensor) -> Tensor:
     return s * s
 
 
-def _check(ab: Tensor, T: int, zero_terminal: bool, kind: str) -> None:
+def _check(ab: Tensor, T: int, zero_terminal: bool, kind: ScheduleName) -> None:
     if ab.shape != (T,) or not torch.isfinite(ab).all():
         raise ValueError(f"{kind} schedule produced a non-finite ᾱ table")
     if (ab[1:] > ab[:-1]).any():
@@ -286,7 +289,7 @@ def make_schedule(cfg: DiffusionConfig) -> Schedule:
         ab = _piecewise_alpha_bar(cfg.piecewise, T)
     else:  # the config's Literal makes this unreachable; kept for direct callers
         raise ValueError(f"unknown diffusion.schedule {cfg.schedule!r}; "
-                         "valid: linear, cosine, sigmoid, piecewise")
+                         f"valid: {', '.join(SCHEDULES)}")
     if cfg.zero_terminal_snr:
         ab = _rescale_zero_terminal_snr(ab)
     _check(ab, T, cfg.zero_terminal_snr, cfg.schedule)

@@ -32,12 +32,14 @@ from ..config import EvalConfig
 from ..diffusion import sample
 from ..trainer.hooks import Evaluation
 from .evaluate import evaluate_samples, extractor_for
+from ..kinds import EVAL_METRICS, EvalMetric
 
 log = logging.getLogger(__name__)
 
-# direction of each metric: lower is better for distances, higher for the rest
-LOWER_IS_BETTER = {"fd": True, "kid": True, "precision": False, "recall": False,
-                   "class_accuracy": False}
+# direction of each metric: lower is better for distances, higher for the rest (keys: exactly
+# kinds.EVAL_METRICS, tests/test_kinds.py)
+LOWER_IS_BETTER: dict[EvalMetric, bool] = {"fd": True, "kid": True, "precision": False,
+                                           "recall": False, "class_accuracy": False}
 
 
 @dataclass
@@ -144,7 +146,7 @@ class TrainingEvaluator(Evaluation):
         with open(self.run_dir / "eval.jsonl", "a") as f:
             f.write(json.dumps(row) + "\n")
         if tb is not None:
-            for k in ("fd", "kid", "precision", "recall", "class_accuracy"):
+            for k in EVAL_METRICS:
                 if isinstance(row[k], (int, float)):
                     tb.writer.add_scalar(f"eval/{k}", row[k], step)
         v = row[e.metric]

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..kinds import LABELLED_DATASETS, SAMPLER_NAMES, SamplerName
 from ..loading import load
 from ..trainer import checkpoint as ckpt
 from . import metrics
@@ -142,7 +143,8 @@ def extractor_for(cfg, *, cache: Path | None = None, verbose: bool = True) -> Fe
                              verbose=verbose)
 
 
-def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500, sampler: str | None = None,
+def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500,
+                        sampler: SamplerName | None = None,
                         steps: int | None = None, cfg_scale: float | None = None,
                         seed: int = 0, k: int = 3, inception_weights: str | Path | None = None,
                         device: str | None = None, cache: Path | None = None) -> dict:
@@ -156,7 +158,7 @@ def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500, sampler: str 
     diverged = (f"{pipe.checkpoint}: {ckpt.nonfinite_message(pipe.nonfinite)}"
                 if pipe.nonfinite else None)
     cfg = pipe.config
-    labelled = cfg.data.dataset in ("digits", "fashion_mnist")
+    labelled = cfg.data.dataset in LABELLED_DATASETS
     if not labelled and inception_weights is None:
         extractor_for(cfg, cache=cache)  # raises the explanation (folder: no labelled split)
     inception = None
@@ -226,7 +228,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("checkpoint", help="checkpoint or run directory")
     p.add_argument("--num", type=int, default=500,
                    help="samples to draw (compared with as many real images)")
-    p.add_argument("--sampler", default=None, choices=["ddpm", "ddim", "dpmpp_2m", "euler"],
+    p.add_argument("--sampler", default=None, choices=SAMPLER_NAMES,
                    help="default: the checkpoint config's sample.sampler")
     p.add_argument("--steps", type=int, default=None, help="default: sample.steps")
     p.add_argument("--cfg-scale", type=float, default=None, help="default: sample.cfg_scale")

@@ -40,6 +40,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..data import DigitsDataset, FashionMNISTDataset
+from ..kinds import LABELLED_DATASETS, DatasetName
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +48,6 @@ log = logging.getLogger(__name__)
 # weights and statistics of an older version are then ignored, never mixed.
 VERSION = 2
 FEATURE_DIM = 64
-LABELLED = ("digits", "fashion_mnist")
 # Training recipe per dataset: (optimizer steps, batch size). Digits: ~10 epochs of 1,437
 # images (a few seconds); Fashion-MNIST: ~2 epochs of 60k (about a minute on one thread).
 RECIPE = {"digits": (250, 64), "fashion_mnist": (2000, 64)}
@@ -91,7 +91,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("STEADYDIFF_CACHE") or Path.home() / ".cache" / "steadydiff")
 
 
-def labelled_splits(dataset: str, image_size: int, path: str | None = None
+def labelled_splits(dataset: DatasetName, image_size: int, path: str | None = None
                     ) -> tuple[torch.Tensor, ...]:
     """``(x_train, y_train, x_test, y_test, x_reference, y_reference)``; images gray
     (N, 1, S, S) in [-1, 1], labels (N,) int64.
@@ -115,8 +115,8 @@ def labelled_splits(dataset: str, image_size: int, path: str | None = None
         return xtr, tr.labels, te.images_at(slice(None)).contiguous(), te.labels, xtr, tr.labels
     raise ValueError(
         f"the offline feature network needs a labelled dataset with a train/test split "
-        f"({', '.join(LABELLED)}); data.dataset={dataset!r} has none. For an image folder, "
-        f"evaluate with the standard FID Inception weights: --inception-weights "
+        f"({', '.join(LABELLED_DATASETS)}); data.dataset={dataset!r} has none. For an image "
+        f"folder, evaluate with the standard FID Inception weights: --inception-weights "
         f"pt_inception-2015-12-05-*.pth")
 
 
@@ -223,7 +223,7 @@ def _try_load(folder: Path, num_classes: int) -> FeatureExtractor | None:
                             labels.astype(np.int64), meta, folder)
 
 
-def feature_extractor(dataset: str, image_size: int, *, path: str | None = None,
+def feature_extractor(dataset: DatasetName, image_size: int, *, path: str | None = None,
                       cache: Path | None = None, rebuild: bool = False,
                       verbose: bool = True) -> FeatureExtractor:
     """The cached feature network for ``dataset`` at ``image_size`` (trained on first use).
@@ -235,7 +235,7 @@ def feature_extractor(dataset: str, image_size: int, *, path: str | None = None,
         cache: the cache root (default :func:`cache_dir`).
         rebuild: ignore an existing cache entry.
     """
-    if dataset not in LABELLED:
+    if dataset not in LABELLED_DATASETS:
         labelled_splits(dataset, image_size, path)  # raises the explanatory ValueError
     folder = (cache or cache_dir()) / f"featnet-{dataset}-v{VERSION}-{image_size}px"
     if not rebuild:

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import torch
 
-Mode = str
+from ..kinds import CLIP_MODES, ClipMode
+
+Mode = ClipMode  # the name this module used before kinds.py
 
 
 def total_norm(params: list[torch.Tensor]) -> torch.Tensor:
@@ -73,5 +75,5 @@ def clip(params: list[torch.Tensor], mode: Mode, threshold: float, norm: torch.T
                 max_g = threshold * w.clamp_min(1e-3)
                 p.grad.mul_(torch.where(g > max_g, max_g / g.clamp_min(1e-6), 1.0))
     else:
-        raise ValueError(f"unknown clip mode {mode!r}; valid: global, per_layer, agc, zclip")
+        raise ValueError(f"unknown clip mode {mode!r}; valid: {', '.join(CLIP_MODES)}")
     return total_norm(params) if threshold else norm

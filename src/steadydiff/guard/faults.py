@@ -1,7 +1,8 @@
 """Fault injection: the failures the guard must survive, on demand, in the real step.
 
-Configured as a ``faults:`` list (see docs/faults.md). With no faults configured the trainer
-holds no injector at all (``None``), so the hot path pays nothing.
+Configured as a ``faults:`` list (see docs/faults.md). The injector implements the trainer's
+:class:`~steadydiff.trainer.hooks.StepHooks`; with no faults configured the trainer keeps
+their no-op defaults, so the hot path pays a few empty method calls.
 
 Firing rules. A fault fires at optimizer step ``step`` and is *spent* once that step has
 ended (stepped, skipped or rolled back), so a rollback that replays step ``step`` does not
@@ -17,19 +18,22 @@ import os
 import signal
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from ..config import FaultConfig
+from ..kinds import FaultKind, FaultWhere
+from ..trainer.hooks import NO_FAULTS, StepHooks
 
 FP16_MAX = 65504.0
 
 
 # default strength per kind when ``factor`` is not given
-DEFAULT_FACTOR = {"outlier_batch": 1e4, "loss_scale": 1e4, "lr_scale": 1e4, "param_huge": 1e4,
-                  "fp16_overflow": 1e5}
+DEFAULT_FACTOR: dict[FaultKind, float] = {"outlier_batch": 1e4, "loss_scale": 1e4,
+                                          "lr_scale": 1e4, "param_huge": 1e4,
+                                          "fp16_overflow": 1e5}
 
 
 class SimulatedOOM(torch.OutOfMemoryError):
@@ -48,18 +52,25 @@ def _default_module(model: nn.Module) -> str:
     return names[len(names) // 2]
 
 
-class FaultInjector:
-    """Applies the configured faults at their steps. All methods are no-ops off-step."""
+class FaultInjector(StepHooks):
+    """Applies the configured faults at their steps. All methods are no-ops off-step.
 
-    def __init__(self, faults: list[FaultConfig]):
+    The configured faults are read, never written (a validated config is frozen): what the
+    injector learns while running (which faults began or are spent, the micro-batch limit an
+    ``oom`` fault settled on) is its own state.
+    """
+
+    def __init__(self, faults: Sequence[FaultConfig]):
         self.faults = [f if f.factor is not None or f.kind not in DEFAULT_FACTOR
                        else f.model_copy(update={"factor": DEFAULT_FACTOR[f.kind]})
                        for f in faults]
         self.spent: set[int] = set()
         self.started: set[int] = set()
         self.fired: list[dict] = []  # what was injected, for the benchmark's ground truth
+        self.oom_limit: dict[int, int] = {}  # fault index -> the largest micro-batch that fits
 
-    def _active(self, step: int, kinds: tuple[str, ...]) -> Iterator[tuple[int, FaultConfig]]:
+    def _active(self, step: int,
+                kinds: tuple[FaultKind, ...]) -> Iterator[tuple[int, FaultConfig]]:
         for i, f in enumerate(self.faults):
             if f.kind in kinds and i not in self.spent:
                 span = f.steps if f.kind == "lr_scale" else 1
@@ -85,7 +96,7 @@ class FaultInjector:
 
     # ---- the hooks, in the order the step calls them
 
-    def kill(self, step: int, where: str) -> None:
+    def kill(self, step: int, where: FaultWhere) -> None:
         """``kill``: SIGKILL this process; ``hang``: stop responding (sleep) without dying,
         as a deadlocked worker or a stuck filesystem would."""
         for _, f in self._active(step, ("kill", "hang")):
@@ -112,11 +123,12 @@ class FaultInjector:
         return x
 
     def micro_batch(self, step: int, size: int) -> None:
-        for _, f in self._active(step, ("oom",)):
-            limit = int(f.factor) if f.factor is not None and f.factor >= 1 else None
-            if limit is None:  # "half the current one": fixed the first time it fires
-                limit = max(1, size // 2)
-                f.factor = float(limit)
+        for i, f in self._active(step, ("oom",)):
+            limit = self.oom_limit.get(i)
+            if limit is None:  # "half the current one" is fixed the first time it fires
+                limit = int(f.factor) if f.factor is not None and f.factor >= 1 \
+                    else max(1, size // 2)
+                self.oom_limit[i] = limit
             if size > limit:
                 self._record(f, step, limit=limit)
                 raise SimulatedOOM(f"simulated out of memory: micro-batch {size} > {limit}")
@@ -181,8 +193,8 @@ class FaultInjector:
             self._record(f, step, param=name, factor=f.factor)
 
 
-def make_injector(faults: list[FaultConfig], rank: int = 0) -> FaultInjector | None:
+def make_injector(faults: Sequence[FaultConfig], rank: int = 0) -> StepHooks:
     """An injector for the ``faults`` that fire on ``rank`` (a fault with ``rank: None``
-    fires on every rank), or None when there are none (zero cost)."""
+    fires on every rank), or the no-op hooks when there are none."""
     mine = [f for f in faults if f.rank is None or f.rank == rank]
-    return FaultInjector(mine) if mine else None
+    return FaultInjector(mine) if mine else NO_FAULTS

@@ -43,6 +43,7 @@ from torch import nn
 
 from .. import distributed
 from ..config import GuardConfig
+from ..kinds import PRECISIONS, ClipMode, Precision
 from ..trainer.precision import native_support
 from . import policy, probes, provenance
 from .detectors import BucketLossSpike, Divergence, Finding, GradSpike, Overflow, RunningStats
@@ -100,7 +101,7 @@ class Decision:
     grad_norm: float | None = None
     incident: Incident | None = None
     skipped_batches: range | None = None
-    precision: str | None = None
+    precision: Precision | None = None
     grad_norm_clipped: float | None = None
     loss_t: list[float | None] | None = None
 
@@ -164,8 +165,8 @@ class Guard:
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
                  lr_scheduler: Any = None, scaler: torch.amp.GradScaler | None = None,
                  ema: Any = None, config: GuardConfig | dict | None = None,
-                 run_dir: str | Path | None = None, clip_mode: str = "global",
-                 clip: float = 1.0, num_timesteps: int = 1000, precision: str | None = None,
+                 run_dir: str | Path | None = None, clip_mode: ClipMode = "global",
+                 clip: float = 1.0, num_timesteps: int = 1000, precision: Precision | None = None,
                  progress: ProgressLike | None = None, device: torch.device | None = None,
                  update: Update | None = None):
         if isinstance(config, dict):
@@ -182,7 +183,7 @@ class Guard:
         self.progress: ProgressLike = progress if progress is not None else Progress(
             precision=precision or ("fp16" if scaler is not None else "fp32"), scaler=scaler)
         self.device = device or next(self.net.parameters()).device
-        self._supported = frozenset(p for p in ("fp32", "bf16", "fp16")
+        self._supported = frozenset(p for p in PRECISIONS
                                     if native_support(p, self.device))
         c = self.cfg
         self.grad = GradSpike(c.momentum, c.grad_z, c.warmup_steps)
@@ -218,7 +219,7 @@ class Guard:
         return self.progress.scaler
 
     @property
-    def precision(self) -> str:
+    def precision(self) -> Precision:
         """The runtime precision (owned by the progress object)."""
         return self.progress.precision
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from ..config import GuardConfig
+from ..kinds import Precision
 from .detectors import Finding
 
 ActionKind = Literal["skip", "rollback", "abort"]
@@ -36,7 +37,7 @@ ActionKind = Literal["skip", "rollback", "abort"]
 # kinds whose finding means the weights after the update are unusable
 STATE_UNUSABLE = frozenset({"nonfinite_params", "weight_jump"})
 # precisions to try, in order, when one overflows or goes non-finite
-FALLBACK_CHAIN: dict[str, tuple[str, ...]] = {"fp16": ("bf16", "fp32"), "bf16": ("fp32",)}
+FALLBACK_CHAIN: dict[Precision, tuple[Precision, ...]] = {"fp16": ("bf16", "fp32"), "bf16": ("fp32",)}
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,8 @@ class History:
     step: int
     skips: tuple[int, ...] = ()
     rollbacks: tuple[int, ...] = ()
-    precision: str = "fp32"
-    supported: frozenset[str] = frozenset({"fp32"})
+    precision: Precision = "fp32"
+    supported: frozenset[Precision] = frozenset({"fp32"})
     has_snapshot: bool = True
 
 
@@ -79,7 +80,7 @@ class Action:
     reason: str = ""
     why: str = ""
     snapshot: Literal["newest", "oldest"] = "newest"
-    precision: str | None = None
+    precision: Precision | None = None
     scaler: bool = False
     record: bool = True
     budget_abort: str | None = None
@@ -90,7 +91,8 @@ def recent(events: tuple[int, ...] | list[int], now: int, window: int) -> int:
     return sum(1 for e in events if e >= now - window)
 
 
-def fallback(precision: str, supported: frozenset[str], enabled: bool = True) -> str | None:
+def fallback(precision: Precision, supported: frozenset[Precision],
+             enabled: bool = True) -> Precision | None:
     """The precision to fall back to from ``precision``: the first of the chain the device
     runs natively, or None (disabled, or nothing left)."""
     if not enabled:

@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from ..kinds import ClipMode, Precision
 from . import clipping
 
 
@@ -24,7 +25,7 @@ class ProgressLike(Protocol):
 
     step: int
     batches_consumed: int
-    precision: str
+    precision: Precision
     scaler: torch.amp.GradScaler | None
 
 
@@ -35,7 +36,7 @@ class Progress:
 
     step: int = 0
     batches_consumed: int = 0
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     scaler: torch.amp.GradScaler | None = None
 
 
@@ -101,7 +102,7 @@ class Update:
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
-                 clip_mode: str = "global", clip: float = 1.0, scheduler: Any = None,
+                 clip_mode: ClipMode = "global", clip: float = 1.0, scheduler: Any = None,
                  ema: Any = None):
         self.net = unwrap(model)
         self.optimizer = optimizer

@@ -15,6 +15,7 @@ from __future__ import annotations
 from torch import nn
 
 from steadydiff.config import ModelConfig
+from steadydiff.kinds import MODEL_KINDS
 from steadydiff.models.dit import PRESETS, DiT
 from steadydiff.models.layers import (
     Attention,
@@ -58,4 +59,4 @@ def build_model(cfg: ModelConfig, *, image_size: int, channels: int) -> nn.Modul
     if cfg.kind == "dit":
         return DiT(channels, image_size, cfg.dit, num_classes=cfg.num_classes,
                    qk_norm=cfg.qk_norm)
-    raise ValueError(f"model.kind must be 'unet' or 'dit', got {cfg.kind!r}")
+    raise ValueError(f"model.kind must be one of {', '.join(MODEL_KINDS)}, got {cfg.kind!r}")

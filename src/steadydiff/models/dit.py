@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from steadydiff.config import DiTConfig
+from steadydiff.kinds import DiTPreset
 from steadydiff.models.layers import (
     Attention,
     ClassEmbedder,
@@ -28,7 +29,7 @@ __all__ = ["DiT", "PRESETS", "sincos_pos_embed_2d"]
 
 # Model sizes are data (STYLE.md habit 4). S/B/L/XL are table 1 of Peebles & Xie 2023;
 # tiny/small are CPU-sized for tests and quick starts.
-PRESETS: dict[str, dict[str, int]] = {
+PRESETS: dict[DiTPreset, dict[str, int]] = {
     "tiny": {"depth": 4, "hidden_size": 128, "num_heads": 4},
     "small": {"depth": 6, "hidden_size": 192, "num_heads": 4},
     "S": {"depth": 12, "hidden_size": 384, "num_heads": 6},

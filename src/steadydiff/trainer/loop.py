@@ -47,7 +47,7 @@ from . import precision as prec
 from . import telemetry
 from .checkpoint_io import CheckpointIO
 from .ema import EMA
-from .hooks import FULL_WEIGHTS, NO_FAULTS
+from .hooks import FULL_WEIGHTS
 from .optim import build_optimizer, lr_at, set_lr
 from .state import StepOutput, TrainState
 
@@ -302,7 +302,7 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
         update=Update(model, optimizer, clip_mode=cfg.optim.clip_mode,
                       clip=cfg.optim.grad_clip, ema=ema),
         rank=ctx.rank, world_size=ctx.world_size,
-        faults=make_injector(cfg.faults, ctx.rank) or NO_FAULTS)
+        faults=make_injector(cfg.faults, ctx.rank))
 
 
 def attach_guard(state: TrainState, run_dir: Path | None) -> Guard | None:

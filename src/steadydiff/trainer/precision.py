@@ -17,8 +17,11 @@ from pathlib import Path
 import torch
 
 from ..config import ConfigError
+from ..kinds import Precision
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# keys: exactly kinds.PRECISIONS (tests/test_kinds.py)
+DTYPES: dict[Precision, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                                       "fp16": torch.float16}
 
 
 @functools.lru_cache(maxsize=1)
@@ -32,7 +35,7 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def native_support(precision: str, device: torch.device) -> bool:
+def native_support(precision: Precision, device: torch.device) -> bool:
     """Whether ``device`` runs ``precision`` matmuls natively (not emulated)."""
     if precision == "fp32":
         return True
@@ -46,7 +49,7 @@ def native_support(precision: str, device: torch.device) -> bool:
     return bool(flags & {"avx512_fp16", "amx_fp16"})
 
 
-def check_precision(precision: str, device: torch.device, allow_slow: bool) -> None:
+def check_precision(precision: Precision, device: torch.device, allow_slow: bool) -> None:
     """Raise :class:`ConfigError` when ``precision`` would be emulated on ``device``."""
     if native_support(precision, device):
         return
@@ -59,14 +62,14 @@ def check_precision(precision: str, device: torch.device, allow_slow: bool) -> N
     # allowed: the start-up lint (lint.py, emulated_precision) prints the warning once
 
 
-def autocast(precision: str, device: torch.device):
+def autocast(precision: Precision, device: torch.device):
     """The autocast context for one forward pass (a no-op for fp32)."""
     if precision == "fp32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
-def make_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler | None:
+def make_scaler(precision: Precision, device: torch.device) -> torch.amp.GradScaler | None:
     """A GradScaler for fp16 (fp32 master weights, dynamic loss scale); None otherwise."""
     if precision != "fp16":
         return None

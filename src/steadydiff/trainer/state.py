@@ -17,6 +17,7 @@ from ..config import Config
 from ..diffusion import Schedule
 from ..guard import Decision, Guard
 from ..guard.update import Update
+from ..kinds import Precision
 from .ema import EMA
 from .hooks import FULL_WEIGHTS, NO_EVALUATION, NO_FAULTS, Evaluation, StepHooks, Weights
 
@@ -32,7 +33,7 @@ class TrainState:
     scaler: torch.amp.GradScaler | None
     schedule: Schedule
     device: torch.device
-    precision: str                # the runtime precision (the guard may fall back from fp16)
+    precision: Precision          # the runtime precision (the guard may fall back from fp16)
     grad_accum: int               # runtime micro-batches per step (OOM backoff doubles it)
     update: Update                # the one optimizer update (guard on or off)
     step: int = 0                 # optimizer steps completed
@@ -67,7 +68,7 @@ class StepOutput:
         return self.decision.action == "step"
 
 
-def set_precision(state: TrainState, precision: str) -> None:
+def set_precision(state: TrainState, precision: Precision) -> None:
     """Switch the runtime precision (a resumed run that had fallen back): fp16 keeps a
     scaler, the others have none. The guard reads both from ``state``."""
     state.precision = precision

@@ -1,0 +1,118 @@
+"""Every enumeration of the config and the public API, defined once as a ``Literal``.
+
+The config's fields, the public API's type hints, the CLI's ``choices``, the lint checks and
+the registries that implement each value (``SAMPLERS``, ``DTYPES``, the DiT ``PRESETS``, ...)
+all take their names from here, so adding a sampler or a precision is one edit in this file
+plus its implementation, and a contract test (tests/test_kinds.py) fails until both agree.
+
+Where code needs to list the values (``argparse`` choices, an error message, a registry
+check) it uses the tuple next to each ``Literal``, derived with :func:`typing.get_args`, never
+a second copy of the names.
+
+Light by design: only ``typing`` is imported, so ``steadydiff.config`` (the CLI's ``--help``
+and ``--dry-run``) stays free of torch.
+
+Not here: the guard's incident kinds and actions (guard/findings.py) and the doctor's
+severities (doctor.py) describe what a run did, not what a user configures.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+# --------------------------------------------------------------------------- data
+
+DatasetName = Literal["digits", "fashion_mnist", "folder"]
+DATASETS: tuple[DatasetName, ...] = get_args(DatasetName)
+
+# Datasets with labels and a cached feature network (FD-digits, FD-fashion_mnist).
+LabelledDataset = Literal["digits", "fashion_mnist"]
+LABELLED_DATASETS: tuple[LabelledDataset, ...] = get_args(LabelledDataset)
+
+Channels = Literal[1, 3]
+CHANNELS: tuple[Channels, ...] = get_args(Channels)
+
+Split = Literal["train", "test"]
+
+# --------------------------------------------------------------------------- model
+
+ModelKind = Literal["unet", "dit"]
+MODEL_KINDS: tuple[ModelKind, ...] = get_args(ModelKind)
+
+DiTPreset = Literal["tiny", "small", "S", "B", "L", "XL"]
+DIT_PRESETS: tuple[DiTPreset, ...] = get_args(DiTPreset)
+
+# --------------------------------------------------------------------------- diffusion
+
+ScheduleName = Literal["linear", "cosine", "sigmoid", "piecewise"]
+SCHEDULES: tuple[ScheduleName, ...] = get_args(ScheduleName)
+
+# What the network predicts: the noise, the clean image, or v = alpha·eps - sigma·x0
+# (Salimans & Ho 2022).
+Prediction = Literal["eps", "x0", "v"]
+PREDICTIONS: tuple[Prediction, ...] = get_args(Prediction)
+
+LossWeighting = Literal["uniform", "min_snr"]
+LOSS_WEIGHTINGS: tuple[LossWeighting, ...] = get_args(LossWeighting)
+
+TimestepSampling = Literal["uniform", "logit_normal"]
+TIMESTEP_SAMPLINGS: tuple[TimestepSampling, ...] = get_args(TimestepSampling)
+
+# --------------------------------------------------------------------------- sampling
+
+SamplerName = Literal["ddpm", "ddim", "dpmpp_2m", "euler"]
+SAMPLER_NAMES: tuple[SamplerName, ...] = get_args(SamplerName)
+
+# Which training timesteps a sampler visits (Lin et al. 2024, table 2).
+Spacing = Literal["trailing", "leading", "linspace"]
+SPACINGS: tuple[Spacing, ...] = get_args(Spacing)
+
+# --------------------------------------------------------------------------- optim / train
+
+LRSchedule = Literal["constant", "cosine"]
+LR_SCHEDULES: tuple[LRSchedule, ...] = get_args(LRSchedule)
+
+# ``optim.grad_clip = 0`` disables clipping, so there is no "none" mode.
+ClipMode = Literal["global", "per_layer", "agc", "zclip"]
+CLIP_MODES: tuple[ClipMode, ...] = get_args(ClipMode)
+
+Precision = Literal["fp32", "bf16", "fp16"]
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+
+DeviceName = Literal["auto", "cpu", "cuda"]
+DEVICE_NAMES: tuple[DeviceName, ...] = get_args(DeviceName)
+
+OnSaveError = Literal["retry", "stop"]
+ON_SAVE_ERRORS: tuple[OnSaveError, ...] = get_args(OnSaveError)
+
+# --------------------------------------------------------------------------- eval
+
+EvalMetric = Literal["fd", "kid", "precision", "recall", "class_accuracy"]
+EVAL_METRICS: tuple[EvalMetric, ...] = get_args(EvalMetric)
+
+# --------------------------------------------------------------------------- adapter
+
+AdapterKind = Literal["none", "lora", "hypernetwork"]
+ADAPTER_KINDS: tuple[AdapterKind, ...] = get_args(AdapterKind)
+
+# --------------------------------------------------------------------------- faults
+
+FaultKind = Literal["nan_batch", "outlier_batch", "loss_scale", "lr_scale", "param_nan",
+                    "param_huge", "bitflip", "grad_nan", "fp16_overflow", "oom", "kill",
+                    "hang"]
+FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
+
+FaultWhere = Literal["before_step", "in_step", "in_checkpoint"]
+FAULT_WHERES: tuple[FaultWhere, ...] = get_args(FaultWhere)
+
+
+__all__ = [
+    "ADAPTER_KINDS", "CHANNELS", "CLIP_MODES", "DATASETS", "DEVICE_NAMES", "DIT_PRESETS",
+    "EVAL_METRICS", "FAULT_KINDS", "FAULT_WHERES", "LABELLED_DATASETS", "LOSS_WEIGHTINGS",
+    "LR_SCHEDULES", "MODEL_KINDS", "ON_SAVE_ERRORS", "PRECISIONS", "PREDICTIONS",
+    "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS",
+    "AdapterKind", "Channels", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
+    "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "LabelledDataset", "LossWeighting",
+    "ModelKind", "OnSaveError", "Precision", "Prediction", "SamplerName", "ScheduleName",
+    "Spacing", "Split", "TimestepSampling",
+]
