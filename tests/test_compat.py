@@ -7,7 +7,7 @@ committed files must stay as the old version left them.
 
 The pinned numbers were measured on today's code reading those files (CPU, fp32, one
 thread). A regression in how any part of a checkpoint is read (weights, EMA, optimizer
-moments, RNG, data position, guard state, the adapter and its base) moves them; a failure
+moments, data position, guard state, the adapter and its base) moves them; a failure
 message shows the new value.
 """
 
@@ -25,25 +25,10 @@ from steadydiff.adapters import AdapterError
 from steadydiff.config import load_config
 from steadydiff.trainer import checkpoint as ckpt
 
+from pinning import checksum, pin  # noqa: E402  (tests/pinning.py)
+
 FIXTURES = Path(__file__).parent / "fixtures"
 STEP = "step_00000004"
-
-
-def checksum(x: torch.Tensor | dict[str, torch.Tensor]) -> tuple[float, float]:
-    """(sum, sum of |.|) in float64 of a tensor or of every floating tensor of a dict."""
-    ts = [x] if isinstance(x, torch.Tensor) else [v for v in x.values() if v.is_floating_point()]
-    return (sum(float(t.double().sum()) for t in ts),
-            sum(float(t.double().abs().sum()) for t in ts))
-
-
-def pin(what: str, got: tuple[float, ...] | float, want: tuple[float, ...] | float,
-        rel: float = 1e-5, abs_: float = 1e-6) -> None:
-    """Assert ``got`` matches the pinned ``want``; the message shows the new value."""
-    g = got if isinstance(got, tuple) else (got,)
-    w = want if isinstance(want, tuple) else (want,)
-    assert len(g) == len(w) and all(a == pytest.approx(b, rel=rel, abs=abs_)
-                                    for a, b in zip(g, w)), \
-        f"{what} = {got!r}, pinned {want!r}"
 
 
 @pytest.fixture
