@@ -1,5 +1,6 @@
 """Model contract tests: every denoiser (UNet, DiT; conditional or not; with or without
-QK-norm; plain or wrapped in LoRA or hypernetwork adapters) passes the same suite. Tiny widths so the file runs in seconds on one CPU thread."""
+QK-norm; plain or wrapped in LoRA or hypernetwork adapters) passes the same suite. Tiny
+widths so the file runs in seconds on one CPU thread."""
 
 from __future__ import annotations
 
