@@ -139,7 +139,9 @@ def test_lora_fixture_loads_and_samples(runs):
     assert c.state["adapter"]["kind"] == "lora"
     pin("adapter weights", checksum(c.model), LORA_MODEL)
     pin("EMA adapter weights", checksum(c.ema), LORA_EMA)
-    # the base has moved since training (the recorded absolute path is gone): say so
+    # the base has moved since training (the recorded absolute path is gone): say so.
+    # (Today load() does not fall back to the config's adapter.base, which would resolve
+    # here; if it learns to, with the sha256 still checked, this line changes with it.)
     with pytest.raises(AdapterError, match="needs its base weights"):
         steadydiff.load(run, device="cpu")
     pipe = steadydiff.load(run, device="cpu", base=base)
