@@ -1,6 +1,7 @@
 """Smoke tests of the bench/ scripts: each runs in a subprocess with tiny settings and
 ``--json``, and its last line must be one JSON object with the documented keys (the figures,
-the machine, the versions). They check the plumbing, not the numbers."""
+the machine, the versions). They check the plumbing and the arithmetic that turns the
+measurements into figures (ratios, rates, ranges), not how fast this machine is."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import math
 
 import pytest
 
@@ -50,12 +53,25 @@ def test_throughput_smoke():
              "--json")
     out = _last_json(p.stdout)
     tr = out["training"]
-    assert set(tr["sec_per_step"]) == {"bare", "off", "guard"}
-    for key in ("ratio_guard_vs_bare", "guard_overhead", "data_loading_sec_per_batch"):
-        assert isinstance(tr[key], float)
-    assert set(out["sampling"]) == {"ddpm", "ddim", "dpmpp_2m", "euler"}
+    sec = tr["sec_per_step"]
+    assert set(sec) == {"bare", "off", "guard"}
+    # one repeat of one step each: every median is that one timing, a real duration
+    for k, v in sec.items():
+        assert tr["repeats_sec_per_step"][k] == [v] and 0 < v < 60, (k, v)
+    assert tr["steps_per_repeat"] == 1 and tr["repeats"] == 1
+    # the figures are the stated ratios of those timings, not independent numbers
+    assert tr["ratio_guard_vs_bare"] == pytest.approx(sec["guard"] / sec["bare"], rel=1e-9)
+    assert tr["ratio_off_vs_bare"] == pytest.approx(sec["off"] / sec["bare"], rel=1e-9)
+    assert tr["guard_overhead"] == pytest.approx(sec["guard"] / sec["off"] - 1, rel=1e-9)
+    assert tr["guard_overhead"] > -1 and tr["ratio_guard_vs_bare"] > 0
+    assert 0 < tr["data_loading_sec_per_batch"] < 10  # seconds per batch of 8x8 digits
+    # --sample-steps-scale 0.01 of 1000 (ddpm) and 50 or 20 (the others) rounds to 10, 1
+    assert {k: v["steps"] for k, v in out["sampling"].items()} == \
+        {"ddpm": 10, "ddim": 1, "dpmpp_2m": 1, "euler": 1}
     for v in out["sampling"].values():
-        assert v["images_per_sec"] > 0 and v["steps"] >= 1
+        assert v["num"] == 4 and 0 < v["seconds"] < 60
+        assert v["images_per_sec"] == pytest.approx(v["num"] / v["seconds"], rel=1e-9)
+        assert v["sec_per_model_eval"] == pytest.approx(v["seconds"] / v["steps"], rel=1e-9)
     assert "trainer (guard on) vs bare loop" in p.stdout  # the human-readable table
 
 
@@ -79,12 +95,27 @@ def test_samplers_smoke(tiny_checkpoint):
     p = _run("samplers.py", str(tiny_checkpoint), "--num", "10", "--steps-scale", "0.01",
              "--json")
     out = _last_json(p.stdout)
-    assert set(out["samplers"]) == {"dpmpp_2m", "ddpm", "ddim", "euler"}
-    for v in out["samplers"].values():
-        assert {"confident_rate", "class_coverage", "label_accuracy", "steps",
-                "images_per_sec"} <= set(v)
-    assert {"real_held_out", "uniform_noise", "smoothed_noise"} <= set(out["reference"])
-    assert {"confident_rate_diff", "as_good"} <= set(out["dpmpp_vs_ddpm"])
+    sp = out["samplers"]
+    assert set(sp) == {"dpmpp_2m", "ddpm", "ddim", "euler"}
+    # --steps-scale 0.01 of 20/1000/50/50 steps
+    assert {k: v["steps"] for k, v in sp.items()} == \
+        {"dpmpp_2m": 1, "ddpm": 10, "ddim": 1, "euler": 1}
+    for v in sp.values():
+        assert 0 <= v["confident_rate"] <= 1 and 0 <= v["label_accuracy"] <= 1
+        assert v["class_coverage"] in range(11)  # of the 10 digit classes
+        assert v["images_per_sec"] == pytest.approx(v["num"] / v["seconds"], rel=1e-9)
+    ref = out["reference"]
+    assert {"real_held_out", "uniform_noise", "smoothed_noise"} <= set(ref)
+    # the classifier's yardsticks: held-out real digits are confidently classified, as
+    # almost all of them; noise is not
+    assert ref["real_held_out"]["confident_rate"] > 0.8
+    assert ref["real_held_out"]["confident_rate"] > ref["uniform_noise"]["confident_rate"]
+    cmp = out["dpmpp_vs_ddpm"]
+    assert cmp["confident_rate_diff"] == pytest.approx(
+        sp["dpmpp_2m"]["confident_rate"] - sp["ddpm"]["confident_rate"], abs=1e-12)
+    assert cmp["speedup"] == pytest.approx(
+        sp["dpmpp_2m"]["images_per_sec"] / sp["ddpm"]["images_per_sec"], rel=1e-9)
+    assert isinstance(cmp["as_good"], bool)
 
 
 def test_samplers_missing_checkpoint_says_how_to_make_it(tmp_path):
@@ -122,8 +153,14 @@ def test_stability_nan_batch_three_ways(tmp_path):
 def test_logging_overhead_smoke():
     p = _run("logging_overhead.py", "--steps", "2", "--repeats", "1", "--json")
     out = _last_json(p.stdout)
-    assert set(out["median_seconds"]) == {"default", "minimal"}
-    assert isinstance(out["overhead"], float) and out["report_seconds"] > 0
+    med, sec = out["median_seconds"], out["seconds"]
+    assert set(med) == {"default", "minimal"}
+    for k in med:  # one repeat: the median is that run's time
+        assert sec[k] == [med[k]] and 0 < med[k] < 120, (k, med[k])
+    # the overhead is default / minimal - 1 of those runs, not a free-standing number
+    assert out["overheads"] == [pytest.approx(med["default"] / med["minimal"] - 1, rel=1e-9)]
+    assert out["overhead"] == out["overheads"][0] and out["overhead"] > -1
+    assert math.isfinite(out["report_seconds"]) and 0 < out["report_seconds"] < 120
     assert "default logging overhead" in p.stdout
 
 

@@ -132,7 +132,12 @@ def test_evaluate_samples_counts_nonfinite_and_never_crashes(tmp_path, monkeypat
     assert good["real_floor"]["fd"] < noise["fd"]
     x[:10] = float("nan")
     part = evaluate_samples(fx, x, y)
-    assert part["num_nonfinite"] == 10 and part["fd"] is not None
+    assert part["num_nonfinite"] == 10 and part["num"] == 60
+    # the non-finite rows are dropped, not scored: the figures are those of the other 50
+    rest = evaluate_samples(fx, x[10:], y[10:])
+    assert rest["num_nonfinite"] == 0
+    for key in ("fd", "kid", "precision", "recall", "class_accuracy"):
+        assert part[key] == rest[key], key
     x[:] = float("nan")
     none = evaluate_samples(fx, x, y)
     assert none["num_nonfinite"] == 60 and none["fd"] is None and "finite" in none["error"]

@@ -1,6 +1,8 @@
 """Tiny end-to-end runs of the real trainer: train, checkpoint, sample, resume, CLI."""
 
+import argparse
 import json
+import re
 import subprocess
 import sys
 
@@ -100,17 +102,42 @@ def test_conditional_data_mismatch_is_clear(tmp_path):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_tiny(tmp_path, precision):
-    cfg = tiny(f"train.precision={precision}", "train.allow_slow_precision=true",
-               "train.steps=2", "train.batch_size=4", "train.checkpoint_every=0",
-               "sample.num=2", "sample.steps=2")
+def test_mixed_precision_tiny(tmp_path, precision, monkeypatch):
+    """bf16/fp16 really run in that dtype inside the trainer's step (a forward hook sees
+    the activations), not in fp32 under the name: the gradients differ from an fp32 run's
+    by the rounding, and the master weights stay fp32."""
+    from steadydiff.trainer import loop
+
+    seen: list[torch.dtype] = []  # conv_in's output dtype, at every training forward pass
+    build = loop.build_state
+
+    def hooked(*a, **k):
+        state = build(*a, **k)  # (the EMA copy was made before the hook: sampling is not seen)
+        state.model.conv_in.register_forward_hook(lambda m, i, out: seen.append(out.dtype))
+        return state
+
+    monkeypatch.setattr(loop, "build_state", hooked)
+    run = ["train.steps=2", "train.batch_size=4", "train.checkpoint_every=0",
+           "sample.num=2", "sample.steps=2", "logging.log_every=1"]
+    cfg = tiny(f"train.precision={precision}", "train.allow_slow_precision=true", *run)
     res = steadydiff.train(cfg, out_dir=tmp_path / precision)
+    want = {"bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    assert len(seen) >= 2 and set(seen) == {want}, seen
     assert np.isfinite(res.final_loss)
     c = ckpt.load_checkpoint(res.checkpoint)
     if precision == "fp16":
         assert c.state["scaler"]["scale"] > 0
     # master weights stay fp32
     assert all(v.dtype == torch.float32 for v in c.model.values() if v.is_floating_point())
+    seen.clear()
+    steadydiff.train(tiny(*run), out_dir=tmp_path / "fp32")
+    assert set(seen) == {torch.float32}
+    # The same steps with the same draws in fp32: the gradients are close, not identical
+    # (rounding to 8 / 11 mantissa bits). The losses can be identical: at step 1 the model
+    # outputs exactly 0, and at step 2 only its output layer has moved, by ~lr.
+    g = {p: [json.loads(ln)["grad_norm"] for ln in (tmp_path / p / "metrics.jsonl")
+             .read_text().splitlines()] for p in (precision, "fp32")}
+    assert g[precision] != g["fp32"] and g[precision] == pytest.approx(g["fp32"], rel=0.01)
 
 
 def test_slow_precision_is_refused_not_replaced(tmp_path, monkeypatch):
@@ -163,7 +190,12 @@ def test_cli_sample_png_and_npz(tmp_path, capsys):
     run = str(tmp_path / "r")
     assert main(["sample", run, "--sampler", "euler", "--steps", "3", "--num", "6",
                  "--out", str(tmp_path / "g.png")]) == 0
-    assert (tmp_path / "g.png").stat().st_size > 0
+    from PIL import Image
+    with Image.open(tmp_path / "g.png") as im:  # 6 samples of 10 classes: one row of 6
+        # (6 x 8 + 7 pad) x (8 + 2 pad) pixels, upscaled 8x (nearest) for 8x8 images
+        assert im.size == (55 * 8, 10 * 8) and im.mode == "L"
+        px = np.asarray(im)
+    assert px[8:-8, 8:-8].std() > 0  # the samples, not just the padding
     assert main(["sample", run, "--sampler", "dpmpp_2m", "--steps", "3", "--num", "4",
                  "--class-label", "7", "--cfg-scale", "2", "--seed", "3",
                  "--out", str(tmp_path / "s.npz")]) == 0
@@ -176,13 +208,74 @@ def test_cli_sample_png_and_npz(tmp_path, capsys):
     assert main(["sample", run, "--out", str(tmp_path / "b.jpg")]) == 2
 
 
-@pytest.mark.parametrize("cmd", [[], ["train"], ["sample"], ["eval"], ["report"], ["doctor"]])
-def test_help(cmd):
-    r = subprocess.run([sys.executable, "-m", "steadydiff.cli", *cmd, "--help"],
+def help_entries(text: str) -> dict[str, str]:
+    """argparse --help text -> {option string: its whole entry, whitespace collapsed}."""
+    entries: dict[str, list[str]] = {}
+    cur: list[str] | None = None
+    for line in text.splitlines():
+        if re.match(r"^  -", line):  # an option's first line; its help may wrap below it
+            invocation = re.split(r"\s{2,}", line.strip(), maxsplit=1)[0]
+            cur = [line]
+            for part in invocation.split(", "):  # "-h, --help", "--num NUM"
+                entries[part.split()[0]] = cur
+        elif cur is not None and line.startswith("   "):
+            cur.append(line)
+        else:
+            cur = None
+    return {k: " ".join(" ".join(v).split()) for k, v in entries.items()}
+
+
+def subparsers() -> dict[str, argparse.ArgumentParser]:
+    """{command: its argparse parser}, from the CLI's own parser."""
+    from steadydiff.cli import _parser
+
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+# the defaults --help must show, by command and option. train --out, sample --device and
+# report --out state theirs in the help text (the parser's default is None and the command
+# resolves it); the others are the parser's defaults, which the formatter appends
+DEFAULTS = {
+    "train": {"--out": "runs/<config file name>"},
+    "sample": {"--device": "auto"},
+    "eval": {"--num": "500", "--seed": "0", "-k": "3"},
+    "report": {"--out": "RUN_DIR/report.html"},
+    "doctor": {"--device": "cpu"},
+    "merge": {"--scale": "1.0"},
+}
+
+# how many options of each command have a value as their default (a new one is checked too)
+NUM_VALUED = {"train": 1, "sample": 0, "eval": 3, "report": 0, "doctor": 1, "merge": 1}
+
+
+def test_help_top_level():
+    r = subprocess.run([sys.executable, "-m", "steadydiff.cli", "--help"],
                        capture_output=True, text=True)
     assert r.returncode == 0 and "usage: steadydiff" in r.stdout
-    if cmd:
-        assert "default" in r.stdout  # defaults are shown
+    for cmd in DEFAULTS:  # every command is listed
+        assert re.search(rf"^    {cmd} ", r.stdout, re.M), cmd
+
+
+@pytest.mark.parametrize("cmd", list(DEFAULTS))
+def test_help_shows_the_real_defaults(cmd, capsys, monkeypatch):
+    """Every option whose default is a value (not None/False) shows that very value, and
+    the options listed in DEFAULTS show theirs. (In-process: the same parser and exit as
+    the console script, without a subprocess's import time per command.)"""
+    monkeypatch.setenv("COLUMNS", "100")  # argparse wraps to the terminal width
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and f"usage: steadydiff {cmd}" in out
+    entries = help_entries(out)
+    for opt, value in DEFAULTS[cmd].items():
+        assert f"(default: {value})" in entries[opt], (opt, entries[opt])
+    valued = [a for a in subparsers()[cmd]._actions if a.option_strings and a.default is not
+              None and a.default is not False and argparse.SUPPRESS not in (a.default, a.help)]
+    assert len(valued) == NUM_VALUED[cmd], [a.option_strings for a in valued]
+    for a in valued:
+        entry = entries[a.option_strings[-1]]
+        assert f"(default: {a.default})" in entry, (a.option_strings, a.default, entry)
 
 
 def test_resume_with_more_steps_refused_under_cosine(tmp_path):
@@ -197,7 +290,9 @@ def test_cli_eval_digits(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "r"), "--num", "20", "--steps", "3",
                  "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert res["num"] == 20 and res["metric"] == "FD-digits" and res["fd"] >= 0
+    assert res["num"] == 20 and res["metric"] == "FD-digits"
+    # one training step: samples far from the digits, far above real-vs-real at the same N
+    assert res["fd"] > 2 * res["real_floor"]["fd"] > 0
     assert 0 <= res["precision"] <= 1 and 0 <= res["class_accuracy"] <= 1
     assert res["feature_net"]["test_accuracy"] > 0.9
     assert "FD-digits" in capsys.readouterr().out
