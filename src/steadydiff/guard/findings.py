@@ -505,7 +505,8 @@ class Fp16Overflow(Finding):
     @classmethod
     def repeated(cls, *, overflows_in_window: int, window: int, limit: int,
                  loss_scale: float) -> Fp16Overflow:
-        """(The guard adds ``precision`` and ``provenance`` after the fallback.)"""
+        """(The guard then adds ``precision``, the precision that overflowed, and
+        ``provenance``.)"""
         return cls(cls.KIND, "trend", {"overflows_in_window": overflows_in_window,
                                        "window": window, "limit": limit,
                                        "loss_scale": loss_scale})
@@ -514,9 +515,7 @@ class Fp16Overflow(Finding):
         if "overflows_in_window" in self.evidence:
             return [f"{self.f('overflows_in_window')} fp16 overflows within "
                     f"{self.f('window')} steps (limit {self.f('limit')}); loss scale "
-                    f"{self.f('loss_scale')}"
-                    + (f"; now {self.evidence['precision']}" if self.evidence.get("precision")
-                       else "")]
+                    f"{self.f('loss_scale')}"]
         return [f"an activation exceeded the fp16 range in the forward pass (loss "
                 f"{self.f('loss')}, loss scale {self.f('loss_scale')})"]
 
@@ -561,7 +560,10 @@ class WeightJump(Finding):
     def _facts(self) -> list[str]:
         ratios = self.evidence.get("norm_ratio")
         ratios = ratios if isinstance(ratios, list) else [ratios]
-        jumps = [f"{p} ×{fmt(r)}" for p, r in zip(self.params[:3], ratios)]
+        pairs = list(zip(self.params[:3], ratios))
+        limit = self.n("threshold")  # the guard lists the top 3; name the ones past the limit
+        over = [(p, r) for p, r in pairs if limit is None or (num(r) or 0) > limit]
+        jumps = [f"{p} ×{fmt(r)}" for p, r in over or pairs[:1]]
         return [f"param norm jump in one step: {', '.join(jumps)} (threshold "
                 f"×{self.f('threshold')})"]
 
