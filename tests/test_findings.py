@@ -332,7 +332,10 @@ def test_unknown_kinds_and_odd_rows_never_raise():
     for kind, cls in F.REGISTRY.items():
         for ev in ({}, {k: "nan" for k in ("loss", "grad_norm", "ratio", "z", "lr", "module",
                                             "params", "norm_ratio", "threshold", "provenance",
-                                            "modules", "top_grad_layers", "health")}):
+                                            "modules", "top_grad_layers", "health")},
+                   {"provenance": {"nonfinite_grad_params": 5, "first_nonfinite_module": 3,
+                                   "first_overflow_module": 4}, "params": 7,
+                    "top_grad_layers": [1], "health": [None, {"kind": 2}]}):
             g = F.finding_from_row({"kind": kind, "evidence": ev, "cost": None})
             assert type(g) is cls and isinstance(g.summary(), str) and g.recommendation()
 

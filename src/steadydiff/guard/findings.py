@@ -194,14 +194,18 @@ class Finding:
                              f"{self.kind!r}")
 
     # ---- reading the evidence (values may be "nan"/"inf" strings in a row)
-    def n(self, key: str) -> float | None:
+    def _n(self, key: str) -> float | None:
         """An evidence value as a float (None when absent)."""
         return num(self.evidence.get(key))
 
-    def f(self, key: str) -> str:
+    def _f(self, key: str) -> str:
         """An evidence value in short human form ("?" when absent)."""
         v = self.evidence.get(key)
         return "?" if v is None else fmt(v)
+
+    def _names(self, v: Any) -> list[str]:
+        """A list of names from the evidence (a list, or one name), as strings."""
+        return [str(x) for x in (v if isinstance(v, list) else [v] if v else [])]
 
     @property
     def provenance(self) -> dict[str, Any]:
@@ -216,16 +220,24 @@ class Finding:
 
     @property
     def params(self) -> list[str]:
-        p = self.evidence.get("params")
-        return [str(x) for x in (p if isinstance(p, list) else [p] if p else [])]
+        return self._names(self.evidence.get("params"))
+
+    @property
+    def bad_module(self) -> str | None:
+        """The first module the replay saw go non-finite (None without a replay)."""
+        m = self.provenance.get("first_nonfinite_module")
+        return str(m) if m else None
+
+    @property
+    def bad_grads(self) -> list[str]:
+        """The first parameters whose gradients the replay saw go non-finite."""
+        return self._names(self.provenance.get("nonfinite_grad_params"))
 
     def where(self) -> str | None:
         """The module the finding points at: the evidence's module, else the first module
         the replay saw go non-finite, else the module of the first parameter named."""
-        prov = self.provenance
-        params = self.params or [str(x) for x in prov.get("nonfinite_grad_params") or []]
-        return (self.module or prov.get("first_nonfinite_module")
-                or (module_of(params[0]) if params else None))
+        params = self.params or self.bad_grads
+        return self.module or self.bad_module or (module_of(params[0]) if params else None)
 
     # ---- one line
     def summary(self) -> str:
@@ -244,13 +256,12 @@ class Finding:
 
     def _context(self) -> list[str]:
         prov, e, out = self.provenance, self.evidence, []
-        if prov.get("first_nonfinite_module"):
-            out.append(f"first non-finite module: {prov['first_nonfinite_module']}")
+        if self.bad_module:
+            out.append(f"first non-finite module: {self.bad_module}")
         if prov.get("first_overflow_module"):
             out.append(f"first fp16 overflow: {prov['first_overflow_module']}")
-        if prov.get("nonfinite_grad_params"):
-            out.append("non-finite grads: " + ", ".join(map(str,
-                                                           prov["nonfinite_grad_params"][:3])))
+        if self.bad_grads:
+            out.append("non-finite grads: " + ", ".join(self.bad_grads[:3]))
         top = e.get("top_grad_layers")
         if isinstance(top, list) and top and isinstance(top[0], dict):
             out.append(f"largest grad: {top[0].get('param')} ({fmt(top[0].get('grad_norm'))})")
@@ -287,14 +298,13 @@ class Finding:
         if prov.get("first_overflow_module") and ctx.precision == "fp16":
             recs.append(f"the first module to overflow fp16 was {prov['first_overflow_module']}:"
                         " use bf16 instead of fp16")
-        mod = prov.get("first_nonfinite_module")
+        mod = self.bad_module
         if mod:
             recs.append(f"the first module to go non-finite was {mod}"
                         + ("; raise GroupNorm eps in " + mod if "norm" in mod.split(".")[-1] else
                            "; enable QK-norm" if ".attn" in mod and not ctx.qk_norm else ""))
-        elif prov.get("nonfinite_grad_params"):
-            recs.append("the first non-finite gradient was in "
-                        + ", ".join(map(str, prov["nonfinite_grad_params"][:2])))
+        elif self.bad_grads:
+            recs.append("the first non-finite gradient was in " + ", ".join(self.bad_grads[:2]))
         if self.instability:
             s0 = self.step or 0
             rising_grad = (ctx.grad_norm_trend or 1) > 2
@@ -350,7 +360,7 @@ class _NonfiniteStep(Finding):
         return cls(cls.KIND, "fatal", {"loss": loss, "grad_norm": grad_norm})
 
     def _facts(self) -> list[str]:
-        return [f"loss {self.f('loss')}, grad norm {self.f('grad_norm')}"]
+        return [f"loss {self._f('loss')}, grad norm {self._f('grad_norm')}"]
 
 
 class NonfiniteLoss(_NonfiniteStep):
@@ -381,11 +391,11 @@ class LrSpike(Finding):
                                        "note": cls.NOTE})
 
     def _facts(self) -> list[str]:
-        return [f"lr {self.f('lr')} = ×{self.f('ratio')} the peak so far "
-                f"({self.f('max_lr_so_far')}; threshold ×{self.f('threshold')})"]
+        return [f"lr {self._f('lr')} = ×{self._f('ratio')} the peak so far "
+                f"({self._f('max_lr_so_far')}; threshold ×{self._f('threshold')})"]
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
-        return (f"the LR jumped to ×{self.f('ratio')} its peak so far: check the LR schedule "
+        return (f"the LR jumped to ×{self._f('ratio')} its peak so far: check the LR schedule "
                 "and the scheduler state (a resumed or recreated scheduler, a restart, a "
                 "per-group LR); lowering the peak LR does not fix this")
 
@@ -406,8 +416,8 @@ class LossSpike(Finding):
             "threshold": threshold, "buckets_over": buckets_over})
 
     def _facts(self) -> list[str]:
-        out = [f"loss {self.f('loss')} = ×{self.f('ratio')} its t-bucket "
-               f"{self.f('t_bucket')} mean (z={self.f('z')})"]
+        out = [f"loss {self._f('loss')} = ×{self._f('ratio')} its t-bucket "
+               f"{self._f('t_bucket')} mean (z={self._f('z')})"]
         g = self.evidence.get("grad_norm")  # the gradient spike it caused, when both fired
         if isinstance(g, dict):
             out.append(f"grad norm {fmt(g.get('grad_norm'))} (z={fmt(g.get('z'))})")
@@ -429,8 +439,8 @@ class GradSpike(Finding):
                                        "threshold": threshold})
 
     def _facts(self) -> list[str]:
-        return [f"grad norm {self.f('grad_norm')} (z={self.f('z')}, threshold "
-                f"{self.f('threshold')})"]
+        return [f"grad norm {self._f('grad_norm')} (z={self._f('z')}, threshold "
+                f"{self._f('threshold')})"]
 
 
 class Divergence(Finding):
@@ -449,9 +459,9 @@ class Divergence(Finding):
             "window": window})
 
     def _facts(self) -> list[str]:
-        return [f"smoothed loss {self.f('smoothed_loss')} = ×{self.f('ratio')} its best "
-                f"{self.f('best_smoothed_loss')} (threshold ×{self.f('threshold_ratio')}, "
-                f"window {self.f('window')} steps)"]
+        return [f"smoothed loss {self._f('smoothed_loss')} = ×{self._f('ratio')} its best "
+                f"{self._f('best_smoothed_loss')} (threshold ×{self._f('threshold_ratio')}, "
+                f"window {self._f('window')} steps)"]
 
 
 class BadBatch(Finding):
@@ -473,8 +483,8 @@ class BadBatch(Finding):
                     f"{max_abs_input / usual_max_abs_input:.3g}x the usual range: check the data"})
 
     def _facts(self) -> list[str]:
-        out = f"max |x| of the batch = {self.f('max_abs_input')}"
-        mx, usual = self.n("max_abs_input"), self.n("usual_max_abs_input")
+        out = f"max |x| of the batch = {self._f('max_abs_input')}"
+        mx, usual = self._n("max_abs_input"), self._n("usual_max_abs_input")
         if mx is not None and usual:
             out += f" (×{fmt(mx / usual)} the usual {fmt(usual)})"
         return [out]
@@ -483,7 +493,7 @@ class BadBatch(Finding):
         steps = ", ".join(str(g.step) for g in group[:5])
         pos = ", ".join(str(g.cost.batch_position) for g in group[:5])
         return (f"check the data: the batch at step {steps} had values outside [-1, 1] "
-                f"(max |x| = {self.f('max_abs_input')}; data-stream batch position {pos}): "
+                f"(max |x| = {self._f('max_abs_input')}; data-stream batch position {pos}): "
                 "look for a corrupt image, or a transform that yields NaN/Inf or values "
                 "outside [-1, 1]")
 
@@ -513,11 +523,11 @@ class Fp16Overflow(Finding):
 
     def _facts(self) -> list[str]:
         if "overflows_in_window" in self.evidence:
-            return [f"{self.f('overflows_in_window')} fp16 overflows within "
-                    f"{self.f('window')} steps (limit {self.f('limit')}); loss scale "
-                    f"{self.f('loss_scale')}"]
+            return [f"{self._f('overflows_in_window')} fp16 overflows within "
+                    f"{self._f('window')} steps (limit {self._f('limit')}); loss scale "
+                    f"{self._f('loss_scale')}"]
         return [f"an activation exceeded the fp16 range in the forward pass (loss "
-                f"{self.f('loss')}, loss scale {self.f('loss_scale')})"]
+                f"{self._f('loss')}, loss scale {self._f('loss_scale')})"]
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
         return USE_BF16
@@ -535,7 +545,7 @@ class NonfiniteParams(Finding):
         return cls(cls.KIND, "fatal", {"params": params, "count": count, "note": cls.NOTE})
 
     def _facts(self) -> list[str]:
-        ps, count = self.params, self.n("count")
+        ps, count = self.params, self._n("count")
         return [f"non-finite params: {', '.join(ps[:3])}"
                 + (f" ({int(count)} in all)" if count is not None and count > min(len(ps), 3)
                    else "")]
@@ -561,11 +571,11 @@ class WeightJump(Finding):
         ratios = self.evidence.get("norm_ratio")
         ratios = ratios if isinstance(ratios, list) else [ratios]
         pairs = list(zip(self.params[:3], ratios))
-        limit = self.n("threshold")  # the guard lists the top 3; name the ones past the limit
+        limit = self._n("threshold")  # the guard lists the top 3; name the ones past the limit
         over = [(p, r) for p, r in pairs if limit is None or (num(r) or 0) > limit]
         jumps = [f"{p} ×{fmt(r)}" for p, r in over or pairs[:1]]
         return [f"param norm jump in one step: {', '.join(jumps)} (threshold "
-                f"×{self.f('threshold')})"]
+                f"×{self._f('threshold')})"]
 
     def _instability_advice(self) -> list[str]:
         return [f"look at {self.params[0]}: it went bad first"] if self.params else []
@@ -583,8 +593,8 @@ class SkipBudget(Finding):
                                        "window": window})
 
     def _facts(self) -> list[str]:
-        return [f"{self.f('skips')} skipped steps within {self.f('window')} (at most "
-                f"{self.f('max_skips')})"]
+        return [f"{self._f('skips')} skipped steps within {self._f('window')} (at most "
+                f"{self._f('max_skips')})"]
 
 
 class OutOfMemory(Finding):
@@ -600,7 +610,7 @@ class OutOfMemory(Finding):
 
     def _facts(self) -> list[str]:
         new = self.diagnosis.new_micro_batch
-        return [f"out of memory at micro-batch {self.f('micro_batch')}"
+        return [f"out of memory at micro-batch {self._f('micro_batch')}"
                 + (f" -> {new}" if new is not None else "")]
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
@@ -625,8 +635,8 @@ class RankMismatch(Finding):
                                        "fingerprints": fingerprints, "note": cls.NOTE})
 
     def _facts(self) -> list[str]:
-        return [f"rank(s) {self.f('ranks_differing')} differ bitwise from rank "
-                f"{self.f('source_rank')} (world size {self.f('world_size')})"]
+        return [f"rank(s) {self._f('ranks_differing')} differ bitwise from rank "
+                f"{self._f('source_rank')} (world size {self._f('world_size')})"]
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
         return ("the ranks were resynchronized; if it recurs, look for an operation outside "
@@ -662,7 +672,7 @@ class AttentionLogitGrowth(_Probe):
                                       "recommendation": cls.RECOMMENDATION})
 
     def _values(self) -> str:
-        return f"max attention logit {self.f('max_logit')} (limit {self.f('limit')})"
+        return f"max attention logit {self._f('max_logit')} (limit {self._f('limit')})"
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
         return ("lower the peak LR or lengthen warmup" if ctx.qk_norm else
@@ -682,7 +692,7 @@ class AttentionEntropyCollapse(_Probe):
                                       "recommendation": cls.RECOMMENDATION})
 
     def _values(self) -> str:
-        return f"attention entropy {self.f('entropy')} nats (min {self.f('min')})"
+        return f"attention entropy {self._f('entropy')} nats (min {self._f('min')})"
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
         return "enable QK-norm (model.qk_norm=true); attention collapsed onto single keys"
@@ -703,7 +713,7 @@ class NormEpsDominated(_Probe):
                               "longer normalizes; raise its eps or check the preceding layer"})
 
     def _values(self) -> str:
-        return f"median input variance {self.f('median_input_var')} against eps {self.f('eps')}"
+        return f"median input variance {self._f('median_input_var')} against eps {self._f('eps')}"
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
         mods = sorted({str(g.module) for g in group})
@@ -724,7 +734,7 @@ class NormAffineExploded(_Probe):
                                       "limit": limit, "recommendation": cls.RECOMMENDATION})
 
     def _values(self) -> str:
-        return f"scale/shift up to |{self.f('affine_max')}| (limit {self.f('limit')})"
+        return f"scale/shift up to |{self._f('affine_max')}| (limit {self._f('limit')})"
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
         return "lower the peak LR; normalization gains/shifts exploded"
@@ -779,8 +789,8 @@ class AdapterDeltaClamp(Finding):
     def _facts(self) -> list[str]:
         mods = self.evidence.get("modules")
         n = len(mods) if isinstance(mods, list) else 1
-        return [f"|dW|/|W| of {self.module} = {self.f('ratio')} > adapter.max_delta_ratio="
-                f"{self.f('max_delta_ratio')}; {n} module(s) rescaled"]
+        return [f"|dW|/|W| of {self.module} = {self._f('ratio')} > adapter.max_delta_ratio="
+                f"{self._f('max_delta_ratio')}; {n} module(s) rescaled"]
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
         return self.RECOMMENDATION
