@@ -22,7 +22,9 @@ from safetensors.torch import load_file, save_file
 import steadydiff
 from steadydiff.cli import main
 from steadydiff.config import load_config
-from steadydiff.doctor import Cause, diagnose, diagnose_model, ks_distance, rank, robust_z
+from steadydiff.doctor import Cause, diagnose, diagnose_model
+from steadydiff.inspect.causes import rank
+from steadydiff.inspect.stats import ks_distance, robust_z
 from steadydiff.trainer import checkpoint as ckpt
 
 from tiny import TINY_MODEL  # noqa: E402  (tests/tiny.py)

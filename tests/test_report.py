@@ -16,7 +16,9 @@ from PIL import Image
 import steadydiff
 from steadydiff.cli import main
 from steadydiff.config import load_config
-from steadydiff.report import read_run, verdict, write_report
+from steadydiff.inspect.read import read_run
+from steadydiff.inspect.verdict import verdict
+from steadydiff.report import write_report
 
 from tiny import TINY_MODEL  # noqa: E402  (tests/tiny.py)
 

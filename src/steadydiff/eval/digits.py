@@ -30,7 +30,7 @@ def classifier(seed: int = 0):
     Returns ``(model, held_out_x, held_out_y)``: the fitted classifier and a 20% split it
     was not trained on (for calibration figures).
     """
-    from sklearn.datasets import load_digits
+    from sklearn.datasets import load_digits  # deferred: scikit-learn is a slow import
     from sklearn.model_selection import train_test_split
     from sklearn.svm import SVC
 

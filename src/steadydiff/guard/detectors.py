@@ -15,18 +15,9 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass
-class Finding:
-    """Something a detector saw. ``severity``: "fatal" (state unusable), "spike" (this
-    update is suspect), "trend" (a slow problem), "warn" (a health warning only)."""
-
-    kind: str
-    severity: str
-    evidence: dict[str, Any] = field(default_factory=dict)
+from .findings import Finding  # the detectors' output; typed records per kind live there
 
 
 class RunningStats:

@@ -47,6 +47,7 @@ from ..kinds import PRECISIONS, ClipMode, Precision
 from ..trainer.precision import native_support
 from . import policy, probes, provenance
 from .detectors import BucketLossSpike, Divergence, Finding, GradSpike, Overflow, RunningStats
+from .findings import finding_from_row
 from .policy import Action, History
 from .snapshots import Snapshot, SnapshotRing, restore_into
 from .update import Progress, ProgressLike, Update
@@ -756,40 +757,11 @@ class Guard:
         lines = [head]
         for inc in self.incidents[-12:]:
             lines.append(f"  step {inc.step:>6}  {inc.kind:<24} -> {inc.action:<18} "
-                         f"{_one_line(inc)}")
+                         f"{finding_from_row(inc.row()).summary()}")
         if n > len(self.incidents[-12:]):
             lines.insert(1, f"  ({n - len(self.incidents[-12:])} earlier incidents in "
                             "incidents.jsonl)")
         return "\n".join(lines)
-
-
-def _one_line(inc: Incident) -> str:
-    e, d = inc.evidence, inc.diagnosis
-    prov = e.get("provenance") or {}
-    if prov.get("first_nonfinite_module") or prov.get("first_overflow_module"):
-        return (f"first non-finite: {prov.get('first_nonfinite_module')}, first fp16 overflow: "
-                f"{prov.get('first_overflow_module')}")
-    if prov.get("nonfinite_grad_params"):
-        return f"non-finite grads: {', '.join(prov['nonfinite_grad_params'][:2])}"
-    if "norm_ratio" in e:
-        return f"{e['params'][0]} norm x{e['norm_ratio'][0]:.3g} in one step"
-    if "params" in e:
-        return f"non-finite params: {', '.join(e['params'][:2])}"
-    if "module" in e:
-        return f"{e['module']}: {e.get('recommendation', '')[:60]}"
-    if "max_lr_so_far" in e:
-        return f"lr {e['lr']:.3g} = x{e['ratio']:.3g} the peak so far"
-    if "t_bucket" in e:
-        return f"loss x{e['ratio']:.3g} in t-bucket {e['t_bucket']} (z={e['z']:.1f})"
-    if "z" in e:
-        return f"grad norm {e['grad_norm']:.3g} (z={e['z']:.1f})"
-    if "why" in d:
-        return d["why"]
-    if "new_micro_batch" in d:
-        return f"micro-batch {e['micro_batch']} -> {d['new_micro_batch']}"
-    if "max_abs_input" in e:
-        return e.get("note", "")
-    return ""
 
 
 def _first_bad_rank(rows: torch.Tensor) -> int | None:
