@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ..config import AdapterConfig, Config, validate
-from ..guard.detectors import Finding
+from ..guard.findings import AdapterBaseModified, AdapterDeltaClamp
 from ..guard.guard import GuardAbort
 from ..models import build_model
 from ..trainer import checkpoint as ckpt
@@ -338,11 +338,7 @@ class AdapterRun(Weights):
         now = tensor_hash(base_tensors(state.model))
         if now == self.frozen_hash:
             return
-        f = Finding("adapter_base_modified", "fatal",
-                    {"expected_sha256": self.frozen_hash, "found_sha256": now,
-                     "note": "the frozen base weights changed during training: something "
-                             "wrote into them (an optimizer over all parameters, an in-place "
-                             "edit); the adapter no longer matches its recorded base"})
+        f = AdapterBaseModified.new(expected_sha256=self.frozen_hash, found_sha256=now)
         inc = state.guard.record(f, "abort") if state.guard is not None else None
         raise GuardAbort(f"the frozen base weights changed at step {state.step} (sha256 "
                          f"{self.frozen_hash[:12]} -> {now[:12]}); something wrote into them. "
@@ -379,17 +375,14 @@ class AdapterRun(Weights):
                 if not er <= limit:
                     e.shrink(limit / er if er == er and er != float("inf") else 0.0)
         self.clamps += 1
-        ev = {"module": names[worst], "ratio": ratios[worst], "max_delta_ratio": limit,
-              "modules": [names[i] for i in over], "ratios": [ratios[i] for i in over],
-              "recommendation": "the adapter's delta outgrew the frozen weight: lower "
-                                "optim.lr or adapter.alpha, or raise adapter.max_delta_ratio "
-                                "if the change is intended"}
         msg = (f"adapter: step {state.step}: |dW|/|W| of {names[worst]} reached "
                f"{ratios[worst]:.3g} > adapter.max_delta_ratio={limit:g}; rescaled "
                f"{len(over)} module(s) to the limit")
         if state.guard is not None:
-            state.guard.record(Finding("adapter_delta_clamp", "warn", ev), "rescale_delta",
-                               cost={"modules_rescaled": len(over)})
+            f = AdapterDeltaClamp.new(module=names[worst], ratio=ratios[worst],
+                                      max_delta_ratio=limit, modules=[names[i] for i in over],
+                                      ratios=[ratios[i] for i in over])
+            state.guard.record(f, "rescale_delta", cost={"modules_rescaled": len(over)})
         log.warning(msg)
 
     def sampling_context(self, state: Any):

@@ -17,7 +17,8 @@ import math
 from collections import deque
 from typing import Any
 
-from .findings import Finding  # the detectors' output; typed records per kind live there
+from . import findings
+from .findings import Finding  # the detectors' output: one typed record per kind
 
 
 class RunningStats:
@@ -65,9 +66,9 @@ class GradSpike:
         # std floor: 5% of the mean, so a near-constant norm does not make noise a "spike"
         z = self.stats.z(grad_norm, min_std=0.05 * abs(self.stats.mean))
         if z > self.z_max:
-            return Finding("grad_spike", "spike", {
-                "grad_norm": grad_norm, "running_mean": self.stats.mean,
-                "running_std": math.sqrt(self.stats.var), "z": z, "threshold": self.z_max})
+            return findings.GradSpike.new(grad_norm=grad_norm, running_mean=self.stats.mean,
+                                          running_std=math.sqrt(self.stats.var), z=z,
+                                          threshold=self.z_max)
         return None
 
     def observe(self, grad_norm: float) -> None:
@@ -105,13 +106,12 @@ class BucketLossSpike:
             return None
         b, z, m, ratio = worst
         n = len(self.stats)
-        return Finding("loss_spike", "spike", {
-            "t_bucket": b, "t_bucket_range": [b / n, (b + 1) / n], "loss": m,
-            "bucket_mean": math.exp(self.stats[b].mean), "ratio": ratio, "z": z,
-            "threshold": self.z_max,
-            "buckets_over": sum(1 for bb, mm in enumerate(bucket_means)
-                                if mm and self.stats[bb].count and
-                                mm > self.ratio_min * math.exp(self.stats[bb].mean))})
+        return findings.LossSpike.new(
+            t_bucket=b, buckets=n, loss=m, bucket_mean=math.exp(self.stats[b].mean),
+            ratio=ratio, z=z, threshold=self.z_max,
+            buckets_over=sum(1 for bb, mm in enumerate(bucket_means)
+                             if mm and self.stats[bb].count and
+                             mm > self.ratio_min * math.exp(self.stats[bb].mean)))
 
     def observe(self, bucket_means: list[float | None]) -> None:
         for b, m in enumerate(bucket_means):
@@ -140,10 +140,9 @@ class Divergence:
             return None
         self.best = min(self.best, self.smooth)
         if self.seen >= self.warmup + self.window and self.smooth - self.best > self.log_ratio:
-            return Finding("divergence", "trend", {
-                "smoothed_loss": math.exp(self.smooth), "best_smoothed_loss": math.exp(self.best),
-                "ratio": math.exp(self.smooth - self.best),
-                "threshold_ratio": math.exp(self.log_ratio), "window": self.window})
+            return findings.Divergence.new(
+                smoothed_loss=math.exp(self.smooth), best_smoothed_loss=math.exp(self.best),
+                threshold_ratio=math.exp(self.log_ratio), window=self.window)
         return None
 
     def reset_best(self) -> None:
@@ -172,9 +171,9 @@ class Overflow:
         while self.events and self.events[0] <= step - self.window:
             self.events.popleft()
         if len(self.events) >= self.limit:
-            return Finding("fp16_overflow", "trend", {
-                "overflows_in_window": len(self.events), "window": self.window,
-                "limit": self.limit, "loss_scale": scale})
+            return findings.Fp16Overflow.repeated(overflows_in_window=len(self.events),
+                                                  window=self.window, limit=self.limit,
+                                                  loss_scale=scale)
         return None
 
     def clear(self) -> None:

@@ -44,10 +44,12 @@ from torch import nn
 from .. import distributed
 from ..config import GuardConfig
 from ..kinds import PRECISIONS, ClipMode, Precision
+from ..values import jsonable
 from ..trainer.precision import native_support
 from . import policy, probes, provenance
 from .detectors import BucketLossSpike, Divergence, Finding, GradSpike, Overflow, RunningStats
-from .findings import finding_from_row
+from . import findings
+from .findings import FindingSeverity, IncidentAction, IncidentKind, finding_from_row
 from .policy import Action, History
 from .snapshots import Snapshot, SnapshotRing, restore_into
 from .update import Progress, ProgressLike, Update
@@ -68,16 +70,16 @@ class Incident:
     """One intervention: what was seen, what was done, what it cost."""
 
     step: int
-    kind: str
-    severity: str
+    kind: IncidentKind
+    severity: FindingSeverity
     evidence: dict[str, Any]
-    action: str
+    action: IncidentAction
     cost: dict[str, Any] = field(default_factory=dict)
     diagnosis: dict[str, Any] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
 
     def row(self) -> dict[str, Any]:
-        return _jsonable(asdict(self))
+        return jsonable(asdict(self))
 
 
 @dataclass
@@ -105,18 +107,6 @@ class Decision:
     precision: Precision | None = None
     grad_norm_clipped: float | None = None
     loss_t: list[float | None] | None = None
-
-
-def _jsonable(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple, range)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else str(obj)
-    if isinstance(obj, torch.Tensor):
-        return _jsonable(obj.tolist())
-    return obj
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -259,11 +249,8 @@ class Guard:
         if finding is None and self.max_lr > 0 and lr_now > c.lr_jump * self.max_lr:
             # an LR far above anything applied before (warm-up and restarts stay below the
             # peak): a schedule or config bug, and it would wreck the weights in one update
-            finding = Finding("lr_spike", "spike", {
-                "lr": lr_now, "max_lr_so_far": self.max_lr, "ratio": lr_now / self.max_lr,
-                "threshold": c.lr_jump,
-                "note": "the learning rate jumped far above its peak so far: check the LR "
-                        "schedule / scheduler state"})
+            finding = findings.LrSpike.new(lr=lr_now, max_lr_so_far=self.max_lr,
+                                           threshold=c.lr_jump)
         if finding is None:
             # a loss spike explains the gradient spike it causes: report it as the cause
             g_spike, l_spike = self.grad.check(seen.grad_norm), self.loss.check(seen.buckets)
@@ -352,8 +339,9 @@ class Guard:
                     if forward and self.cfg.provenance else None)
             if not forward or (prov or {}).get("first_overflow_module"):
                 return self._overflow_finding(seen, prov, forward)
-        return Finding("nonfinite_loss" if not math.isfinite(seen.loss) else "nonfinite_grad",
-                       "fatal", {"loss": seen.loss, "grad_norm": seen.grad_norm})
+        if not math.isfinite(seen.loss):
+            return findings.NonfiniteLoss.new(loss=seen.loss, grad_norm=seen.grad_norm)
+        return findings.NonfiniteGrad.new(loss=seen.loss, grad_norm=seen.grad_norm)
 
     def _overflow_finding(self, seen: _Seen, prov: dict | None, forward: bool) -> Finding:
         """An fp16 overflow: ``routine`` (gradients, while the scale calibrates), ``spike``
@@ -366,9 +354,10 @@ class Guard:
             if prov:
                 trend.evidence["provenance"] = prov
             return trend
-        return Finding("fp16_overflow", "spike" if forward else "routine", {
-            "loss": seen.loss, "loss_scale": scale, "provenance": prov,
-            "note": "an activation exceeded the fp16 range in the forward pass"})
+        f = findings.Fp16Overflow.forward(loss=seen.loss, loss_scale=scale, provenance=prov)
+        if not forward:
+            f.severity = "routine"  # gradients overflowed: the scaler's calibration, silent
+        return f
 
     def _gather_evidence(self, finding: Finding, replay, num_micro, after_backward,
                          probe_forward) -> None:
@@ -391,15 +380,10 @@ class Guard:
         max |x|), is a data problem, not a model one: skip it and say so."""
         st = self.inputs
         if not math.isfinite(in_max):
-            return Finding("bad_batch", "fatal", {
-                "max_abs_input": in_max, "note": "the batch itself holds NaN/Inf values: "
-                "check the data (a corrupt image, a bad transform)"})
+            return findings.BadBatch.new(max_abs_input=in_max)
         usual = math.exp(st.mean) if st.count else None
         if usual is not None and st.count >= 10 and in_max > 10 * usual:
-            return Finding("bad_batch", "spike", {
-                "max_abs_input": in_max, "usual_max_abs_input": usual,
-                "note": f"the batch has values up to {in_max:.3g}, {in_max / usual:.3g}x the "
-                        "usual range: check the data"})
+            return findings.BadBatch.new(max_abs_input=in_max, usual_max_abs_input=usual)
         st.update(math.log(max(in_max, 1e-12)))
         return None
 
@@ -417,16 +401,13 @@ class Guard:
         ok_v, jump_v = check.cpu().tolist()  # host sync
         if not ok_v:
             bad = provenance.nonfinite_params(self.net)
-            return Finding("nonfinite_params", "fatal", {
-                "params": bad[:5], "count": len(bad),
-                "note": "parameters became non-finite during or right after the update"})
+            return findings.NonfiniteParams.new(params=bad[:5], count=len(bad))
         if jump_v > self.cfg.weight_jump:
             ratios = (norms / torch.maximum(self._prev_norms, self._norm_floor)).cpu().tolist()
             top = sorted(zip(ratios, self._names), reverse=True)[:3]
-            return Finding("weight_jump", "fatal", {
-                "params": [n for _, n in top], "norm_ratio": [r for r, _ in top],
-                "threshold": self.cfg.weight_jump,
-                "note": "a parameter's norm jumped in one step: corrupted or exploded weights"})
+            return findings.WeightJump.new(params=[n for _, n in top],
+                                           norm_ratio=[r for r, _ in top],
+                                           threshold=self.cfg.weight_jump)
         self._prev_norms = norms
         return None
 
@@ -484,9 +465,8 @@ class Guard:
         prog.batches_consumed += 1
         self._trim()
         if a.budget_abort:
-            b = Finding("skip_budget", "fatal", {"skips": len(self.skips),
-                                                 "max_skips": c.max_skips,
-                                                 "window": c.budget_window})
+            b = findings.SkipBudget.new(skips=len(self.skips), max_skips=c.max_skips,
+                                        window=c.budget_window)
             inc = self._record(b, "abort", diagnosis={"why": a.budget_abort})
             return Decision("abort", prog.step, prog.batches_consumed, seen.loss,
                             seen.grad_norm, inc)
@@ -543,8 +523,7 @@ class Guard:
         self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        f = Finding("out_of_memory", "fatal", {"micro_batch": micro_batch,
-                                               "error": str(error).splitlines()[0][:200]})
+        f = findings.OutOfMemory.new(micro_batch=micro_batch, error=error)
         new, why = policy.decide_oom(micro_batch, self.cfg)
         if new is None:
             self._record(f, "abort", diagnosis={"why": why})
@@ -671,12 +650,9 @@ class Guard:
         self._prev_norms = None
         self.ring.ring.clear()
         self.snapshot()
-        return self._record(Finding("rank_mismatch", "fatal", {
-            "ranks_differing": odd, "source_rank": src, "world_size": len(keys),
-            "fingerprints": [list(k) for k in keys],
-            "note": "the replicas' weights differ bitwise across ranks: a rank applied a "
-                    "different update (memory corruption, a non-deterministic or local "
-                    "operation outside DDP)"}), "resync",
+        return self._record(findings.RankMismatch.new(
+            ranks_differing=odd, source_rank=src, world_size=len(keys),
+            fingerprints=[list(k) for k in keys]), "resync",
             diagnosis={"why": f"rank(s) {odd} resynchronized from rank {src}"})
 
     # ------------------------------------------------------------------ snapshots

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ..models.layers import Attention
-from .detectors import Finding
+from .findings import (AttentionEntropyCollapse, AttentionLogitGrowth, Finding,
+                       NormAffineExploded, NormEpsDominated)
 
 
 def _norm_input_var(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -76,23 +77,16 @@ def findings(stats: dict[str, dict[str, dict[str, float]]], *, logit_limit: floa
         if not s:
             continue
         if not math.isfinite(s["max_logit"]) or s["max_logit"] > logit_limit:
-            out.append(Finding("attention_logit_growth", "warn", {
-                "module": name, "max_logit": s["max_logit"], "limit": logit_limit,
-                "recommendation": "enable model.qk_norm (QK-norm bounds the logits), or lower "
-                                  "the peak LR"}))
+            out.append(AttentionLogitGrowth.new(module=name, max_logit=s["max_logit"],
+                                                limit=logit_limit))
         if s["entropy"] < entropy_min:
-            out.append(Finding("attention_entropy_collapse", "warn", {
-                "module": name, "entropy": s["entropy"], "min": entropy_min,
-                "recommendation": "enable model.qk_norm; attention collapsed onto single keys"}))
+            out.append(AttentionEntropyCollapse.new(module=name, entropy=s["entropy"],
+                                                    min=entropy_min))
     for name, s in stats["norm"].items():
         if s["median_var"] < var_ratio * s["eps"]:
-            out.append(Finding("norm_eps_dominated", "warn", {
-                "module": name, "median_input_var": s["median_var"], "eps": s["eps"],
-                "recommendation": f"the input variance is below {var_ratio}x eps: the layer no "
-                                  "longer normalizes; raise its eps or check the preceding layer"}))
+            out.append(NormEpsDominated.new(module=name, median_input_var=s["median_var"],
+                                            eps=s["eps"], var_ratio=var_ratio))
         if not math.isfinite(s["affine_max"]) or s["affine_max"] > affine_limit:
-            out.append(Finding("norm_affine_exploded", "warn", {
-                "module": name, "affine_max": s["affine_max"], "limit": affine_limit,
-                "recommendation": "normalization scale/shift parameters exploded; lower the LR "
-                                  "or exclude them from weight-decay-free groups"}))
+            out.append(NormAffineExploded.new(module=name, affine_max=s["affine_max"],
+                                              limit=affine_limit))
     return out

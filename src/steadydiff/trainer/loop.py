@@ -512,13 +512,11 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     if c is not None:
         CheckpointIO(state).restore_guard(c)
 
-    tb = None
     if main:
         run.root.mkdir(parents=True, exist_ok=True)
         run.config.write_text(cfg.to_yaml())
         for name in JSONL_LOGS:
             telemetry.truncate_jsonl(run.root / name, state.step)
-        tb = telemetry.TensorBoard(run_dir) if cfg.logging.tensorboard else None
 
     def batches_from(position: int):
         return iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
@@ -526,93 +524,133 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
                                 num_workers=cfg.data.num_workers, rank=ctx.rank,
                                 world_size=ctx.world_size, pin_memory=device.type == "cuda"))
 
-    # ---- the loop: {status, evaluation, samples, checkpoint, done?, step}
+    # ---- the loop: {report, done?, step}
     batches = batches_from(state.batches_consumed)
-    samples: list[Path] = []
-    last_ckpt: Path | None = source
-    total, log_cfg, tcfg = cfg.train.steps, cfg.logging, cfg.train
-    bar = tqdm(total=total, initial=state.step, disable=not (log_cfg.progress and main),
-               dynamic_ncols=True, desc="train")
-    window: list[StepOutput] = []
-    tick = time.perf_counter()
-    last_loss: float | None = None
-    saved = state.step
-    stepped = False  # a step was trained since the last pass: there is something to report
+    out = _Outputs(state, run, main, watchdog, skipped_at_scan, source)
     try:
-        with (open(run.metrics, "a") if main else contextlib.nullcontext()) as metrics, \
-                (open(run.layers, "a") if main else contextlib.nullcontext()) as layers:
+        with out:
+            stepped = False  # a step was trained since the last pass: something to report
             while True:
-                step = state.step
-                done = step >= total or state.evaluator.stopped
+                done = state.step >= cfg.train.steps or state.evaluator.stopped
                 if stepped:
-                    out = window[-1]
-                    if out.layer_grad_norms is not None and main:  # layer-statistics step
-                        layers.write(json.dumps(telemetry.layer_stats(state, out)) + "\n")
-                        layers.flush()
-                    if step % log_cfg.log_every == 0 or done:
-                        now = time.perf_counter()
-                        row = telemetry.metrics_row(state, window, (now - tick) / len(window),
-                                                    skipped_at_scan + len(state.bad_images))
-                        tick, window = now, []
-                        last_loss = row["loss"]
-                        if main:
-                            metrics.write(json.dumps(row) + "\n")
-                            metrics.flush()
-                            if tb:
-                                tb.scalars(row)
-                            bar.set_postfix_str(_status(row), refresh=False)
-                    if state.evaluator.due(step):
-                        # before the checkpoint, which holds the result; rank 0 measures,
-                        # every rank takes its best/patience state, so all stop early together
-                        if main:
-                            watchdog.beat(f"evaluation at step {step}")
-                            state.evaluator.run(state, tb, lambda: save_best(state, run))
-                        state.evaluator.load_state_dict(
-                            distributed.broadcast_object(state.evaluator.state_dict()))
-                        done = done or state.evaluator.stopped
-                    if (tcfg.sample_every and step % tcfg.sample_every == 0 or done) and main:
-                        watchdog.beat(f"sample grid at step {step}")
-                        samples.append(write_sample_grid(state, run.sample_grid(step)))
-                        if tb:
-                            tb.image(samples[-1], step)
-                    if (tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0
-                            or done) and step != saved:
-                        watchdog.beat(f"checkpoint at step {step}")
-                        written = save(state, run)
-                        if written is not None:
-                            last_ckpt, saved = written, step
+                    done = out.report(done)
                 if done:
                     break
-                watchdog.beat(f"step {step}")
-                out = train_step(state, next(batches))
-                how = handle_decision(state, out.decision, say)
+                watchdog.beat(f"step {state.step}")
+                step_out = train_step(state, next(batches))
+                how = handle_decision(state, step_out.decision, say)
                 stepped = how == "stepped"
                 if stepped:
-                    window.append(out)
-                    bar.update(1)
+                    out.add(step_out)
                 elif how == "rolled_back":
-                    bar.n = state.step
+                    out.rolled_back()
                     batches = batches_from(state.batches_consumed)
-                    window, saved = [], min(saved, state.step)
-            if saved != state.step:  # the final checkpoint failed: one more try, then stop
-                last_ckpt = save(state, run)
-                if last_ckpt is None:
-                    raise CheckpointSaveError(f"could not write the final checkpoint at step "
-                                              f"{state.step}; see the errors above")
+            out.final_checkpoint()
     except GuardAbort as e:
-        bar.close()
         if main:
-            _finish(state, run, "aborted", reason=str(e), tb=tb)
+            _finish(state, run, "aborted", reason=str(e), tb=out.tb)
         raise
-    bar.close()
     stopped = state.evaluator.stop_reason() if state.evaluator.stopped else None
     if stopped:
         say(stopped)
-    summary = _finish(state, run, "finished", reason=stopped, tb=tb) if main else None
-    return RunResult(run_dir, state.step, last_loss, last_ckpt, samples, c.path if c else None,
-                     time.perf_counter() - t_start,
+    summary = _finish(state, run, "finished", reason=stopped, tb=out.tb) if main else None
+    return RunResult(run_dir, state.step, out.last_loss, out.last_ckpt, out.samples,
+                     c.path if c else None, time.perf_counter() - t_start,
                      incidents=guard.num_incidents if guard else 0, guard_summary=summary,
                      stopped_early=stopped)
+
+
+class _Outputs:
+    """What the loop writes while it trains, at each interval or when the run is done: the
+    progress bar, layer statistics, metrics rows (and TensorBoard), evaluation, sample grids
+    and checkpoints. Rank 0 writes; every rank takes part in the collectives (evaluation
+    state, checkpoint outcome)."""
+
+    def __init__(self, state: TrainState, run: RunDir, main: bool,
+                 watchdog: distributed.Watchdog, skipped_at_scan: int, source: Path | None):
+        cfg = state.cfg
+        self.state, self.run, self.main, self.watchdog = state, run, main, watchdog
+        self.skipped_at_scan = skipped_at_scan
+        self.tb = telemetry.TensorBoard(run.root) if cfg.logging.tensorboard and main else None
+        self.bar = tqdm(total=cfg.train.steps, initial=state.step,
+                        disable=not (cfg.logging.progress and main), dynamic_ncols=True,
+                        desc="train")
+        self.window: list[StepOutput] = []
+        self.tick = time.perf_counter()
+        self.last_loss: float | None = None
+        self.samples: list[Path] = []
+        self.last_ckpt, self.saved = source, state.step
+        self._files = contextlib.ExitStack()
+
+    def __enter__(self) -> "_Outputs":
+        if self.main:
+            self.metrics = self._files.enter_context(open(self.run.metrics, "a"))
+            self.layers = self._files.enter_context(open(self.run.layers, "a"))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._files.close()
+        self.bar.close()
+
+    def add(self, out: StepOutput) -> None:
+        """A step was applied."""
+        self.window.append(out)
+        self.bar.update(1)
+
+    def rolled_back(self) -> None:
+        """The guard moved the run back: the window's steps are undone."""
+        self.bar.n = self.state.step
+        self.window, self.saved = [], min(self.saved, self.state.step)
+
+    def report(self, done: bool) -> bool:
+        """Everything due at this step (``done``: the run ends here, so all of it). Returns
+        ``done``, which evaluation's early stopping may have set."""
+        state, main, tcfg = self.state, self.main, self.state.cfg.train
+        step, out = state.step, self.window[-1]
+        if out.layer_grad_norms is not None and main:  # a layer-statistics step
+            self.layers.write(json.dumps(telemetry.layer_stats(state, out)) + "\n")
+            self.layers.flush()
+        if step % state.cfg.logging.log_every == 0 or done:
+            now = time.perf_counter()
+            row = telemetry.metrics_row(state, self.window, (now - self.tick) / len(self.window),
+                                        self.skipped_at_scan + len(state.bad_images))
+            self.tick, self.window, self.last_loss = now, [], row["loss"]
+            if main:
+                self.metrics.write(json.dumps(row) + "\n")
+                self.metrics.flush()
+                if self.tb:
+                    self.tb.scalars(row)
+                self.bar.set_postfix_str(_status(row), refresh=False)
+        if state.evaluator.due(step):
+            # before the checkpoint, which holds the result; rank 0 measures, every rank
+            # takes its best/patience state, so all stop early together
+            if main:
+                self.watchdog.beat(f"evaluation at step {step}")
+                state.evaluator.run(state, self.tb, lambda: save_best(state, self.run))
+            state.evaluator.load_state_dict(
+                distributed.broadcast_object(state.evaluator.state_dict()))
+            done = done or state.evaluator.stopped
+        if (tcfg.sample_every and step % tcfg.sample_every == 0 or done) and main:
+            self.watchdog.beat(f"sample grid at step {step}")
+            self.samples.append(write_sample_grid(state, self.run.sample_grid(step)))
+            if self.tb:
+                self.tb.image(self.samples[-1], step)
+        if (tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 or done) \
+                and step != self.saved:
+            self.watchdog.beat(f"checkpoint at step {step}")
+            written = save(state, self.run)
+            if written is not None:
+                self.last_ckpt, self.saved = written, step
+        return done
+
+    def final_checkpoint(self) -> None:
+        """The final checkpoint failed (train.on_save_error=retry): one more try, then stop."""
+        if self.saved == self.state.step:
+            return
+        self.last_ckpt = save(self.state, self.run)
+        if self.last_ckpt is None:
+            raise CheckpointSaveError(f"could not write the final checkpoint at step "
+                                      f"{self.state.step}; see the errors above")
 
 
 def _status(row: dict) -> str:
