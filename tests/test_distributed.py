@@ -259,3 +259,26 @@ def test_single_process_is_not_distributed(monkeypatch):
     assert distributed.gather_objects({"a": 1}) == [{"a": 1}]
     v = torch.arange(3.0)
     assert torch.equal(distributed.gather_rows(v), v.unsqueeze(0))
+
+
+def test_incidents_name_the_rank_and_its_parameters(tmp_path):
+    """Faults on rank 1 only: a NaN weight, a weight scaled 1e4x, a finite outlier batch.
+    Rank 0 writes the incidents, and each names rank 1 and what went wrong there (rank 0
+    used to list its own, healthy, parameters: none; and a finite outlier had no rank)."""
+    faults = json.dumps([{"kind": "param_nan", "step": 3, "rank": 1},
+                         {"kind": "param_huge", "step": 6, "rank": 1},
+                         {"kind": "outlier_batch", "step": 12, "rank": 1}])
+    rc, log = launch(tmp_path, f"faults={faults}", "guard.snapshot_every=2", "train.steps=14")
+    assert rc == 0, log
+    (r0, r1), (s0, s1) = ranks(tmp_path)
+    assert same(r0, r1)
+    by_kind = {i["kind"]: i for i in s0["incidents"]}
+    nan = by_kind["nonfinite_params"]
+    assert nan["rank"] == 1 and nan["evidence"]["params"] and nan["evidence"]["count"] >= 1
+    jump = by_kind["weight_jump"]
+    assert jump["rank"] == 1 and jump["evidence"]["norm_ratio"][0] > 100
+    assert jump["evidence"]["params"][0] == nan["evidence"]["params"][0]  # the same victim
+    outlier = by_kind["bad_batch"]
+    assert outlier["rank"] == 1 and outlier["evidence"]["usual_max_abs_input"] > 0
+    assert [(i["kind"], i["rank"]) for i in s0["incidents"]] == \
+        [(i["kind"], i["rank"]) for i in s1["incidents"]]

@@ -202,6 +202,7 @@ class Guard:
                                         device=self._params[0].device if self._params else None)
         self._prev_norms: torch.Tensor | None = None
         self._bad_rank: int | None = None  # the rank where this step's bad value appeared
+        self._outlier_rank: int | None = None  # the rank with this step's largest input
         self.snapshot()
 
     @property
@@ -315,6 +316,8 @@ class Guard:
         rows = distributed.gather_rows(torch.cat(parts)).cpu()  # host sync, once per step
         world = rows.shape[0]
         self._bad_rank = _first_bad_rank(rows[:, :3]) if world > 1 else None
+        # a finite outlier batch: the rank holding the largest input (every value finite)
+        self._outlier_rank = int(rows[:, 2].argmax()) if world > 1 else None
         # the global mean loss (ranks may hold different shares of an uneven batch)
         loss_v = float((rows[:, 0] * rows[:, 3]).sum() / rows[:, 3].sum())
         col = rows[:, 2]
@@ -362,8 +365,11 @@ class Guard:
     def _gather_evidence(self, finding: Finding, replay, num_micro, after_backward,
                          probe_forward) -> None:
         c = self.cfg
-        if self._bad_rank is not None:
-            finding.evidence["rank"] = self._bad_rank  # where the bad value appeared
+        rank = self._bad_rank
+        if rank is None and finding.kind == "bad_batch":
+            rank = self._outlier_rank  # finite but far outside the usual range
+        if rank is not None:
+            finding.evidence["rank"] = rank  # where the bad value appeared
         if finding.severity == "spike":
             finding.evidence.update(self._spike_evidence())
         if c.provenance and finding.kind != "bad_batch":
@@ -400,14 +406,27 @@ class Guard:
             check[0] = -check[0]
         ok_v, jump_v = check.cpu().tolist()  # host sync
         if not ok_v:
-            bad = provenance.nonfinite_params(self.net)
-            return findings.NonfiniteParams.new(params=bad[:5], count=len(bad))
+            # under DDP the bad weights may be one rank's own: every rank names its own and
+            # the first rank that has any is the one reported (one gather, on incidents only)
+            per_rank = distributed.gather_objects(provenance.nonfinite_params(self.net))
+            src = next((r for r, b in enumerate(per_rank) if b), 0)
+            f = findings.NonfiniteParams.new(params=per_rank[src][:5],
+                                             count=len(per_rank[src]))
+            if world > 1:
+                f.evidence["rank"] = src
+            return f
         if jump_v > self.cfg.weight_jump:
             ratios = (norms / torch.maximum(self._prev_norms, self._norm_floor)).cpu().tolist()
-            top = sorted(zip(ratios, self._names), reverse=True)[:3]
-            return findings.WeightJump.new(params=[n for _, n in top],
-                                           norm_ratio=[r for r, _ in top],
-                                           threshold=self.cfg.weight_jump)
+            per_rank = distributed.gather_objects(sorted(zip(ratios, self._names),
+                                                         reverse=True)[:3])
+            src = max(range(len(per_rank)), key=lambda r: per_rank[r][0][0])
+            top = per_rank[src]
+            f = findings.WeightJump.new(params=[n for _, n in top],
+                                        norm_ratio=[r for r, _ in top],
+                                        threshold=self.cfg.weight_jump)
+            if world > 1:
+                f.evidence["rank"] = src
+            return f
         self._prev_norms = norms
         return None
 
