@@ -674,8 +674,8 @@ def _bar_fits(stream) -> bool:
 
 def _status(row: dict) -> str:
     """The status line: the progress bar's postfix on a terminal (tqdm adds step, speed and
-    ETA), a plain line with the step and s/step in a log. Non-finite values
-    arrive as strings ("nan"): a run without the guard keeps going, and so must its bar."""
+    ETA), and in a log a plain line that adds them itself. Non-finite values arrive as
+    strings ("nan"): a run without the guard keeps going, and so must its status."""
     def f(v, spec):
         return format(v, spec) if isinstance(v, (int, float)) else str(v)
     s = (f"loss {f(row['loss'], '.4f')} | gnorm {f(row['grad_norm'], '.3g')}"
