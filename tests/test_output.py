@@ -122,9 +122,14 @@ def _commands() -> dict[str, argparse.ArgumentParser]:
 
 
 def test_every_option_has_help():
-    missing = [(cmd, a.option_strings or a.dest) for cmd, p in _commands().items()
-               for a in p._actions if not a.help]
+    parsers = {"steadydiff": _parser(), **_commands()}
+    missing = [(cmd, a.option_strings or a.dest) for cmd, p in parsers.items()
+               for a in p._actions if not a.help
+               and not isinstance(a, argparse._SubParsersAction)]  # its commands have help
     assert missing == []
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert {c.dest: bool(c.help) for c in sub._choices_actions} == \
+        {cmd: True for cmd in _commands()}  # each command's line in `steadydiff --help`
 
 
 @pytest.mark.parametrize("cmd", list(_commands()))
