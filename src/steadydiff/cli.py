@@ -17,16 +17,27 @@ import argparse
 import json
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
+from . import __version__
 from .kinds import SAMPLER_NAMES
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_ABORTED, EXIT_SAVE_FAILED = 0, 2, 3, 4
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+    """Shows each option's default once: appended when the parser holds a value, left out
+    when the help already says it (``default: auto``), for flags, and for None (the command
+    resolves it: the help says how)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (action.default in (None, argparse.SUPPRESS) or action.nargs == 0
+                or re.search(r"\bdefault\b", text, re.I)):
+            return text
+        return super()._get_help_string(action)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -37,6 +48,7 @@ def _parser() -> argparse.ArgumentParser:
                "(instability past the recovery budget), 4 could not write a checkpoint, "
                "5 distributed failure (a rank died or hung). Multi-process: "
                "torchrun --nproc_per_node=N -m steadydiff train CONFIG (docs/distributed.md)")
+    p.add_argument("--version", action="version", version=f"steadydiff {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     t = sub.add_parser("train", formatter_class=_Formatter,
@@ -67,13 +79,16 @@ def _parser() -> argparse.ArgumentParser:
                                       "intact checkpoint)")
     s.add_argument("--sampler", choices=SAMPLER_NAMES, default=None,
                    help="default: the checkpoint config's sample.sampler")
-    s.add_argument("--steps", type=int, default=None, help="sampling steps")
-    s.add_argument("--num", type=int, default=None, help="number of samples")
+    s.add_argument("--steps", type=int, default=None, help="sampling steps (default: sample.steps)")
+    s.add_argument("--num", type=int, default=None, help="number of samples (default: sample.num)")
     s.add_argument("--class-label", type=int, default=None,
                    help="class for a class-conditional model (default: cycle through all)")
-    s.add_argument("--cfg-scale", type=float, default=None, help="classifier-free guidance")
-    s.add_argument("--eta", type=float, default=None, help="DDIM stochasticity")
-    s.add_argument("--seed", type=int, default=None)
+    s.add_argument("--cfg-scale", type=float, default=None,
+                   help="classifier-free guidance scale (default: sample.cfg_scale)")
+    s.add_argument("--eta", type=float, default=None,
+                   help="DDIM stochasticity (default: sample.eta)")
+    s.add_argument("--seed", type=int, default=None,
+                   help="sampling seed (default: sample.seed)")
     s.add_argument("--raw-weights", action="store_true",
                    help="use the raw model weights instead of the EMA")
     s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")

@@ -289,7 +289,8 @@ class EvalConfig(Section):
 
 class LoggingConfig(Section):
     log_every: int = Field(25, ge=1, description="steps between metrics.jsonl rows")
-    progress: bool = True
+    progress: bool = Field(True, description="show progress: a bar on a terminal; in a log "
+                           "(CI, SLURM, a pipe) a status line every log_every steps")
     tensorboard: bool = Field(False, description="also write TensorBoard event files "
                               "(pip install 'steadydiff[tensorboard]')")
     layer_stats_every: int = Field(100, ge=0, description="steps between per-layer statistics "

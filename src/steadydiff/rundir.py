@@ -4,7 +4,7 @@
       config.yaml         the resolved config (written at every start)
       metrics.jsonl       one row per log_every steps (trainer/telemetry.py owns the keys)
       layers.jsonl        per-layer statistics (logging.layer_stats_every)
-      incidents.jsonl     one row per guard intervention
+      incidents.jsonl     one row per guard intervention (created empty at the start)
       eval.jsonl          one row per evaluation during training
       summary.json        how the run ended (finished / aborted)
       report.html         the health report

@@ -78,6 +78,27 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _umask() -> int:
+    """The process umask. Linux reports it in /proc; elsewhere reading it means setting it
+    (process-wide, for an instant: other threads could create a file under the stand-in)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _follow_umask(path: Path) -> None:
+    """Give ``path`` the mode a plain ``open()`` would: safetensors writes through a
+    temporary file, which is created 0600 whatever the umask."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=True))
 
@@ -196,6 +217,7 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module | dict[str,
         _write_json(tmp / "state.json", {**state, "step": step, "format": FORMAT_VERSION})
         manifest = {"format": FORMAT_VERSION, "step": step, "finite": True, "files": {}}
         for f in FILES:
+            _follow_umask(tmp / f)  # the run's other files' permissions, not 0600
             _fsync_file(tmp / f)
             manifest["files"][f] = {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
         _write_json(tmp / "manifest.json", manifest)

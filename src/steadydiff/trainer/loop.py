@@ -19,6 +19,7 @@ import contextlib
 import json
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -517,6 +518,9 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         run.config.write_text(cfg.to_yaml())
         for name in JSONL_LOGS:
             telemetry.truncate_jsonl(run.root / name, state.step)
+        # tools expect the file: a healthy run leaves it empty (never truncated: rows of a
+        # resumed run were cut to its step just above)
+        run.incidents.touch()
 
     def batches_from(position: int):
         return iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
@@ -572,9 +576,12 @@ class _Outputs:
         self.state, self.run, self.main, self.watchdog = state, run, main, watchdog
         self.skipped_at_scan = skipped_at_scan
         self.tb = telemetry.TensorBoard(run.root) if cfg.logging.tensorboard and main else None
-        self.bar = tqdm(total=cfg.train.steps, initial=state.step,
-                        disable=not (cfg.logging.progress and main), dynamic_ncols=True,
-                        desc="train")
+        # a bar on a terminal; in a log (CI, SLURM, a pipe, a terminal with no size, where
+        # tqdm's carriage returns make one endless line) the status as a line per row instead
+        show, bar = cfg.logging.progress and main, _bar_fits(sys.stderr)
+        self.lines = show and not bar
+        self.bar = tqdm(total=cfg.train.steps, initial=state.step, disable=not (show and bar),
+                        dynamic_ncols=True, desc="train")
         self.window: list[StepOutput] = []
         self.tick = time.perf_counter()
         self.last_loss: float | None = None
@@ -620,7 +627,11 @@ class _Outputs:
                 self.metrics.flush()
                 if self.tb:
                     self.tb.scalars(row)
-                self.bar.set_postfix_str(_status(row), refresh=False)
+                if self.lines:
+                    print(f"train step {step}/{tcfg.steps} | {_status(row)} | "
+                          f"{row['sec_per_step']:.3g} s/step", file=sys.stderr, flush=True)
+                else:
+                    self.bar.set_postfix_str(_status(row), refresh=False)
         if state.evaluator.due(step):
             # before the checkpoint, which holds the result; rank 0 measures, every rank
             # takes its best/patience state, so all stop early together
@@ -653,9 +664,18 @@ class _Outputs:
                                       f"{self.state.step}; see the errors above")
 
 
+def _bar_fits(stream) -> bool:
+    """Whether ``stream`` is a terminal with a width, where a redrawn bar reads well."""
+    try:
+        return stream.isatty() and os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):  # no fileno (a captured stream), or closed
+        return False
+
+
 def _status(row: dict) -> str:
-    """The progress bar's status line (tqdm adds step, speed and ETA). Non-finite values
-    arrive as strings ("nan"): a run without the guard keeps going, and so must its bar."""
+    """The status line: the progress bar's postfix on a terminal (tqdm adds step, speed and
+    ETA), and in a log a plain line that adds them itself. Non-finite values arrive as
+    strings ("nan"): a run without the guard keeps going, and so must its status."""
     def f(v, spec):
         return format(v, spec) if isinstance(v, (int, float)) else str(v)
     s = (f"loss {f(row['loss'], '.4f')} | gnorm {f(row['grad_norm'], '.3g')}"
