@@ -103,3 +103,23 @@ def test_oom():
     assert decide_oom(8, CFG) == (4, "micro-batch 8 -> 4")
     assert decide_oom(1, CFG)[0] is None
     assert decide_oom(8, GuardConfig(oom_backoff=False)) == (None, "oom_backoff disabled")
+
+
+def test_budgets_at_their_boundaries():
+    """max_skips=4 per budget_window=1000: the 4th skip in the window is allowed, the 5th is
+    not; an event exactly budget_window steps back still counts, one more step back does not.
+    max_rollbacks=2: the 2nd rollback is allowed, the 3rd aborts."""
+    c = GuardConfig(skips_before_rollback=100, skip_window=10, max_skips=4,
+                    budget_window=1000, max_rollbacks=2)
+    three = (1000, 1200, 1400)
+    assert decide(f("grad_spike"), History(step=1500, skips=three), c).budget_abort is None
+    four = three + (1450,)
+    assert decide(f("grad_spike"), History(step=1500, skips=four), c).budget_abort
+    edge = (500,) + three  # 1500 - 1000 = 500: inside the window
+    assert decide(f("grad_spike"), History(step=1500, skips=edge), c).budget_abort
+    outside = (499,) + three
+    assert decide(f("grad_spike"), History(step=1500, skips=outside), c).budget_abort is None
+    bad = f("nonfinite_params", "fatal")
+    assert decide(bad, History(step=900, rollbacks=(800,)), c).kind == "rollback"
+    assert decide(bad, History(step=900, rollbacks=(800, 850)), c).kind == "abort"
+    assert decide(bad, History(step=1851, rollbacks=(800, 850)), c).kind == "rollback"
