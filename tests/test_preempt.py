@@ -237,13 +237,14 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     os.kill(pids[1], signal.SIGTERM)
     rc = proc.wait(timeout=240)
     log = logf.read_text()
-    assert rc != 0, log[-3000:]  # torchrun reports its workers' non-zero exit
-    assert log.count(f"exitcode  : {EXIT_INTERRUPTED}") == 2 or \
-        log.replace("  ", " ").count(f"exitcode : {EXIT_INTERRUPTED}") == 2, log[-3000:]
+    # torchrun reports the group failed (exit 1): the first worker to exit had status 6, and
+    # torchrun then ends the others (SIGTERM), which by then have written everything
+    assert rc != 0, log[-3000:]
+    assert f"failed (exitcode: {EXIT_INTERRUPTED})" in log, log[-3000:]
     (r0, r1), (s0, s1) = ranks(out)
     assert s0["step"] == s1["step"] == 3
     assert same(r0, r1)
-    names = [p.name for p in ckpt.list_checkpoints(out / "checkpoints")]
+    names = sorted(p.name for p in ckpt.list_checkpoints(out / "checkpoints"))
     assert names == ["step_00000002", "step_00000003"]
     assert ckpt.verify_checkpoint(out / "checkpoints" / "step_00000003") == []
     s = json.loads((out / "summary.json").read_text())

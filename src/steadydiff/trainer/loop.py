@@ -572,6 +572,9 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
                        incidents=guard.num_incidents if guard else 0, guard_summary=summary,
                        stopped_early=stopped, interrupted=signame)
     if stop:
+        # torchrun ends the other workers as soon as one exits non-zero: every rank waits
+        # here until rank 0 has written summary.json and the report
+        distributed.barrier()
         raise TrainingInterrupted(signame, state.step, out.last_ckpt, result)
     return result
 
