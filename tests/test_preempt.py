@@ -119,7 +119,8 @@ def test_signal_checkpoints_the_step_then_rerun_is_exact(tmp_path, images, strai
     assert ckpt.latest_good(run / "checkpoints").name == "step_00000003"
     s = _summary(run)
     assert (s["status"], s["steps"], s["signal"]) == ("interrupted", 3, sig.name)
-    assert (run / "report.html").is_file()
+    assert f"Interrupted by {sig.name} at step 3 of 6 with a checkpoint" in \
+        (run / "report.html").read_text()  # the report's verdict, not "killed"
     lines = log.splitlines()  # each message on a line of its own
     assert f"{sig.name} received: stopping after this step, with a checkpoint " \
            "(a second signal stops at once)" in lines
