@@ -563,8 +563,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     if stopped:
         say(stopped)
     signame = signal_name(stop) if stop else None
-    status, reason = ("interrupted", f"{signame} at step {state.step}") if stop else \
-        ("finished", stopped)
+    status = "interrupted" if stop else "finished"
+    reason = f"{signame} at step {state.step}" if stop else stopped
     summary = _finish(state, run, status, reason=reason, tb=out.tb, signal=signame) \
         if main else None
     result = RunResult(run_dir, state.step, out.last_loss, out.last_ckpt, out.samples,
