@@ -219,10 +219,12 @@ def _rank_pids(torchrun: subprocess.Popen) -> dict[int, int]:
     return found
 
 
-def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    # 2 gloo ranks held before step 2; SIGTERM reaches rank 1 only. The per-step MAX
+@pytest.mark.parametrize("target", ["rank1", "torchrun"])
+def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, target):
+    # 2 gloo ranks held before step 2; SIGTERM reaches rank 1 only (rank1), or torchrun,
+    # which forwards it to every worker (what SLURM and Kubernetes do). The per-step MAX
     # all-reduce of the stop request makes both ranks stop after step 2, at step 3; rank 0
-    # writes the one checkpoint of step 3; every rank exits 6.
+    # writes the one checkpoint of step 3 and exits 6.
     hang = json.dumps([{"kind": "hang", "step": 2, "where": "before_step", "factor": 2}])
     out = tmp_path / "run"
     out.mkdir()
@@ -235,13 +237,17 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     _wait_for(_has(out / "checkpoints" / ckpt.checkpoint_name(2)), proc, timeout=240)
     pids = _rank_pids(proc)
     assert sorted(pids) == [0, 1], pids
-    os.kill(pids[1], signal.SIGTERM)
+    os.kill(pids[1] if target == "rank1" else proc.pid, signal.SIGTERM)
     rc = proc.wait(timeout=240)
     log = logf.read_text()
     # torchrun reports the group failed (exit 1): the first worker to exit had status 6, and
     # torchrun then ends the others (SIGTERM), which by then have written everything
     assert rc != 0, log[-3000:]
-    assert f"failed (exitcode: {EXIT_INTERRUPTED})" in log, log[-3000:]
+    if target == "rank1":
+        assert f"failed (exitcode: {EXIT_INTERRUPTED})" in log, log[-3000:]
+        assert log.count("SIGTERM received: stopping") == 1
+    else:  # the agent waits for its workers (30 s at most), then raises on the signal
+        assert "SignalException" in log and log.count("SIGTERM received: stopping") == 2
     (r0, r1), (s0, s1) = ranks(out)
     assert s0["step"] == s1["step"] == 3
     assert same(r0, r1)
@@ -251,6 +257,7 @@ def test_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert (s["status"], s["steps"], s["signal"]) == ("interrupted", 3, "SIGTERM")
     assert log.count("interrupted by SIGTERM at step 3") == 1  # rank 0 speaks for the group
+    assert "rank 1: SIGTERM received: stopping after this step" in log
     assert "to resume, run the same torchrun command again" in log
 
 

@@ -430,7 +430,8 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     ctx, device = distributed.setup(cfg.train.device, cfg.train.dist_timeout)
     try:
         with distributed.Watchdog(cfg.train.watchdog_timeout if ctx.enabled else 0,
-                                  ctx.rank) as watchdog, StopSignals() as signals:
+                                  ctx.rank) as watchdog, \
+                StopSignals(ctx.rank if ctx.enabled else None) as signals:
             return _run(cfg, ctx, device, watchdog, signals, Path(run_dir), dataset, resume,
                         allow_config_change)
     except torch.distributed.DistError as e:

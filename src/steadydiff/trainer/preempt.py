@@ -67,9 +67,11 @@ class StopSignals:
     """Context manager: while active, SIGTERM/SIGINT/SIGUSR1 request a stop at the next step.
 
     ``requested`` is this process's first signal (a number), ``None`` until one arrives.
+    ``rank`` (torchrun) prefixes the messages, which every rank that got a signal prints.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int | None = None) -> None:
+        self.who = f"rank {rank}: " if rank is not None else ""
         self.requested: int | None = None
         self._first_at = 0.0
         self._pid = os.getpid()
@@ -92,10 +94,10 @@ class StopSignals:
         name = signal.Signals(signum).name
         if self.requested is None:
             self.requested, self._first_at = signum, time.monotonic()
-            _say(f"\n{name} received: stopping after this step, with a checkpoint "
+            _say(f"\n{self.who}{name} received: stopping after this step, with a checkpoint "
                  "(a second signal stops at once)\n")
         elif time.monotonic() - self._first_at > SAME_EVENT_S:
-            _say(f"\n{name} received again: stopping now, without a checkpoint of this step; "
+            _say(f"\n{self.who}{name} received again: stopping now, without a checkpoint of this step; "
                  "the newest checkpoint is intact. Rerun the same command to resume.\n")
             os._exit(128 + signum)
 
