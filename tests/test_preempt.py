@@ -24,6 +24,7 @@ from typing import Callable
 
 import pytest
 
+from steadydiff.doctor import diagnose
 from steadydiff.trainer import checkpoint as ckpt
 from steadydiff.trainer.preempt import EXIT_INTERRUPTED, SAME_EVENT_S
 from test_distributed import BASE as DDP_BASE, CONFIG as DDP_CONFIG, WORKER, _env, ranks, same
@@ -121,6 +122,8 @@ def test_signal_checkpoints_the_step_then_rerun_is_exact(tmp_path, images, strai
     assert (s["status"], s["steps"], s["signal"]) == ("interrupted", 3, sig.name)
     assert f"Interrupted by {sig.name} at step 3 of 6 with a checkpoint" in \
         (run / "report.html").read_text()  # the report's verdict, not "killed"
+    assert any(c.summary == f"interrupted by {sig.name} at step 3 of 6, with a checkpoint of "
+               "that step" for c in diagnose(run, probe=False).causes)  # and the doctor's
     lines = log.splitlines()  # each message on a line of its own
     assert f"{sig.name} received: stopping after this step, with a checkpoint " \
            "(a second signal stops at once)" in lines
