@@ -297,7 +297,7 @@ def test_twenty_randomly_timed_signals_each_rerun_is_exact(tmp_path, images, str
             _wait_for(lambda: (run / "metrics.jsonl").exists() and any(
                 json.loads(r)["step"] == step
                 for r in (run / "metrics.jsonl").read_text().splitlines()), proc)
-            where = f"{delay:.2f}s before step {step}"
+            where = f"{delay:.2f}s into the hold before step {step}"
         time.sleep(delay)
         proc.send_signal(sig)
         rc = proc.wait(timeout=120)
