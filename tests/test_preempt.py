@@ -201,6 +201,14 @@ def test_handlers_are_restored_after_train(tmp_path, images):
             signal.signal(s, h)
 
 
+def test_the_cli_documents_the_exit_code():
+    from steadydiff import cli
+
+    assert cli.EXIT_INTERRUPTED == EXIT_INTERRUPTED  # a copy: the CLI module avoids torch
+    assert f"{EXIT_INTERRUPTED} interrupted by SIGTERM" in cli.__doc__.replace("\n", " ")
+    assert f"{EXIT_INTERRUPTED} interrupted by SIGTERM/SIGINT/SIGUSR1" in cli._parser().epilog
+
+
 # --------------------------------------------------------------------------- torchrun
 
 
