@@ -97,8 +97,9 @@ class StopSignals:
             _say(f"\n{self.who}{name} received: stopping after this step, with a checkpoint "
                  "(a second signal stops at once)\n")
         elif time.monotonic() - self._first_at > SAME_EVENT_S:
-            _say(f"\n{self.who}{name} received again: stopping now, without a checkpoint of this step; "
-                 "the newest checkpoint is intact. Rerun the same command to resume.\n")
+            _say(f"\n{self.who}{name} received again: stopping now, without a checkpoint of "
+                 "this step; the newest checkpoint is intact. Rerun the same command to "
+                 "resume.\n")
             os._exit(128 + signum)
 
     def agreed(self, device: torch.device) -> int | None:
