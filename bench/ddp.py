@@ -57,6 +57,7 @@ def cost_worker(iters: int) -> None:
     from steadydiff import distributed
     from steadydiff.config import load_config
     from steadydiff.models import build_model
+    from steadydiff.trainer.preempt import StopSignals
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -85,6 +86,9 @@ def cost_worker(iters: int) -> None:
         "fingerprint_and_gather_us": timed(lambda: distributed.gather_rows(
             distributed.tensor_fingerprint(params)), 50),
         "params": sum(p.numel() for p in params),
+        # the loop's per-step stop-signal agreement (trainer/preempt.py): MAX of one int,
+        # read back on the host
+        "stop_flag_us": timed(lambda: StopSignals().agreed(torch.device("cpu"))),
     }
     if rank == 0:
         print("RESULT " + json.dumps(out), flush=True)
@@ -107,6 +111,8 @@ def cost(a: argparse.Namespace) -> None:
           f"{r['fingerprint_local_us']:8.1f} us")
     print(f"  fingerprint + gather (every {every} steps) {r['fingerprint_and_gather_us']:8.1f} us")
     print(f"  => per step, amortized: {per_step:.1f} us")
+    print(f"loop's stop-signal agreement per step (all-reduce MAX of one int, read back) "
+          f"{r['stop_flag_us']:8.1f} us")
 
 
 # --------------------------------------------------------------------------- steps

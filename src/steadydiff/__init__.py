@@ -9,8 +9,8 @@ Public API:
 
 from .config import Config, ConfigError, load_config
 
-__all__ = ["Config", "ConfigError", "Guard", "GuardAbort", "Pipeline", "load", "load_config",
-           "train"]
+__all__ = ["Config", "ConfigError", "Guard", "GuardAbort", "Pipeline", "TrainingInterrupted",
+           "load", "load_config", "train"]
 __version__ = "0.1.0"
 
 
@@ -22,4 +22,7 @@ def __getattr__(name: str):
     if name in ("Guard", "GuardAbort"):
         from . import guard
         return getattr(guard, name)
+    if name == "TrainingInterrupted":
+        from .trainer import preempt
+        return preempt.TrainingInterrupted
     raise AttributeError(f"module 'steadydiff' has no attribute {name!r}")

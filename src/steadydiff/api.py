@@ -40,6 +40,13 @@ def train(config: Config | dict[str, Any] | str | Path,
 
     Returns:
         A :class:`RunResult` (run directory, final step and loss, checkpoint, sample grids).
+
+    Raises:
+        TrainingInterrupted: SIGTERM, SIGINT or SIGUSR1 arrived while training; the step in
+            progress finished and a verified checkpoint of it was written (``.checkpoint``,
+            ``.result``). Calling ``train`` again with the same arguments resumes exactly.
+            The signal handlers exist only during this call (main thread only); yours are
+            restored afterwards.
     """
     return run(_as_config(config), run_dir=out_dir, dataset=dataset, resume=resume,
                allow_config_change=allow_config_change)

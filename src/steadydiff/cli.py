@@ -4,7 +4,11 @@ Thin by design: parse arguments, build a config, call a library function. Exit c
 0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments),
 3 aborted because instability persisted past the recovery budget, 4 a checkpoint could not be
 written (disk full, permission denied) with train.on_save_error=stop, 5 (torchrun) the process
-group failed: another rank died or hung past train.dist_timeout / train.watchdog_timeout.
+group failed: another rank died or hung past train.dist_timeout / train.watchdog_timeout,
+6 interrupted by SIGTERM, SIGINT or SIGUSR1 (preemption, Ctrl-C, a requeue script): the step
+in progress finished, a verified checkpoint of it was written, and rerunning the same command
+resumes exactly; 128+N (130, 138, 143) a second signal N stopped the run at once, without a
+checkpoint of the current step (the newest checkpoint is intact).
 
 Each command imports the library parts it needs when it runs (the imports inside the
 ``cmd_*`` functions and ``main`` are deliberate): ``steadydiff --help`` and
@@ -25,6 +29,7 @@ from . import __version__
 from .kinds import SAMPLER_NAMES
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_ABORTED, EXIT_SAVE_FAILED = 0, 2, 3, 4
+EXIT_INTERRUPTED = 6  # = trainer.preempt.EXIT_INTERRUPTED (not imported: it imports torch)
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -46,7 +51,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Train diffusion models that do not crash.",
         epilog="exit codes: 0 finished (with or without recoveries), 2 bad input, 3 aborted "
                "(instability past the recovery budget), 4 could not write a checkpoint, "
-               "5 distributed failure (a rank died or hung). Multi-process: "
+               "5 distributed failure (a rank died or hung), 6 interrupted by SIGTERM/"
+               "SIGINT/SIGUSR1 after checkpointing the current step (rerun the same "
+               "command to resume), 128+N a second signal N stopped it at once. "
+               "Multi-process: "
                "torchrun --nproc_per_node=N -m steadydiff train CONFIG (docs/distributed.md)")
     p.add_argument("--version", action="version", version=f"steadydiff {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -244,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     from .guard import GuardAbort
     from .trainer.checkpoint import CheckpointError
     from .trainer.loop import CheckpointSaveError
+    from .trainer.preempt import TrainingInterrupted
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
@@ -263,9 +272,28 @@ def main(argv: list[str] | None = None) -> int:
     except DistributedError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DIST_FAILURE
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except TrainingInterrupted as e:
+        if "LOCAL_RANK" in os.environ:  # torchrun: rank 0 speaks for the group
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"\n{e}\nto resume, run the same torchrun command again",
+                      file=sys.stderr)
+        else:
+            print(f"\n{e}\nto resume, run the same command again:\n  "
+                  + " ".join(_command_line()), file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except KeyboardInterrupt:  # Ctrl-C outside training (the trainer handles its own)
+        print("\ninterrupted", file=sys.stderr)
         return 130
+
+
+def _command_line() -> list[str]:
+    """This process's command line, as a user would retype it."""
+    import shlex
+
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(("cli.py", "__main__.py")):
+        argv = ["python", "-m", "steadydiff"] + argv[1:]
+    return [shlex.quote(a) for a in argv]
 
 
 if __name__ == "__main__":

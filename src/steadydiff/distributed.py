@@ -144,6 +144,12 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return box[0]
 
 
+def barrier() -> None:
+    """Wait until every rank gets here (no-op when not distributed)."""
+    if active():
+        dist.barrier()
+
+
 def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj``, in rank order, on every rank (one entry when not distributed)."""
     if not active():
@@ -258,6 +264,6 @@ class Watchdog:
 
 
 __all__ = ["DistContext", "DistributedError", "EXIT_DIST_FAILURE", "Watchdog", "active",
-           "broadcast_object", "broadcast_tensors", "describe_failure",
+           "barrier", "broadcast_object", "broadcast_tensors", "describe_failure",
            "gather_objects", "gather_rows", "is_main", "launched_by_torchrun",
            "optimizer_tensors", "setup", "teardown", "tensor_fingerprint", "wrap"]

@@ -74,6 +74,14 @@ def check_history(log: RunLog, cfg: Config | None = None) -> list[Cause]:
             "critical", "run_aborted", f"step {at}", f"the run aborted at step {at}: {why}",
             {"reason": why, "abort_incident": last, "incidents_before": dict(trig)},
             f"the recovery budget ran out on repeated {kind}: " + rec, score=len(rows)))
+    elif s.get("status") == "interrupted":  # a stop signal: checkpointed, resumable
+        planned = log.planned_steps
+        causes.append(Cause(
+            "info", "run_incomplete", f"step {s.get('steps')}",
+            f"interrupted by {s.get('signal', 'a signal')} at step {s.get('steps')}"
+            + (f" of {planned}" if planned else "") + ", with a checkpoint of that step",
+            {"last_step": s.get("steps"), "planned_steps": planned, "signal": s.get("signal")},
+            "rerun the same command to resume (exactly)"))
     elif not s and log.metrics:
         planned = log.planned_steps
         if planned is None or (log.last_step or 0) < planned:

@@ -71,6 +71,10 @@ def verdict(log: RunLog) -> Verdict:
                  if last is not None else "nothing logged")
         head = ("Incomplete: no summary.json, the run was killed or is still running "
                 f"({where})")
+        if s.get("status") == "interrupted":  # a stop signal: checkpointed, resumable
+            head = (f"Interrupted by {s.get('signal', 'a signal')} at step {s.get('steps')}"
+                    + (f" of {planned}" if planned else "") + " with a checkpoint; rerun "
+                    "the same command to resume")
         if acts:
             head += f"; {sum(acts.values())} incident(s) so far"
         return Verdict("incomplete", head, details)

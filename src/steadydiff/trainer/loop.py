@@ -1,11 +1,13 @@
 """The training loop, readable top to bottom.
 
     setup (device, data, model, EMA, optimizer, scaler) -> resume -> loop of
-    {status, evaluation, samples, checkpoint, done?, step}
+    {stop requested?, status, evaluation, samples, checkpoint, done?, step}
 
 The loop order is EDM2's: each pass first reports on the state it has (metrics, evaluation,
 sample grid, checkpoint, each at its interval or when the run is done), then stops if done,
-then trains one step, so the last step needs no special case. The per-step work is
+then trains one step, so the last step needs no special case. A preemption signal (SIGTERM,
+SIGINT, SIGUSR1: trainer/preempt.py) makes the next pass the last one, so an interrupted run
+ends the same way: its final checkpoint, summary.json and report. The per-step work is
 :func:`train_step`, a plain function over :class:`TrainState`, and what the guard decided is
 carried out by :func:`handle_decision`; the tests call exactly these two. Progress is counted
 in one unit, optimizer steps; all randomness of a step is derived from (seed, step) for the
@@ -50,6 +52,7 @@ from .checkpoint_io import CheckpointIO
 from .ema import EMA
 from .hooks import FULL_WEIGHTS
 from .optim import build_optimizer, lr_at, set_lr
+from .preempt import StopSignals, TrainingInterrupted, signal_name
 from .state import StepOutput, TrainState
 
 log = logging.getLogger(__name__)
@@ -79,6 +82,7 @@ class RunResult:
     incidents: int = 0
     guard_summary: str | None = None
     stopped_early: str | None = None  # why eval's early stopping ended the run, if it did
+    interrupted: str | None = None  # the signal that stopped the run (TrainingInterrupted)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -419,13 +423,17 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
 
     Raises:
         distributed.DistributedError: a collective failed (another rank died or hung).
+        TrainingInterrupted: SIGTERM, SIGINT or SIGUSR1 arrived; the run stopped after the
+            current step with a verified checkpoint (every rank at the same step). The
+            handlers are installed only while this runs (main thread only), then restored.
     """
     owned = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     ctx, device = distributed.setup(cfg.train.device, cfg.train.dist_timeout)
     try:
         with distributed.Watchdog(cfg.train.watchdog_timeout if ctx.enabled else 0,
-                                  ctx.rank) as watchdog:
-            return _run(cfg, ctx, device, watchdog, Path(run_dir), dataset, resume,
+                                  ctx.rank) as watchdog, \
+                StopSignals(ctx.rank if ctx.enabled else None) as signals:
+            return _run(cfg, ctx, device, watchdog, signals, Path(run_dir), dataset, resume,
                         allow_config_change)
     except torch.distributed.DistError as e:
         raise distributed.DistributedError(distributed.describe_failure(e, ctx)) from e
@@ -487,7 +495,7 @@ def _resume(state: TrainState, source: Path, allow_config_change: bool,
 
 
 def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
-         watchdog: distributed.Watchdog, run_dir: Path, dataset, resume,
+         watchdog: distributed.Watchdog, signals: StopSignals, run_dir: Path, dataset, resume,
          allow_config_change: bool) -> RunResult:
     t_start = time.perf_counter()
     main = ctx.is_main
@@ -528,7 +536,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
                                 num_workers=cfg.data.num_workers, rank=ctx.rank,
                                 world_size=ctx.world_size, pin_memory=device.type == "cuda"))
 
-    # ---- the loop: {report, done?, step}
+    # ---- the loop: {stop?, report, done?, step}
     batches = batches_from(state.batches_consumed)
     out = _Outputs(state, run, main, watchdog, skipped_at_scan, source)
     try:
@@ -536,9 +544,11 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
             stepped = False  # a step was trained since the last pass: something to report
             while True:
                 done = state.step >= cfg.train.steps or state.evaluator.stopped
+                # a signal on any rank stops every rank here (one tiny all-reduce per step)
+                stop = None if done else signals.agreed(device)
                 if stepped:
-                    done = out.report(done)
-                if done:
+                    done = out.report(done or stop is not None, interrupted=stop is not None)
+                if done or stop:
                     break
                 watchdog.beat(f"step {state.step}")
                 step_out = train_step(state, next(batches))
@@ -557,11 +567,21 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     stopped = state.evaluator.stop_reason() if state.evaluator.stopped else None
     if stopped:
         say(stopped)
-    summary = _finish(state, run, "finished", reason=stopped, tb=out.tb) if main else None
-    return RunResult(run_dir, state.step, out.last_loss, out.last_ckpt, out.samples,
-                     c.path if c else None, time.perf_counter() - t_start,
-                     incidents=guard.num_incidents if guard else 0, guard_summary=summary,
-                     stopped_early=stopped)
+    signame = signal_name(stop) if stop else None
+    status = "interrupted" if stop else "finished"
+    reason = f"{signame} at step {state.step}" if stop else stopped
+    summary = _finish(state, run, status, reason=reason, tb=out.tb, signal=signame) \
+        if main else None
+    result = RunResult(run_dir, state.step, out.last_loss, out.last_ckpt, out.samples,
+                       c.path if c else None, time.perf_counter() - t_start,
+                       incidents=guard.num_incidents if guard else 0, guard_summary=summary,
+                       stopped_early=stopped, interrupted=signame)
+    if stop:
+        # torchrun ends the other workers as soon as one exits non-zero: every rank waits
+        # here until rank 0 has written summary.json and the report
+        distributed.barrier()
+        raise TrainingInterrupted(signame, state.step, out.last_ckpt, result)
+    return result
 
 
 class _Outputs:
@@ -609,9 +629,12 @@ class _Outputs:
         self.bar.n = self.state.step
         self.window, self.saved = [], min(self.saved, self.state.step)
 
-    def report(self, done: bool) -> bool:
+    def report(self, done: bool, interrupted: bool = False) -> bool:
         """Everything due at this step (``done``: the run ends here, so all of it). Returns
-        ``done``, which evaluation's early stopping may have set."""
+        ``done``, which evaluation's early stopping may have set. An ``interrupted`` run
+        (a stop signal) ends here too, but skips the final sample grid: a preempted job has
+        seconds of grace, and the checkpoint comes first; the grid of a finished run is
+        written when the resumed run finishes."""
         state, main, tcfg = self.state, self.main, self.state.cfg.train
         step, out = state.step, self.window[-1]
         if out.layer_grad_norms is not None and main:  # a layer-statistics step
@@ -641,7 +664,8 @@ class _Outputs:
             state.evaluator.load_state_dict(
                 distributed.broadcast_object(state.evaluator.state_dict()))
             done = done or state.evaluator.stopped
-        if (tcfg.sample_every and step % tcfg.sample_every == 0 or done) and main:
+        if (tcfg.sample_every and step % tcfg.sample_every == 0 or done and not interrupted) \
+                and main:
             self.watchdog.beat(f"sample grid at step {step}")
             self.samples.append(write_sample_grid(state, self.run.sample_grid(step)))
             if self.tb:
@@ -687,12 +711,13 @@ def _status(row: dict) -> str:
 
 
 def _finish(state: TrainState, run: RunDir, status: str, reason: str | None = None,
-            tb: telemetry.TensorBoard | None = None) -> str | None:
-    """End of a run (finished or aborted): summary.json, the guard's one-screen summary,
-    the health report."""
+            tb: telemetry.TensorBoard | None = None, signal: str | None = None) -> str | None:
+    """End of a run (finished, interrupted by ``signal``, or aborted): summary.json, the
+    guard's one-screen summary, the health report."""
     summary = state.guard.summary() if state.guard is not None else None
     telemetry.write_summary(run.root, status, state.step,
-                            state.guard.num_incidents if state.guard else 0, summary, reason)
+                            state.guard.num_incidents if state.guard else 0, summary, reason,
+                            signal=signal)
     if summary:
         print(summary)
     if tb:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 from pathlib import Path
@@ -154,10 +155,18 @@ class TensorBoard:
 
 
 def write_summary(run_dir: Path, status: str, steps: int, incidents: int,
-                  guard_summary: str | None, reason: str | None = None) -> None:
-    """summary.json: how the run ended (read by the report and the doctor)."""
+                  guard_summary: str | None, reason: str | None = None,
+                  signal: str | None = None) -> None:
+    """summary.json: how the run ended (``finished``, ``interrupted`` by ``signal``, or
+    ``aborted``; read by the report and the doctor). Written to a temporary file and renamed,
+    so a second signal (an immediate exit) never leaves half a summary."""
     summary = {"status": status, "steps": steps, "incidents": incidents,
                "guard_summary": guard_summary}
     if reason:
         summary["reason"] = reason
-    RunDir(run_dir).summary.write_text(json.dumps(summary, indent=1))
+    if signal:
+        summary["signal"] = signal
+    path = RunDir(run_dir).summary
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    os.replace(tmp, path)
