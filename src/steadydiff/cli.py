@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=None)
     s.add_argument("--raw-weights", action="store_true",
                    help="use the raw model weights instead of the EMA")
-    s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
+    s.add_argument("--device", default=None,
+                   help="auto, cpu, cuda, cuda:N, mps (default: auto: CUDA if available)")
     s.add_argument("--adapter-scale", type=float, default=None,
                    help="adapter checkpoint: apply the adapter at this scale (0: the base "
                         "model; default 1)")

@@ -15,21 +15,12 @@ from torch import nn
 
 from . import seeding
 from .adapters import build_adapted, set_scale
-from .config import Config, ConfigError, validate
+from .config import Config, validate
+from .devices import resolve_device
 from .diffusion import Schedule, make_schedule, sample as run_sampler
-from .kinds import AdapterKind, DeviceName, SamplerName
+from .kinds import AdapterKind, SamplerName
 from .models import build_model
 from .trainer import checkpoint as ckpt
-
-
-def resolve_device(name: DeviceName | str) -> torch.device:
-    """``auto`` -> CUDA when available, else the CPU; ``cuda`` without CUDA is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is available; "
-                          "use train.device=cpu or auto")
-    return torch.device(name)
 
 
 def checkpoint_config(c: ckpt.Checkpoint) -> Config:
@@ -134,7 +125,9 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
     Args:
         checkpoint: a checkpoint directory, or a run directory (its newest intact
             checkpoint is used; corrupt ones are reported and skipped).
-        device: where to put the model (default: CUDA if available, else CPU).
+        device: where to put the model: ``auto``/None (CUDA if available, else the CPU),
+            ``cpu``, ``cuda``, ``cuda:N``, ``mps`` (:func:`~steadydiff.devices.resolve_device`;
+            an unknown or absent device is a ``DeviceError``).
         use_ema: load the EMA weights (default) instead of the raw model weights.
         adapter_scale: an adapter checkpoint's adapter is applied at this scale (default
             1; 0 gives the base model). Refused for checkpoints without an adapter.
@@ -146,8 +139,8 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
     Returns:
         A :class:`Pipeline` with the model in eval mode.
     """
+    dev = resolve_device(device, what="device")  # before any file: a missing GPU is not a bad file
     path = ckpt.resolve_checkpoint(checkpoint)
-    dev = torch.device(device) if device is not None else resolve_device("auto")
     c = ckpt.load_checkpoint(path, dev, weights_only=True, allow_nonfinite=allow_nonfinite)
     cfg = checkpoint_config(c)
     model = build_from_checkpoint(c, cfg, use_ema=use_ema, base=base).to(dev)

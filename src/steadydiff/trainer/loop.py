@@ -38,7 +38,7 @@ from ..guard import Decision, Guard, GuardAbort
 from ..guard.faults import make_injector
 from ..guard.update import Update, plain_step
 from ..lint import lint
-from ..loading import resolve_device
+from ..devices import resolve_device
 from ..models import build_model
 from ..report import write_report
 from ..rundir import JSONL_LOGS, RunDir
