@@ -63,3 +63,83 @@ def test_api_load_resolves_the_device_the_same_way():
     with pytest.raises(DeviceError, match="unknown device 'tpu9'"):
         steadydiff.load(FIXTURE, device="tpu9")
     assert steadydiff.load(FIXTURE, device="cpu").device == torch.device("cpu")
+
+
+# --------------------------------------------------------------------------- 10. config
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n"], ids=["empty", "comments"])
+def test_empty_config_file_is_an_error(text, tmp_path, capsys):
+    cfg = tmp_path / "empty.yaml"
+    cfg.write_text(text)
+    rc, out, err = run_cli(["train", cfg, "--dry-run"], capsys)
+    assert rc == 2 and "empty config; start from one in configs/" in err, (out, err)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.steps=true", "train.steps: Input should be a valid integer, got true"),
+    ("train.batch_size=false", "train.batch_size: Input should be a valid integer, got false"),
+    ("model.qk_norm=1", "model.qk_norm: Input should be a valid boolean, got 1"),
+    ("model.unet.channel_mult=[1,true]", "model.unet.channel_mult.1: Input should be a "
+                                         "valid integer, got true"),
+])
+def test_ints_and_bools_are_strict(override, expected):
+    from steadydiff.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError) as e:
+        load_config(CONFIGS / "digits_cond.yaml", [override])
+    assert expected in str(e.value)
+
+
+def test_yaml_ints_still_fill_float_fields():
+    from steadydiff.config import load_config
+
+    cfg = load_config(CONFIGS / "digits_cond.yaml", ["optim.lr=1", "train.ema_decay=0"])
+    assert cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+    assert cfg.train.ema_decay == 0.0
+
+
+def test_a_bad_set_value_is_blamed_on_the_override_not_the_file(capsys):
+    rc, out, err = run_cli(["train", CONFIGS / "digits_cond.yaml", "--dry-run",
+                            "--set", "train.steps=true", "train.stepz=3"], capsys)
+    assert rc == 2
+    assert "--set train.steps=true: train.steps: Input should be a valid integer" in err
+    assert "--set train.stepz=3: train.stepz: unknown key; did you mean 'train.steps'" in err
+    assert "invalid " + str(CONFIGS / "digits_cond.yaml") not in err
+    # a cross-field rule names the override that broke it
+    rc, out, err = run_cli(["train", CONFIGS / "digits_cond.yaml", "--dry-run",
+                            "--set", "train.grad_accum=3"], capsys)
+    assert rc == 2 and "--set train.grad_accum=3: train: train.batch_size" in err
+
+
+def test_resume_and_no_resume_together_are_refused(tmp_path, capsys):
+    rc, out, err = run_cli(["train", CONFIGS / "digits_cond.yaml", "--out", tmp_path / "r",
+                            "--resume", tmp_path / "r", "--no-resume"], capsys)
+    assert rc == 2 and "contradict each other" in err
+    assert not (tmp_path / "r").exists()
+
+
+RESUMABLE = TINY_MODEL + ["train.steps=2", "train.checkpoint_every=2", "sample.num=2",
+                          "sample.steps=2", "logging.report=false", "logging.log_every=1",
+                          "train.num_threads=1", "optim.schedule=constant", "optim.warmup_steps=0"]
+
+
+def test_resume_config_changes_are_split_into_training_and_bookkeeping(tmp_path, capsys):
+    run = tmp_path / "r"
+    cfg = CONFIGS / "digits_cond.yaml"
+    assert run_cli(["train", cfg, "--out", run, "--set", *RESUMABLE], capsys)[0] == 0
+    # lr alters training, log_every and the sample cadence are bookkeeping
+    rc, out, err = run_cli(["train", cfg, "--out", run, "--set", *RESUMABLE, "train.steps=3",
+                            "optim.lr=1e-3", "logging.log_every=2", "train.sample_every=5"],
+                           capsys)
+    assert rc == 2
+    refused, _, safe = err.partition("also changed, safe on resume")
+    assert "optim.lr: 0.002 -> 0.001" in refused and "log_every" not in refused
+    assert "logging.log_every: 1 -> 2" in safe and "train.sample_every: 0 -> 5" in safe
+    # bookkeeping alone resumes, and says so under its own heading
+    rc, out, err = run_cli(["train", cfg, "--out", run, "--set", *RESUMABLE, "train.steps=3",
+                            "logging.log_every=2"], capsys)
+    assert rc == 0, err
+    safe = out.partition("bookkeeping (safe to change):\n")[2]
+    assert "    train.steps: 2 -> 3\n    logging.log_every: 1 -> 2" in safe
+    assert "alter training" not in out

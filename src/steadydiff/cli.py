@@ -145,9 +145,13 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from .config import load_config
+    from .config import ConfigError, load_config
     from .trainer.loop import run
 
+    if a.resume and a.no_resume:
+        raise ConfigError(f"--resume {a.resume} and --no-resume contradict each other: "
+                          "pass one (--resume continues from that checkpoint, --no-resume "
+                          "starts fresh)")
     cfg = load_config(a.config, a.overrides)
     if a.dry_run:
         from .lint import lint_report

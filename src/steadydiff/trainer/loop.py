@@ -376,22 +376,31 @@ def save_best(state: TrainState, run: RunDir) -> Path | None:
 
 
 def check_resume_config(saved: Config, cfg: Config, allow_change: bool) -> list[str]:
-    """Report config changes on resume; refuse those that break exactness unless allowed."""
+    """Report config changes on resume; refuse those that break exactness unless allowed.
+
+    Returns the report's lines: the changes that alter training first, then the
+    bookkeeping ones (logging, sample cadence, ...: :data:`RESUME_SAFE`), each group
+    under its own heading so the refusal names only what is really at stake.
+    """
     changes = config_diff(saved, cfg)
-    lines = [f"  {k}: {a!r} -> {b!r}" for k, a, b in changes]
-    unsafe = [k for k, _, _ in changes if not k.startswith(RESUME_SAFE)]
+    notes = {k: "" for k, _, _ in changes}
+    unsafe = {k for k in notes if not k.startswith(RESUME_SAFE)}
     # the cosine schedule (and an unfinished warmup) is a function of train.steps
-    if any(k == "train.steps" for k, _, _ in changes) and (
+    if "train.steps" in notes and (
             cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > min(saved.train.steps,
                                                                            cfg.train.steps)):
-        unsafe.append("train.steps")
-        lines = [ln + ("  (changes the LR schedule of the remaining steps)"
-                       if ln.strip().startswith("train.steps:") else "") for ln in lines]
-    if unsafe and not allow_change:
+        unsafe.add("train.steps")
+        notes["train.steps"] = "  (changes the LR schedule of the remaining steps)"
+    alter = [f"    {k}: {a!r} -> {b!r}{notes[k]}" for k, a, b in changes if k in unsafe]
+    keep = [f"    {k}: {a!r} -> {b!r}" for k, a, b in changes if k not in unsafe]
+    lines = ((["  alter training:"] + alter if alter else [])
+             + (["  bookkeeping (safe to change):"] + keep if keep else []))
+    if alter and not allow_change:
         raise ConfigError(
             "the config differs from the checkpoint's in fields that change the training "
-            "itself:\n" + "\n".join(lines) + "\nresume with the original config, use a new "
-            "--out directory, or pass --allow-config-change to accept the changes")
+            "itself:\n" + "\n".join(alter) + "\nresume with the original config, use a new "
+            "--out directory, or pass --allow-config-change to accept the changes"
+            + ("\n(also changed, safe on resume:\n" + "\n".join(keep) + ")" if keep else ""))
     return lines
 
 
