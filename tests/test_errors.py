@@ -143,3 +143,65 @@ def test_resume_config_changes_are_split_into_training_and_bookkeeping(tmp_path,
     safe = out.partition("bookkeeping (safe to change):\n")[2]
     assert "    train.steps: 2 -> 3\n    logging.log_every: 1 -> 2" in safe
     assert "alter training" not in out
+
+
+# --------------------------------------------------------------------------- 8. sampling
+
+
+@pytest.fixture(scope="module")
+def uncond_run(tmp_path_factory) -> Path:
+    """A 2-step unconditional tiny run (its final checkpoint)."""
+    out = tmp_path_factory.mktemp("uncond") / "run"
+    rc = main(["train", str(CONFIGS / "digits_uncond.yaml"), "--out", str(out), "--set",
+               *TINY_MODEL, "model.num_classes=0", "train.steps=2", "train.checkpoint_every=2",
+               "sample.num=2", "sample.steps=2", "logging.report=false",
+               "train.num_threads=1"])
+    assert rc == 0
+    return out
+
+
+def test_nonfinite_samples_are_an_error_not_written(tmp_path, capsys):
+    out = tmp_path / "x.npz"
+    rc, so, err = run_cli(["sample", FIXTURE, "--cfg-scale", "nan", "--num", "4",
+                           "--steps", "2", "--out", out], capsys)
+    assert rc == 2, (so, err)
+    assert "4 of 4 samples are non-finite (NaN/Inf); nothing was written" in err
+    assert "wrote" not in so and not out.exists()
+
+
+def test_nonfinite_samples_from_the_api_are_counted():
+    import steadydiff
+    from steadydiff.loading import NonFiniteSamples
+
+    pipe = steadydiff.load(FIXTURE, device="cpu")
+    with torch.no_grad():  # a weight turned NaN after loading (injected, no mock)
+        next(pipe.model.parameters()).fill_(float("nan"))
+    with pytest.raises(NonFiniteSamples, match="3 of 3 samples are non-finite"):
+        pipe.sample(3, steps=2)
+    x, _ = pipe.sample(3, steps=2, allow_nonfinite=True)  # eval counts them instead
+    assert not torch.isfinite(x).any()
+
+
+def test_cfg_scale_on_an_unconditional_model_is_refused(uncond_run, tmp_path, capsys):
+    rc, so, err = run_cli(["sample", uncond_run, "--cfg-scale", "3", "--num", "2",
+                           "--steps", "2", "--out", tmp_path / "x.png"], capsys)
+    assert rc == 2 and "unconditional (model.num_classes=0)" in err and "--cfg-scale" in err
+    assert not (tmp_path / "x.png").exists()
+    # without it, the same model samples
+    rc, so, err = run_cli(["sample", uncond_run, "--num", "2", "--steps", "2",
+                           "--out", tmp_path / "x.png"], capsys)
+    assert rc == 0 and (tmp_path / "x.png").exists(), err
+
+
+@pytest.mark.parametrize("sampler", ["dpmpp_2m", "euler", "ddpm"])
+def test_eta_with_a_sampler_that_ignores_it_is_refused(sampler, tmp_path, capsys):
+    from steadydiff.diffusion.samplers import USES_ETA
+
+    assert sampler not in USES_ETA
+    rc, so, err = run_cli(["sample", FIXTURE, "--sampler", sampler, "--eta", "0.5", "--num",
+                           "2", "--steps", "2", "--out", tmp_path / "x.png"], capsys)
+    assert rc == 2, (so, err)
+    assert f"eta (--eta) is used by the ddim sampler only; {sampler} ignores it" in err
+    rc, so, err = run_cli(["sample", FIXTURE, "--sampler", "ddim", "--eta", "0.5", "--num",
+                           "2", "--steps", "2", "--out", tmp_path / "x.png"], capsys)
+    assert rc == 0, err
