@@ -205,3 +205,49 @@ def test_eta_with_a_sampler_that_ignores_it_is_refused(sampler, tmp_path, capsys
     rc, so, err = run_cli(["sample", FIXTURE, "--sampler", "ddim", "--eta", "0.5", "--num",
                            "2", "--steps", "2", "--out", tmp_path / "x.png"], capsys)
     assert rc == 0, err
+
+
+# --------------------------------------------------------------------------- 11. Python API
+
+
+def _tiny_cfg(*extra: str):
+    from steadydiff.config import load_config
+
+    return load_config(None, TINY_MODEL + ["model.num_classes=0", "train.steps=2",
+                                           "train.checkpoint_every=2", "sample.num=2",
+                                           "sample.steps=2", "logging.report=false",
+                                           "train.num_threads=1", "train.ema_decay=0.5",
+                                           *extra])
+
+
+def test_api_trains_on_a_tensor_dataset_of_images(tmp_path):
+    import steadydiff
+    from torch.utils.data import TensorDataset
+
+    images = torch.rand(16, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    res = steadydiff.train(_tiny_cfg(), dataset=TensorDataset(images), out_dir=tmp_path / "r")
+    assert res.steps == 2 and res.checkpoint is not None
+
+
+@pytest.mark.parametrize("scale,span,hint", [
+    (255.0, "[0, 255]", "0..255 data: x / 127.5 - 1"),
+    (3.0, "[-3, 3]", ""),
+], ids=["0..255", "standardized"])
+def test_api_refuses_data_outside_minus_one_one(scale, span, hint, tmp_path):
+    import steadydiff
+    from steadydiff.data import DataError
+
+    class Images(torch.utils.data.Dataset):  # bare tensors: the old code trained on these
+        def __len__(self):
+            return 16
+
+        def __getitem__(self, i):
+            # half the images at the top of the range, half at 0 (0..255) or -scale
+            return torch.full((1, 8, 8), scale if i % 2 else (0.0 if scale == 255 else -scale))
+
+    with pytest.raises(DataError) as e:
+        steadydiff.train(_tiny_cfg(), dataset=Images(), out_dir=tmp_path / "r")
+    msg = str(e.value)
+    assert f"dataset values span {span}" in msg and "expected images in [-1, 1]" in msg
+    assert hint in msg
+    assert not (tmp_path / "r" / "checkpoints").exists()  # refused before any step
