@@ -251,3 +251,53 @@ def test_api_refuses_data_outside_minus_one_one(scale, span, hint, tmp_path):
     assert f"dataset values span {span}" in msg and "expected images in [-1, 1]" in msg
     assert hint in msg
     assert not (tmp_path / "r" / "checkpoints").exists()  # refused before any step
+
+
+# --------------------------------------------------------------------------- 7. dry run
+
+
+@pytest.mark.parametrize("config,override,expected", [
+    ("digits_cond", "data.image_size=7", "data.image_size=7, data.channels=1: image_size 7 is "
+                                         "not divisible by 4"),
+    ("dit", "model.dit.patch_size=3", "image_size 16 is not divisible by patch_size 3"),
+    ("digits_cond", "model.unet.norm_groups=5", "32 channels are not divisible by "
+                                                "norm_groups=5; choose norm_groups dividing 32"),
+    ("digits_cond", "model.unet.head_channels=24", "64 channels are not divisible by "
+                                                   "head_channels=24; choose head_channels"),
+    ("digits_cond", "model.unet.attention_resolutions=[3]", "attention_resolutions [3] never "
+                                                            "occur"),
+    ("digits_cond", "model.num_classes=5", "the data has 10 classes but model.num_classes is "
+                                           "5; set model.num_classes=10"),
+], ids=["image_size", "patch_size", "norm_groups", "head_channels", "attention", "classes"])
+def test_dry_run_refuses_what_training_would(config, override, expected, tmp_path, capsys):
+    cfg = CONFIGS / f"{config}.yaml"
+    rc, out, err = run_cli(["train", cfg, "--dry-run", "--set", override], capsys)
+    assert rc == 2 and expected in err, (out, err)
+    # the same words as a real start, which now fails before printing any config
+    rc2, out2, err2 = run_cli(["train", cfg, "--out", tmp_path / "r", "--set", override,
+                               "train.steps=1"], capsys)
+    assert rc2 == 2 and expected in err2, (out2, err2)
+    assert "diffusion:" not in out2 and len(out2.splitlines()) < 10
+
+
+def test_dry_run_of_a_good_config_says_what_the_run_is(capsys):
+    import yaml
+
+    rc, out, err = run_cli(["train", CONFIGS / "dit.yaml", "--dry-run"], capsys)
+    assert rc == 0 and err == ""
+    assert yaml.safe_load(out)["model"]["kind"] == "dit"  # stdout stays valid YAML
+    assert "# dry run: ok\n# model: dit-tiny, patch 2, 10 classes" in out
+    assert "# data:  digits: 1797 images 1×16×16, 10 classes" in out
+
+
+def test_a_start_prints_a_header_and_writes_the_config(tmp_path, capsys):
+    argv = ["train", CONFIGS / "digits_uncond.yaml", "--set", *TINY_MODEL,
+            "model.num_classes=0", "train.steps=1", "logging.report=false"]
+    rc, out, err = run_cli([*argv, "--out", tmp_path / "a"], capsys)
+    assert rc == 0, err
+    assert f"run:   {tmp_path / 'a'} (full config: {tmp_path / 'a' / 'config.yaml'})" in out
+    assert "model: unet, channels 8 x [1, 2], unconditional" in out
+    assert "diffusion:" not in out  # the ~170-line config is not on the terminal
+    assert "diffusion:" in (tmp_path / "a" / "config.yaml").read_text()
+    rc, out, err = run_cli([*argv, "--out", tmp_path / "b", "--print-config"], capsys)
+    assert rc == 0 and "diffusion:\n  timesteps: 100" in out

@@ -7,8 +7,9 @@ written (disk full, permission denied) with train.on_save_error=stop, 5 (torchru
 group failed: another rank died or hung past train.dist_timeout / train.watchdog_timeout.
 
 Each command imports the library parts it needs when it runs (the imports inside the
-``cmd_*`` functions and ``main`` are deliberate): ``steadydiff --help`` and
-``steadydiff train --dry-run`` never import torch, which takes seconds.
+``cmd_*`` functions and ``main`` are deliberate): ``steadydiff --help`` never imports torch,
+which takes seconds. ``train --dry-run`` does: it builds the model (on the meta device) and
+the data, so it approves only what would start (:mod:`steadydiff.preflight`).
 """
 
 from __future__ import annotations
@@ -50,7 +51,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default=None,
                    help="run directory (default: runs/<config file name>)")
     t.add_argument("--dry-run", action="store_true",
-                   help="print the resolved config and exit")
+                   help="make every check a run makes before its first step (device, "
+                        "precision, data and its classes, the model built on the meta device "
+                        "and run once) without training; print the resolved config and exit")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the whole resolved config at start (it is always written to "
+                        "RUN_DIR/config.yaml; the terminal gets a short header)")
     t.add_argument("--resume", default=None, metavar="PATH",
                    help="resume from this checkpoint or run directory")
     t.add_argument("--no-resume", action="store_true",
@@ -77,7 +83,7 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--raw-weights", action="store_true",
                    help="use the raw model weights instead of the EMA")
     s.add_argument("--device", default=None,
-                   help="auto, cpu, cuda, cuda:N, mps (default: auto: CUDA if available)")
+                   help="auto (CUDA if available), cpu, cuda, cuda:N, mps (default: auto)")
     s.add_argument("--adapter-scale", type=float, default=None,
                    help="adapter checkpoint: apply the adapter at this scale (0: the base "
                         "model; default 1)")
@@ -155,16 +161,20 @@ def cmd_train(a: argparse.Namespace) -> int:
     cfg = load_config(a.config, a.overrides)
     if a.dry_run:
         from .lint import lint_report
+        from .preflight import check
 
+        pre = check(cfg)  # what a run checks before its first step: fails the same way
         print(cfg.to_yaml(), end="")
-        # stderr, like the trainer's own warnings: stdout stays the config, valid YAML
-        print(lint_report(cfg), end="", file=sys.stderr)
+        # stdout stays valid YAML: the summary is a comment
+        print("".join(f"# {line}\n" for line in ["dry run: ok", *pre.header(cfg)]), end="")
+        # stderr, like the trainer's own warnings
+        print(lint_report(cfg, pre.device), end="", file=sys.stderr)
         return EXIT_OK
     out = Path(a.out) if a.out else Path("runs") / Path(a.config).stem
     resume = a.resume if a.resume else (not a.no_resume)
     say = print if int(os.environ.get("RANK", 0)) == 0 else (lambda *_a, **_k: None)
-    say(f"run directory: {out}")
-    say(cfg.to_yaml(), end="")
+    if a.print_config:
+        say(cfg.to_yaml(), end="")
     res = run(cfg, run_dir=out, resume=resume, allow_config_change=a.allow_config_change)
     if say is not print:  # torchrun: rank 0 reports for the group
         return EXIT_OK

@@ -27,10 +27,10 @@ from typing import Any, Callable, Literal
 import torch
 from tqdm import tqdm
 
-from .. import distributed, seeding
+from .. import distributed, preflight, seeding
 from ..adapters import AdapterRun
 from ..config import Config, ConfigError, config_diff, validate
-from ..data import as_pairs, build_dataset, make_loader
+from ..data import make_loader
 from ..diffusion import Draws, diffusion_loss, draw, make_schedule, sample
 from ..eval.during import make_evaluator
 from ..eval.grid import grid_nrow, save_grid
@@ -279,15 +279,7 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
                 ctx: distributed.DistContext = distributed.DistContext()) -> TrainState:
     """Model, EMA, optimizer, scaler and schedule for ``cfg`` (fresh, not resumed; not yet
     wrapped in DDP)."""
-    if cfg.model.num_classes and num_classes_in_data > cfg.model.num_classes:
-        raise ConfigError(
-            f"the data has {num_classes_in_data} classes but model.num_classes is "
-            f"{cfg.model.num_classes}; set model.num_classes={num_classes_in_data}")
-    if cfg.model.num_classes and num_classes_in_data == 0:
-        raise ConfigError(
-            f"model.num_classes={cfg.model.num_classes} (class-conditional) but the data has no "
-            "labels; set data.class_labels=true for a folder with one sub-folder per class, "
-            "or model.num_classes=0 for an unconditional model")
+    preflight.check_classes(cfg, num_classes_in_data)
     model = build_model(cfg.model, image_size=cfg.data.image_size,
                         channels=cfg.data.channels).to(device)
     # frozen base + trainable adapter (docs/adapters.md), or the whole model
@@ -506,8 +498,11 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         say(f"warning: {warning}")
     configure_runtime(cfg, device, ctx)
 
-    # ---- setup
-    data = as_pairs(dataset) if dataset is not None else build_dataset(cfg.data)
+    # ---- setup: the dry run's checks (model on the meta device, data), then the real thing
+    pre = preflight.check(cfg, dataset, device=device)
+    data = pre.data
+    for line in pre.header(cfg, run.root):  # the full config goes to RUN/config.yaml
+        say(line)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, getattr(data, "num_classes", 0), device, ctx)
     state.evaluator = make_evaluator(cfg, run_dir)
