@@ -80,6 +80,7 @@ def test_empty_config_file_is_an_error(text, tmp_path, capsys):
     ("train.steps=true", "train.steps: Input should be a valid integer, got true"),
     ("train.batch_size=false", "train.batch_size: Input should be a valid integer, got false"),
     ("model.qk_norm=1", "model.qk_norm: Input should be a valid boolean, got 1"),
+    ("optim.lr=true", "optim.lr: expected a number, got true"),
     ("model.unet.channel_mult=[1,true]", "model.unet.channel_mult.1: Input should be a "
                                          "valid integer, got true"),
 ])
@@ -251,6 +252,18 @@ def test_api_refuses_data_outside_minus_one_one(scale, span, hint, tmp_path):
     assert f"dataset values span {span}" in msg and "expected images in [-1, 1]" in msg
     assert hint in msg
     assert not (tmp_path / "r" / "checkpoints").exists()  # refused before any step
+
+
+def test_api_dataset_of_another_image_size_is_named(tmp_path):
+    import steadydiff
+    from steadydiff.config import ConfigError
+    from torch.utils.data import TensorDataset
+
+    images = torch.zeros(4, 1, 12, 12)  # the config says 8x8
+    with pytest.raises(ConfigError, match=r"the dataset's images are 1×12×12 \(C×H×W\) but the "
+                                          r"config says data.channels=1, data.image_size=8; "
+                                          r"set data.image_size=12"):
+        steadydiff.train(_tiny_cfg(), dataset=TensorDataset(images), out_dir=tmp_path / "r")
 
 
 # --------------------------------------------------------------------------- 7. dry run

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
-                      model_validator)
+                      ValidationInfo, field_validator, model_validator)
 
 from .kinds import (LABELLED_DATASETS, AdapterKind, Channels, ClipMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, LossWeighting,
@@ -48,6 +48,15 @@ class FrozenConfigError(AttributeError):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # float fields stay lax for YAML ints (lr: 1 is 1.0), but `true` is not a number
+        ann = cls.model_fields[info.field_name].annotation
+        if isinstance(v, bool) and ann in (float, float | None):
+            raise ValueError(f"expected a number, got {str(v).lower()}")
+        return v
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Pydantic's own frozen error says only "Instance is frozen"; this one names the key
