@@ -493,12 +493,12 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     run = RunDir(run_dir)
-    prec.check_precision(cfg.train.precision, device, cfg.train.allow_slow_precision)
     for warning in lint(cfg, device):  # dangerous but legal settings: say why, at start
         say(f"warning: {warning}")
     configure_runtime(cfg, device, ctx)
 
-    # ---- setup: the dry run's checks (model on the meta device, data), then the real thing
+    # ---- setup: the dry run's checks (precision, the model on the meta device, the data),
+    # then the real thing
     pre = preflight.check(cfg, dataset, device=device)
     data = pre.data
     for line in pre.header(cfg, run.root):  # the full config goes to RUN/config.yaml
