@@ -35,6 +35,7 @@ from PIL import Image
 from safetensors.torch import load_file, save_file
 
 import steadydiff
+from steadydiff import preflight
 from steadydiff.cli import main
 from steadydiff.config import ConfigError, apply_overrides, validate
 from steadydiff.trainer import checkpoint as ckpt
@@ -579,8 +580,9 @@ def _bad_image_folder(tmp_path: Path, monkeypatch) -> Path:
 def test_bad_images_are_skipped_counted_and_the_run_finishes(tmp_path, monkeypatch, caplog):
     root = _bad_image_folder(tmp_path, monkeypatch)
     built = []
-    real_build = loop.build_dataset
-    monkeypatch.setattr(loop, "build_dataset", lambda c: built.append(real_build(c)) or built[-1])
+    real_build = preflight.build_dataset  # the trainer's setup builds the data there
+    monkeypatch.setattr(preflight, "build_dataset",
+                        lambda c: built.append(real_build(c)) or built[-1])
     with caplog.at_level(logging.WARNING):
         res = steadydiff.train(validate(apply_overrides({}, [
             *TINY, f"data.path={root}", "train.steps=4", "train.checkpoint_every=0"])),

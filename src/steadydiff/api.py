@@ -32,8 +32,10 @@ def train(config: Config | dict[str, Any] | str | Path,
 
     Args:
         config: a resolved :class:`Config`, a dict of sections, or a YAML path.
-        dataset: optional torch Dataset yielding images (C, H, W) in [-1, 1], or
-            (image, label) pairs; replaces the config's data source.
+        dataset: optional torch Dataset yielding images (C, H, W) in [-1, 1], 1-tuples
+            ``(image,)`` (``TensorDataset(images)``) or ``(image, label)`` pairs; replaces
+            the config's data source. Values outside [-1, 1] are refused (``DataError``
+            naming the observed range) before the first step.
         out_dir: the run directory. Rerunning with the same directory resumes.
         resume: True (resume if a checkpoint exists), a checkpoint path, or False.
         allow_config_change: accept config changes on resume that break exactness.

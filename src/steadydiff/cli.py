@@ -1,7 +1,8 @@
 """The command line: ``steadydiff train | sample | eval | report | doctor | merge``.
 
 Thin by design: parse arguments, build a config, call a library function. Exit codes:
-0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments),
+0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments, a
+device that is unknown or absent, non-finite samples),
 3 aborted because instability persisted past the recovery budget, 4 a checkpoint could not be
 written (disk full, permission denied) with train.on_save_error=stop, 5 (torchrun) the process
 group failed: another rank died or hung past train.dist_timeout / train.watchdog_timeout,
@@ -11,8 +12,9 @@ resumes exactly; 128+N (130, 138, 143) a second signal N stopped the run at once
 checkpoint of the current step (the newest checkpoint is intact).
 
 Each command imports the library parts it needs when it runs (the imports inside the
-``cmd_*`` functions and ``main`` are deliberate): ``steadydiff --help`` and
-``steadydiff train --dry-run`` never import torch, which takes seconds.
+``cmd_*`` functions and ``main`` are deliberate): ``steadydiff --help`` never imports torch,
+which takes seconds. ``train --dry-run`` does: it builds the model (on the meta device) and
+the data, so it approves only what would start (:mod:`steadydiff.preflight`).
 """
 
 from __future__ import annotations
@@ -70,7 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--out", default=None,
                    help="run directory (default: runs/<config file name>)")
     t.add_argument("--dry-run", action="store_true",
-                   help="print the resolved config and exit")
+                   help="make every check a run makes before its first step (device, "
+                        "precision, data and its classes, the model built on the meta device "
+                        "and run once) without training; print the resolved config and exit")
+    t.add_argument("--print-config", action="store_true",
+                   help="print the whole resolved config at start (it is always written to "
+                        "RUN_DIR/config.yaml; the terminal gets a short header)")
     t.add_argument("--resume", default=None, metavar="PATH",
                    help="resume from this checkpoint or run directory")
     t.add_argument("--no-resume", action="store_true",
@@ -99,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="sampling seed (default: sample.seed)")
     s.add_argument("--raw-weights", action="store_true",
                    help="use the raw model weights instead of the EMA")
-    s.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: auto)")
+    s.add_argument("--device", default=None,
+                   help="auto (CUDA if available), cpu, cuda, cuda:N, mps (default: auto)")
     s.add_argument("--adapter-scale", type=float, default=None,
                    help="adapter checkpoint: apply the adapter at this scale (0: the base "
                         "model; default 1)")
@@ -167,22 +175,30 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 
 def cmd_train(a: argparse.Namespace) -> int:
-    from .config import load_config
+    from .config import ConfigError, load_config
     from .trainer.loop import run
 
+    if a.resume and a.no_resume:
+        raise ConfigError(f"--resume {a.resume} and --no-resume contradict each other: "
+                          "pass one (--resume continues from that checkpoint, --no-resume "
+                          "starts fresh)")
     cfg = load_config(a.config, a.overrides)
     if a.dry_run:
         from .lint import lint_report
+        from .preflight import check
 
+        pre = check(cfg)  # what a run checks before its first step: fails the same way
         print(cfg.to_yaml(), end="")
-        # stderr, like the trainer's own warnings: stdout stays the config, valid YAML
-        print(lint_report(cfg), end="", file=sys.stderr)
+        # stdout stays valid YAML: the summary is a comment
+        print("".join(f"# {line}\n" for line in ["dry run: ok", *pre.header(cfg)]), end="")
+        # stderr, like the trainer's own warnings
+        print(lint_report(cfg, pre.device), end="", file=sys.stderr)
         return EXIT_OK
     out = Path(a.out) if a.out else Path("runs") / Path(a.config).stem
     resume = a.resume if a.resume else (not a.no_resume)
     say = print if int(os.environ.get("RANK", 0)) == 0 else (lambda *_a, **_k: None)
-    say(f"run directory: {out}")
-    say(cfg.to_yaml(), end="")
+    if a.print_config:
+        say(cfg.to_yaml(), end="")
     res = run(cfg, run_dir=out, resume=resume, allow_config_change=a.allow_config_change)
     if say is not print:  # torchrun: rank 0 reports for the group
         return EXIT_OK

@@ -23,12 +23,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
+                      ValidationInfo, field_validator, model_validator)
 
 from .kinds import (LABELLED_DATASETS, AdapterKind, Channels, ClipMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, LossWeighting,
                     LRSchedule, ModelKind, OnSaveError, Precision, Prediction, SamplerName,
                     ScheduleName, TimestepSampling)
+
+
+# Counts and switches are strict: YAML's `true` is not the integer 1, nor 1 the boolean true,
+# and 2.5 steps is not 2. Float fields stay lax, so `lr: 1` is 1.0.
+Int = StrictInt
+Bool = StrictBool
 
 
 class ConfigError(ValueError):
@@ -41,6 +48,15 @@ class FrozenConfigError(AttributeError):
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, v: Any, info: ValidationInfo) -> Any:
+        # float fields stay lax for YAML ints (lr: 1 is 1.0), but `true` is not a number
+        ann = cls.model_fields[info.field_name].annotation
+        if isinstance(v, bool) and ann in (float, float | None):
+            raise ValueError(f"expected a number, got {str(v).lower()}")
+        return v
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Pydantic's own frozen error says only "Instance is frozen"; this one names the key
@@ -80,16 +96,16 @@ class DataConfig(Section):
     path: str | None = Field(None, description="image folder root (dataset=folder); "
                              "fashion_mnist: the folder of its idx files (default "
                              "/usr/share/datasets/fashion-mnist)")
-    image_size: int = Field(16, ge=4, le=1024)
+    image_size: Int = Field(16, ge=4, le=1024)
     channels: Channels = 1
-    class_labels: bool = Field(
+    class_labels: Bool = Field(
         False, description="folder: labels from the first-level sub-folder names")
-    hflip: bool = Field(False, description="random horizontal flip (per sample, seeded)")
-    center_crop: bool = True
-    num_workers: int = Field(0, ge=0, le=64)
-    follow_symlinks: bool = Field(
+    hflip: Bool = Field(False, description="random horizontal flip (per sample, seeded)")
+    center_crop: Bool = True
+    num_workers: Int = Field(0, ge=0, le=64)
+    follow_symlinks: Bool = Field(
         False, description="folder: follow symlinks that lead outside the data root")
-    classes: tuple[int, ...] | None = Field(
+    classes: tuple[Int, ...] | None = Field(
         None, description="train on these class ids only (labels keep their ids); "
         "None: all classes")
 
@@ -114,32 +130,32 @@ class DataConfig(Section):
 
 
 class UNetConfig(Section):
-    channels: int = Field(64, ge=4, le=1024, description="base width")
-    channel_mult: tuple[int, ...] = Field((1, 2, 2), min_length=1, max_length=8)
-    num_res_blocks: int = Field(2, ge=1, le=8)
-    attention_resolutions: tuple[int, ...] = Field(
+    channels: Int = Field(64, ge=4, le=1024, description="base width")
+    channel_mult: tuple[Int, ...] = Field((1, 2, 2), min_length=1, max_length=8)
+    num_res_blocks: Int = Field(2, ge=1, le=8)
+    attention_resolutions: tuple[Int, ...] = Field(
         (8,), description="feature-map sizes with attention")
-    head_channels: int = Field(32, ge=4, le=512)
+    head_channels: Int = Field(32, ge=4, le=512)
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
-    norm_groups: int = Field(32, ge=1, le=512)
+    norm_groups: Int = Field(32, ge=1, le=512)
     norm_eps: float = Field(1e-5, gt=0.0, le=1.0)
 
 
 class DiTConfig(Section):
     preset: DiTPreset = "tiny"
-    patch_size: int = Field(2, ge=1, le=16)
-    depth: int | None = Field(None, ge=1, le=64, description="overrides the preset")
-    hidden_size: int | None = Field(None, ge=8, le=4096, description="overrides the preset")
-    num_heads: int | None = Field(None, ge=1, le=64, description="overrides the preset")
+    patch_size: Int = Field(2, ge=1, le=16)
+    depth: Int | None = Field(None, ge=1, le=64, description="overrides the preset")
+    hidden_size: Int | None = Field(None, ge=8, le=4096, description="overrides the preset")
+    num_heads: Int | None = Field(None, ge=1, le=64, description="overrides the preset")
     mlp_ratio: float = Field(4.0, gt=0.0, le=16.0)
     norm_eps: float = Field(1e-6, gt=0.0, le=1.0)
 
 
 class ModelConfig(Section):
     kind: ModelKind = "unet"
-    num_classes: int = Field(0, ge=0, le=100_000,
+    num_classes: Int = Field(0, ge=0, le=100_000,
                              description="0: unconditional; >0 adds a null class for CFG")
-    qk_norm: bool = False
+    qk_norm: Bool = False
     unet: UNetConfig = UNetConfig()
     dit: DiTConfig = DiTConfig()
 
@@ -148,13 +164,13 @@ class ModelConfig(Section):
 
 
 class DiffusionConfig(Section):
-    timesteps: int = Field(1000, ge=2, le=100_000)
+    timesteps: Int = Field(1000, ge=2, le=100_000)
     schedule: ScheduleName = "linear"
     beta_start: float = Field(1e-4, gt=0.0, lt=1.0)
     beta_end: float = Field(0.02, gt=0.0, lt=1.0)
     # piecewise-linear log-SNR: [[t_fraction, log_snr], ...], t_fraction from 0 to 1.
     piecewise: tuple[tuple[float, ...], ...] = ((0.0, 10.0), (1.0, -10.0))
-    zero_terminal_snr: bool = False
+    zero_terminal_snr: Bool = False
     prediction: Prediction = "eps"
     loss_weighting: LossWeighting = "uniform"
     min_snr_gamma: float = Field(5.0, gt=0.0, le=1e4)
@@ -182,7 +198,7 @@ class OptimConfig(Section):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0, le=1.0)
     schedule: LRSchedule = "constant"
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: Int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="cosine floor, x lr")
     layer_decay: float = Field(1.0, gt=0.0, le=1.0,
                                description="layer-wise LR decay; 1.0 disables it")
@@ -204,22 +220,22 @@ class OptimConfig(Section):
 
 
 class TrainConfig(Section):
-    steps: int = Field(1000, ge=1, description="optimizer steps")
-    batch_size: int = Field(64, ge=1, le=65536, description="global batch per optimizer step")
-    grad_accum: int = Field(1, ge=1, le=1024, description="micro-batches per optimizer step")
-    seed: int = Field(0, ge=0, le=2**63 - 1)
-    checkpoint_every: int = Field(500, ge=0, description="0: only at the end")
-    keep_checkpoints: int = Field(3, ge=1, le=1000)
-    sample_every: int = Field(500, ge=0, description="0: only at the end")
+    steps: Int = Field(1000, ge=1, description="optimizer steps")
+    batch_size: Int = Field(64, ge=1, le=65536, description="global batch per optimizer step")
+    grad_accum: Int = Field(1, ge=1, le=1024, description="micro-batches per optimizer step")
+    seed: Int = Field(0, ge=0, le=2**63 - 1)
+    checkpoint_every: Int = Field(500, ge=0, description="0: only at the end")
+    keep_checkpoints: Int = Field(3, ge=1, le=1000)
+    sample_every: Int = Field(500, ge=0, description="0: only at the end")
     precision: Precision = "fp32"
-    allow_slow_precision: bool = Field(
+    allow_slow_precision: Bool = Field(
         False, description="run bf16/fp16 on a device without native support anyway")
     device: DeviceName = "auto"
-    deterministic: bool = False
-    num_threads: int = Field(0, ge=0, le=1024, description="torch CPU threads; 0: torch default")
+    deterministic: Bool = False
+    num_threads: Int = Field(0, ge=0, le=1024, description="torch CPU threads; 0: torch default")
     ema_decay: float = Field(0.999, ge=0.0, lt=1.0)
-    ema_warmup: bool = Field(True, description="decay ramps as min(decay, (1+n)/(10+n))")
-    ema_start: int = Field(0, ge=0, description="first optimizer step that updates EMA")
+    ema_warmup: Bool = Field(True, description="decay ramps as min(decay, (1+n)/(10+n))")
+    ema_start: Int = Field(0, ge=0, description="first optimizer step that updates EMA")
     dist_timeout: float = Field(
         600.0, gt=0.0, le=86400.0, description="torchrun: seconds a collective may wait for "
         "the other ranks before failing (a peer died or hung); longer than the slowest "
@@ -245,12 +261,12 @@ class TrainConfig(Section):
 
 class SampleConfig(Section):
     sampler: SamplerName = "dpmpp_2m"
-    steps: int = Field(50, ge=1, le=100_000)
-    num: int = Field(64, ge=1, le=100_000)
+    steps: Int = Field(50, ge=1, le=100_000)
+    num: Int = Field(64, ge=1, le=100_000)
     cfg_scale: float = Field(1.0, ge=0.0, le=100.0)
     eta: float = Field(0.0, ge=0.0, le=1.0, description="DDIM stochasticity")
-    seed: int = Field(0, ge=0)
-    use_ema: bool = True
+    seed: Int = Field(0, ge=0)
+    use_ema: Bool = True
 
 
 # --------------------------------------------------------------------------- eval
@@ -260,21 +276,21 @@ class EvalConfig(Section):
     """Evaluation during training: FD/KID/precision/recall on the EMA model every N steps,
     the best checkpoint by metric, early stopping (docs/evaluation.md)."""
 
-    every: int = Field(0, ge=0, description="steps between evaluations; 0 disables them")
-    num: int = Field(200, ge=8, le=100_000, description="samples per evaluation (compared with "
+    every: Int = Field(0, ge=0, description="steps between evaluations; 0 disables them")
+    num: Int = Field(200, ge=8, le=100_000, description="samples per evaluation (compared with "
                      "as many real images; keep it fixed across a run: FD depends on it)")
     sampler: SamplerName = "dpmpp_2m"
-    steps: int = Field(20, ge=1, le=100_000)
+    steps: Int = Field(20, ge=1, le=100_000)
     cfg_scale: float | None = Field(None, ge=0.0, le=100.0,
                                     description="guidance scale; null: sample.cfg_scale")
-    seed: int = Field(0, ge=0, description="sampling seed: every evaluation uses the same noise")
+    seed: Int = Field(0, ge=0, description="sampling seed: every evaluation uses the same noise")
     metric: EvalMetric = Field(
         "fd", description="what 'best' and early stopping follow (fd, kid: lower is better)")
-    k: int = Field(3, ge=1, le=100, description="nearest neighbours for precision/recall")
-    patience: int = Field(0, ge=0, description="evaluations without an improvement before "
+    k: Int = Field(3, ge=1, le=100, description="nearest neighbours for precision/recall")
+    patience: Int = Field(0, ge=0, description="evaluations without an improvement before "
                           "the run stops early; 0: never stop early")
     min_delta: float = Field(0.0, ge=0.0, description="an improvement must exceed this")
-    keep_best: bool = Field(True, description="keep the best checkpoint by metric in "
+    keep_best: Bool = Field(True, description="keep the best checkpoint by metric in "
                             "checkpoints/best (never rotated away)")
 
     @model_validator(mode="after")
@@ -288,15 +304,15 @@ class EvalConfig(Section):
 
 
 class LoggingConfig(Section):
-    log_every: int = Field(25, ge=1, description="steps between metrics.jsonl rows")
-    progress: bool = Field(True, description="show progress: a bar on a terminal; in a log "
+    log_every: Int = Field(25, ge=1, description="steps between metrics.jsonl rows")
+    progress: Bool = Field(True, description="show progress: a bar on a terminal; in a log "
                            "(CI, SLURM, a pipe) a status line every log_every steps")
-    tensorboard: bool = Field(False, description="also write TensorBoard event files "
+    tensorboard: Bool = Field(False, description="also write TensorBoard event files "
                               "(pip install 'steadydiff[tensorboard]')")
-    layer_stats_every: int = Field(100, ge=0, description="steps between per-layer statistics "
+    layer_stats_every: Int = Field(100, ge=0, description="steps between per-layer statistics "
                                    "(layers.jsonl: grad/weight norms, attention and norm "
                                    "probes); 0 disables them")
-    report: bool = Field(True, description="write report.html at the end of the run")
+    report: Bool = Field(True, description="write report.html at the end of the run")
 
 
 # --------------------------------------------------------------------------- guard
@@ -305,23 +321,23 @@ class LoggingConfig(Section):
 class GuardConfig(Section):
     """The stability guard: detection thresholds, recovery policy, and its budget."""
 
-    enabled: bool = True
+    enabled: Bool = True
     # detection
-    warmup_steps: int = Field(50, ge=0, description="spike detectors observe but do not fire")
+    warmup_steps: Int = Field(50, ge=0, description="spike detectors observe but do not fire")
     momentum: float = Field(0.97, ge=0.0, lt=1.0,
                             description="EMA momentum of the running mean/variance (ZClip)")
     grad_z: float = Field(6.0, gt=0.0, description="grad-norm spike: z-score threshold")
     loss_z: float = Field(7.0, gt=0.0, description="loss spike: z-score in its t-bucket")
     loss_ratio: float = Field(5.0, ge=1.0,
                               description="loss spike: also at least this x the bucket mean")
-    t_buckets: int = Field(10, ge=1, le=1000)
-    divergence_window: int = Field(1000, ge=0, description="steps; 0 disables the detector")
+    t_buckets: Int = Field(10, ge=1, le=1000)
+    divergence_window: Int = Field(1000, ge=0, description="steps; 0 disables the detector")
     divergence_ratio: float = Field(1.5, gt=1.0,
                                     description="smoothed loss risen this x above its best")
-    overflow_limit: int = Field(8, ge=1, description="fp16 overflow skips within "
+    overflow_limit: Int = Field(8, ge=1, description="fp16 overflow skips within "
                                 "overflow_window before falling back in precision")
-    overflow_window: int = Field(100, ge=1)
-    probe_every: int = Field(0, ge=0, description="attention/normalization probes every N "
+    overflow_window: Int = Field(100, ge=1)
+    probe_every: Int = Field(0, ge=0, description="attention/normalization probes every N "
                              "steps; 0: only on incidents")
     attn_logit_limit: float = Field(50.0, gt=0.0, description="max attention logit")
     attn_entropy_min: float = Field(0.05, ge=0.0, description="nats; below: collapsed")
@@ -332,28 +348,28 @@ class GuardConfig(Section):
                            "largest applied so far is a schedule/config bug: skip the step")
     weight_jump: float = Field(10.0, gt=1.0, description="a parameter whose norm grows this "
                                "x in one step (RMS floor 0.05) is corrupt: roll back")
-    provenance: bool = Field(True, description="replay a non-finite step to name the module")
-    rank_check_every: int = Field(100, ge=0, description="torchrun: every N steps compare a "
+    provenance: Bool = Field(True, description="replay a non-finite step to name the module")
+    rank_check_every: Int = Field(100, ge=0, description="torchrun: every N steps compare a "
                                   "fingerprint of the weights across ranks; a mismatch is an "
                                   "incident and the ranks are resynchronized; 0 disables it")
     # recovery
-    snapshot_every: int = Field(50, ge=1, description="steps between verified snapshots")
-    snapshots: int = Field(3, ge=1, le=100, description="snapshot ring size (in memory)")
-    skips_before_rollback: int = Field(3, ge=1, description="skips within skip_window "
+    snapshot_every: Int = Field(50, ge=1, description="steps between verified snapshots")
+    snapshots: Int = Field(3, ge=1, le=100, description="snapshot ring size (in memory)")
+    skips_before_rollback: Int = Field(3, ge=1, description="skips within skip_window "
                                        "before escalating to a rollback")
-    skip_window: int = Field(50, ge=1)
-    skip_batches: int = Field(0, ge=0, description="after a rollback, skip at least this many "
+    skip_window: Int = Field(50, ge=1)
+    skip_batches: Int = Field(0, ge=0, description="after a rollback, skip at least this many "
                               "batches from the snapshot's position (always at least through "
                               "the failing batch)")
     lr_backoff: float = Field(0.5, gt=0.0, le=1.0, description="LR factor after a rollback")
-    lr_backoff_steps: int = Field(200, ge=0, description="steps before the LR is restored")
-    precision_fallback: bool = Field(True, description="fp16 -> bf16 -> fp32 on persistent "
+    lr_backoff_steps: Int = Field(200, ge=0, description="steps before the LR is restored")
+    precision_fallback: Bool = Field(True, description="fp16 -> bf16 -> fp32 on persistent "
                                      "overflow")
-    oom_backoff: bool = Field(True, description="on out-of-memory, halve the micro-batch and "
+    oom_backoff: Bool = Field(True, description="on out-of-memory, halve the micro-batch and "
                               "double gradient accumulation")
-    max_rollbacks: int = Field(5, ge=0, description="rollbacks per budget_window, then abort")
-    max_skips: int = Field(100, ge=0, description="skipped steps per budget_window, then abort")
-    budget_window: int = Field(1000, ge=1)
+    max_rollbacks: Int = Field(5, ge=0, description="rollbacks per budget_window, then abort")
+    max_skips: Int = Field(100, ge=0, description="skipped steps per budget_window, then abort")
+    budget_window: Int = Field(1000, ge=1)
 
 
 # --------------------------------------------------------------------------- adapter
@@ -366,7 +382,7 @@ class AdapterConfig(Section):
         "none", description="none: train the whole model (no fine-tuning)")
     base: str | None = Field(None, description="base weights: a steadydiff checkpoint or run "
                              "directory, or a .safetensors file whose keys match the model")
-    use_ema_base: bool = Field(True, description="steadydiff checkpoint: start from its EMA "
+    use_ema_base: Bool = Field(True, description="steadydiff checkpoint: start from its EMA "
                                "weights (else the raw model weights)")
     base_precision: Precision = Field(
         "fp32", description="dtype the frozen base is kept in; the adapter trains in fp32")
@@ -374,7 +390,7 @@ class AdapterConfig(Section):
         ("*",), min_length=1, description="module-name patterns (fnmatch globs, or 're:' + a "
         "regular expression): lora adapts the matching Linear/Conv2d/Embedding layers, "
         "hypernetwork the matching attention layers")
-    rank: int = Field(4, ge=1, le=4096, description="lora: rank r of the delta B @ A")
+    rank: Int = Field(4, ge=1, le=4096, description="lora: rank r of the delta B @ A")
     alpha: float | None = Field(None, gt=0.0, description="lora: the delta is scaled by "
                                 "alpha / rank; None: alpha = rank (scale 1)")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="lora: dropout on the adapter "
@@ -383,7 +399,7 @@ class AdapterConfig(Section):
                                "of each key/value MLP, x the attention width")
     max_delta_ratio: float = Field(1.0, ge=0.0, description="|dW|/|W| above which a module's "
                                    "delta is rescaled (an incident); 0 disables the clamp")
-    monitor_every: int = Field(1, ge=0, description="steps between delta-norm checks; 0: off")
+    monitor_every: Int = Field(1, ge=0, description="steps between delta-norm checks; 0: off")
 
     @model_validator(mode="after")
     def _check(self) -> "AdapterConfig":
@@ -400,18 +416,18 @@ class FaultConfig(Section):
     """One injected fault (for tests and the stability benchmark; see docs/faults.md)."""
 
     kind: FaultKind
-    step: int = Field(ge=0, description="optimizer step at which it fires")
+    step: Int = Field(ge=0, description="optimizer step at which it fires")
     factor: float | None = Field(None, description="outlier/loss/lr/huge multiplier (default "
                                  "1e4; fp16_overflow 1e5); oom: the largest micro-batch that "
                                  "fits (default: half the current one); hang: seconds "
                                  "(default: forever)")
-    steps: int = Field(1, ge=1, description="lr_scale: for how many steps")
+    steps: Int = Field(1, ge=1, description="lr_scale: for how many steps")
     target: str | None = Field(None, description="parameter (param_*, grad_nan) or module "
                                "(fp16_overflow) name; None: a default one")
     where: FaultWhere = Field(
         "in_step", description="kill, hang: where in the step the process is killed / "
         "stops responding")
-    rank: int | None = Field(None, ge=0, description="torchrun: fire on this rank only; "
+    rank: Int | None = Field(None, ge=0, description="torchrun: fire on this rank only; "
                              "None: on every rank")
 
 
@@ -481,6 +497,8 @@ def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
 def _type_name(ann: Any) -> str:
     """A field's type as the YAML author sees it: the tree's tuples are YAML lists."""
     origin, args = typing.get_origin(ann), typing.get_args(ann)
+    if origin is typing.Annotated:  # Int, Bool: strict int, bool
+        return _type_name(args[0])
     if origin is tuple:
         inner = _type_name(args[0]) if len(args) == 2 and args[1] is Ellipsis else \
             ", ".join(_type_name(a) for a in args)
@@ -515,8 +533,22 @@ def _describe_range(path: tuple[Any, ...]) -> str:
     return desc + ")"
 
 
-def format_validation_error(err: ValidationError, source: str = "config") -> str:
-    lines = [f"invalid {source}:"]
+def format_validation_error(err: ValidationError, source: str = "config",
+                            overrides: Iterable[str] = ()) -> str:
+    """One line per error, naming the key, the value and what would be valid.
+
+    An error at (or inside) a key that a ``--set`` override set is blamed on that override
+    (``--set train.steps=true: ...``), not on the file ``source``.
+    """
+    by_key = {item.partition("=")[0].strip(): item for item in overrides if "=" in item}
+
+    def blame(key: str) -> str | None:
+        for k, item in by_key.items():
+            if key == k or key.startswith(k + "."):
+                return item
+        return None
+
+    lines: list[tuple[str | None, str]] = []  # (the override to blame or None, the line)
     for e in err.errors():
         loc = tuple(p for p in e["loc"])
         key = ".".join(str(p) for p in loc)
@@ -524,22 +556,31 @@ def format_validation_error(err: ValidationError, source: str = "config") -> str
             parent = _section_at(loc[:-1])
             known = list(parent.model_fields) if parent else []
             hint = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
-            msg = f"  {key}: unknown key"
+            msg = f"{key}: unknown key"
             if hint:
                 prefix = ".".join(str(p) for p in loc[:-1])
                 msg += f"; did you mean '{prefix + '.' if prefix else ''}{hint[0]}'?"
             msg += f" (valid keys here: {', '.join(known)})"
-            lines.append(msg)
         elif e["type"] == "value_error" or not loc:
-            lines.append(f"  {key + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}")
+            msg = f"{key + ': ' if key else ''}{e['msg'].removeprefix('Value error, ')}"
         else:
             got = e.get("input")
             got_s = json.dumps(got) if isinstance(got, (int, float, str, bool, type(None))) else repr(got)
             # the tree's tuples are lists in YAML: say so in the author's terms
-            msg = e["msg"].replace("valid tuple", "valid list").replace("Tuple should",
-                                                                        "List should")
-            lines.append(f"  {key}: {msg}, got {got_s}{_describe_range(loc)}")
-    return "\n".join(lines)
+            text = e["msg"].replace("valid tuple", "valid list").replace("Tuple should",
+                                                                         "List should")
+            msg = f"{key}: {text}, got {got_s}{_describe_range(loc)}"
+        item = blame(key) if key else None
+        if item is None:  # a cross-field rule: blame the overrides of the keys it names
+            named = [i for k, i in by_key.items() if k in msg]
+            item = " --set ".join(named) or None
+        lines.append((item, msg))
+    if all(item is not None for item, _ in lines):
+        head = "invalid --set override" + ("s" if len({i for i, _ in lines}) > 1 else "") + ":"
+    else:
+        head = f"invalid {source}:"
+    return "\n".join([head] + [f"  --set {item}: {msg}" if item else f"  {msg}"
+                                for item, msg in lines])
 
 
 def _parse_value(text: str) -> Any:
@@ -574,14 +615,17 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def validate(raw: dict[str, Any], source: str = "config") -> Config:
+def validate(raw: dict[str, Any], source: str = "config",
+             overrides: Iterable[str] = ()) -> Config:
+    """Validate a raw config dict; ``overrides`` (the ``--set`` items applied to it) are
+    named in the errors they cause."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the top level must be a mapping of sections, "
                           f"got {type(raw).__name__}")
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
-        raise ConfigError(format_validation_error(e, source)) from None
+        raise ConfigError(format_validation_error(e, source, overrides)) from None
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
@@ -594,13 +638,17 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            raw = yaml.safe_load(p.read_text()) or {}
+            raw = yaml.safe_load(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
+        if raw is None:  # an empty file (or only comments) is a mistake, not "all defaults"
+            raise ConfigError(f"{p}: empty config; start from one in configs/ (e.g. "
+                              "configs/digits_cond.yaml)")
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections")
-    raw = apply_overrides(raw, list(overrides or []))
-    return validate(raw, source)
+    overrides = list(overrides or [])
+    raw = apply_overrides(raw, overrides)
+    return validate(raw, source, overrides)
 
 
 def replace(cfg: Config, changes: Mapping[str, Any] | Iterable[str],
@@ -630,7 +678,9 @@ def replace(cfg: Config, changes: Mapping[str, Any] | Iterable[str],
     else:
         if isinstance(changes, str):
             raise ConfigError(f"replace: pass a list of overrides, not the string {changes!r}")
-        raw = apply_overrides(raw, list(changes))
+        changes = list(changes)
+        raw = apply_overrides(raw, changes)
+        return validate(raw, source, changes)
     return validate(raw, source)
 
 

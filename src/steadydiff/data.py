@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import math
 import os
 import warnings
 from collections import OrderedDict, deque
@@ -539,6 +540,12 @@ def _to_mode(im: Image.Image, mode: str) -> Image.Image:
 # --------------------------------------------------------------------------- any dataset
 
 
+# as_pairs checks the value range on this many items spread over a user dataset; values may
+# exceed [-1, 1] by rounding (normalize arithmetic), not by more.
+RANGE_PROBE = 32
+RANGE_SLACK = 1e-3
+
+
 class PairsDataset(Dataset):
     """``as_pairs`` result: any dataset's items as ``(float32 (C, H, W), int64 label)``."""
 
@@ -554,9 +561,7 @@ class PairsDataset(Dataset):
         self._shape: tuple[int, ...] | None = None
         x, _ = self._convert(dataset[0], 0)  # the first item fixes the shape for the rest
         self._shape = tuple(x.shape)
-        if x.numel() and (x.min() < -1.5 or x.max() > 1.5):
-            log.warning("dataset item 0 has values in [%.3g, %.3g]; steadydiff expects images "
-                        "in [-1, 1] (x / 127.5 - 1 for 0..255 data)", x.min(), x.max())
+        self._check_range(n)
         self.channels, h, w = self._shape
         self.image_size: int | None = h if h == w else None
         self.image_shape = self._shape
@@ -567,6 +572,32 @@ class PairsDataset(Dataset):
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._convert(self.dataset[i], i)
+
+    def _check_range(self, n: int, probe: int = RANGE_PROBE) -> None:
+        """Refuse data outside [-1, 1], judged on ``probe`` items spread over the dataset.
+
+        Training on 0..255 (or standardized) data does not fail: the loss settles in the
+        thousands and the run looks healthy, so the range is checked before the first step.
+        Later items are the guard's to judge (a corrupt batch is an incident, not an end).
+        """
+        idx = sorted({round(k * (n - 1) / max(probe - 1, 1)) for k in range(min(n, probe))})
+        lo, hi = math.inf, -math.inf
+        for i in idx:
+            x = self._convert(self.dataset[i], i)[0]
+            if not x.numel():
+                continue
+            if not torch.isfinite(x).all():
+                raise DataError(f"dataset item {i} holds non-finite values (NaN/Inf); "
+                                "expected images in [-1, 1]")
+            lo, hi = min(lo, float(x.min())), max(hi, float(x.max()))
+        if lo < -1 - RANGE_SLACK or hi > 1 + RANGE_SLACK:
+            hint = (" (0..255 data: x / 127.5 - 1)" if hi > 2 and lo >= 0 else
+                    " (0..1 data: x * 2 - 1)" if lo >= 0 else "")
+            raise DataError(f"dataset values span [{lo:.4g}, {hi:.4g}] over {len(idx)} of "
+                            f"{n} items; expected images in [-1, 1]{hint}")
+        if lo >= 0 and hi <= 1 and hi > lo:
+            log.warning("dataset values span [%.3g, %.3g]: images in [0, 1]? steadydiff "
+                        "expects [-1, 1] (x * 2 - 1)", lo, hi)
 
     def describe(self) -> str:
         """One line for the run log, e.g. ``MyData: 500 images 3×32×32, unlabeled``."""
@@ -580,6 +611,8 @@ class PairsDataset(Dataset):
             x, y = item, 0
         elif isinstance(item, (tuple, list)) and len(item) == 2:
             x, y = item
+        elif isinstance(item, (tuple, list)) and len(item) == 1:  # TensorDataset(images)
+            x, y = item[0], 0
         elif isinstance(item, (tuple, list)):
             raise DataError(f"dataset item {i} is a {type(item).__name__} of length {len(item)}; "
                             f"{expected}")
@@ -614,8 +647,10 @@ class PairsDataset(Dataset):
 def as_pairs(dataset: Dataset) -> Dataset:
     """Adapt a user dataset to yield ``(image (C,H,W) float32, label int64 scalar)``.
 
-    Items may be an image tensor (label 0) or an ``(image, label)`` pair. The first item is
-    checked here, so a wrong dataset fails at build time rather than in the first batch.
+    Items may be an image tensor (label 0), a 1-tuple ``(image,)`` (a ``TensorDataset`` of
+    images) or an ``(image, label)`` pair. The first item's type and shape, and the value
+    range of items spread over the dataset, are checked here, so a wrong dataset fails at
+    build time rather than in the first batch (or, for 0..255 data, never).
 
     Args:
         dataset: a map-style torch Dataset.
@@ -625,7 +660,8 @@ def as_pairs(dataset: Dataset) -> Dataset:
         (from ``dataset.num_classes`` if present, else 0). Our own datasets are returned as is.
 
     Raises:
-        DataError: an empty dataset, or an item of the wrong type, shape or dtype.
+        DataError: an empty dataset, an item of the wrong type, shape or dtype, or values
+            outside [-1, 1] (the message gives the observed range).
     """
     if isinstance(dataset, (PairsDataset, DigitsDataset, ImageFolderDataset)):
         return dataset

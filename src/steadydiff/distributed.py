@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .devices import resolve_device
+
 # exit status of a process that the watchdog ended, or whose collective timed out (a peer
 # died or hung); 0/2/3/4 are the CLI's (finished / bad input / aborted / save failed)
 EXIT_DIST_FAILURE = 5
@@ -72,15 +74,13 @@ def setup(device_name: str, timeout_s: float) -> tuple[DistContext, torch.device
         ``(context, device)``. Without torchrun: ``DistContext()`` and the plain device.
         With torchrun: NCCL and ``cuda:LOCAL_RANK`` when CUDA is used, else gloo on the CPU.
     """
-    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    # an absent or unknown device is a DeviceError (exit 2) before anything starts
+    use_cuda = resolve_device(device_name, what="train.device").type == "cuda"
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         if dist.is_available() and dist.is_initialized():  # a caller set up the group itself
             return _context_of_group(), _device(use_cuda, int(os.environ.get("LOCAL_RANK", 0)))
         return DistContext(), _device(use_cuda, None)
     local = int(os.environ["LOCAL_RANK"])
-    if use_cuda and not torch.cuda.is_available():
-        raise DistributedError("train.device=cuda but no CUDA device is available on this "
-                               "node; use train.device=cpu (gloo) or auto")
     if use_cuda and local >= torch.cuda.device_count():
         raise DistributedError(
             f"LOCAL_RANK {local} but this node has only {torch.cuda.device_count()} CUDA "

@@ -15,21 +15,13 @@ from torch import nn
 
 from . import seeding
 from .adapters import build_adapted, set_scale
-from .config import Config, ConfigError, validate
+from .config import Config, validate
+from .devices import resolve_device
 from .diffusion import Schedule, make_schedule, sample as run_sampler
-from .kinds import AdapterKind, DeviceName, SamplerName
+from .diffusion.samplers import USES_ETA
+from .kinds import AdapterKind, SamplerName
 from .models import build_model
 from .trainer import checkpoint as ckpt
-
-
-def resolve_device(name: DeviceName | str) -> torch.device:
-    """``auto`` -> CUDA when available, else the CPU; ``cuda`` without CUDA is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device=cuda but no CUDA device is available; "
-                          "use train.device=cpu or auto")
-    return torch.device(name)
 
 
 def checkpoint_config(c: ckpt.Checkpoint) -> Config:
@@ -61,6 +53,10 @@ def build_from_checkpoint(c: ckpt.Checkpoint, cfg: Config, *, use_ema: bool = Tr
     return model.eval().requires_grad_(False)
 
 
+class NonFiniteSamples(ValueError):
+    """Sampling produced NaN/Inf samples (exit code 2): the message says how many."""
+
+
 @dataclass
 class Pipeline:
     """A trained model ready for sampling (returned by :func:`load`)."""
@@ -89,19 +85,37 @@ class Pipeline:
     def sample(self, num: int | None = None, *, sampler: SamplerName | None = None,
                steps: int | None = None, class_label: int | None = None,
                labels: torch.Tensor | None = None, cfg_scale: float | None = None,
-               eta: float | None = None, seed: int | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor | None]:
+               eta: float | None = None, seed: int | None = None,
+               allow_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draw ``num`` samples. Defaults come from the config's ``sample`` section.
 
         For a class-conditional model, ``class_label`` fixes the class; otherwise the labels
-        cycle through all classes (or are taken from ``labels``).
+        cycle through all classes (or are taken from ``labels``). Options the model or the
+        sampler would ignore are refused: a class label or ``cfg_scale`` for an
+        unconditional model, ``eta`` for a sampler other than those in ``USES_ETA``.
+
+        Args:
+            allow_nonfinite: return NaN/Inf samples (to count them: ``steadydiff eval``)
+                instead of raising :class:`NonFiniteSamples`.
 
         Returns:
             ``(x, y)``: x (N, C, H, W) float32 in [-1, 1] on the CPU, and the labels used
             (None for unconditional models).
+
+        Raises:
+            ValueError: an option this model or sampler does not use, or out of range.
+            NonFiniteSamples: some samples are NaN/Inf (unless ``allow_nonfinite``).
         """
         s = self.config.sample
         num = num or s.num
+        sampler = sampler or s.sampler
+        if eta is not None and sampler not in USES_ETA:
+            raise ValueError(f"eta (--eta) is used by the {', '.join(USES_ETA)} sampler only; "
+                             f"{sampler} ignores it: drop it, or choose --sampler "
+                             f"{' or '.join(USES_ETA)}")
+        if cfg_scale is not None and not self.num_classes:
+            raise ValueError("this model is unconditional (model.num_classes=0); classifier-"
+                             "free guidance (--cfg-scale) needs a class-conditional model")
         y = None
         if self.num_classes:
             if labels is not None:
@@ -120,10 +134,19 @@ class Pipeline:
         gen = seeding.generator(self.device, s.seed if seed is None else seed)
         x = run_sampler(m, self.schedule, self.config.diffusion.prediction,
                         (num, m.in_channels, m.image_size, m.image_size),
-                        sampler=sampler or s.sampler, steps=steps or s.steps, y=y,
+                        sampler=sampler, steps=steps or s.steps, y=y,
                         cfg_scale=s.cfg_scale if cfg_scale is None else cfg_scale,
                         eta=s.eta if eta is None else eta, generator=gen, device=self.device)
-        return x.float().cpu(), (y.cpu() if y is not None else None)
+        x = x.float().cpu()
+        # the output is checked, not trusted: NaN/Inf survive the final clamp
+        bad = int((~torch.isfinite(x.reshape(x.shape[0], -1)).all(1)).sum())
+        if bad and not allow_nonfinite:
+            raise NonFiniteSamples(
+                f"{bad} of {x.shape[0]} samples are non-finite (NaN/Inf); nothing was written. "
+                f"Sampler {sampler}, cfg_scale "
+                f"{s.cfg_scale if cfg_scale is None else cfg_scale}: check the guidance "
+                "scale, or the model with `steadydiff doctor`")
+        return x, (y.cpu() if y is not None else None)
 
 
 def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
@@ -134,7 +157,9 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
     Args:
         checkpoint: a checkpoint directory, or a run directory (its newest intact
             checkpoint is used; corrupt ones are reported and skipped).
-        device: where to put the model (default: CUDA if available, else CPU).
+        device: where to put the model: ``auto``/None (CUDA if available, else the CPU),
+            ``cpu``, ``cuda``, ``cuda:N``, ``mps`` (:func:`~steadydiff.devices.resolve_device`;
+            an unknown or absent device is a ``DeviceError``).
         use_ema: load the EMA weights (default) instead of the raw model weights.
         adapter_scale: an adapter checkpoint's adapter is applied at this scale (default
             1; 0 gives the base model). Refused for checkpoints without an adapter.
@@ -146,8 +171,8 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
     Returns:
         A :class:`Pipeline` with the model in eval mode.
     """
+    dev = resolve_device(device, what="device")  # before any file: a missing GPU is not a bad file
     path = ckpt.resolve_checkpoint(checkpoint)
-    dev = torch.device(device) if device is not None else resolve_device("auto")
     c = ckpt.load_checkpoint(path, dev, weights_only=True, allow_nonfinite=allow_nonfinite)
     cfg = checkpoint_config(c)
     model = build_from_checkpoint(c, cfg, use_ema=use_ema, base=base).to(dev)

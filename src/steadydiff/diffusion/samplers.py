@@ -26,7 +26,7 @@ from .objectives import num_classes_of, to_x0_eps
 from .schedules import Schedule
 
 __all__ = ["Denoiser", "sampling_timesteps", "ddpm", "ddim", "dpmpp_2m", "euler", "SAMPLERS",
-           "sample"]
+           "USES_ETA", "sample"]
 
 DenoiseFn = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
 
@@ -268,6 +268,8 @@ SAMPLERS: dict[SamplerName, Callable[..., Tensor]] = {
     "dpmpp_2m": dpmpp_2m,
     "euler": euler,
 }
+# The samplers that read ``eta``; the others ignore it (so an explicit eta there is refused).
+USES_ETA: tuple[SamplerName, ...] = ("ddim",)
 
 
 def _default_device(model: nn.Module, generator: torch.Generator | None) -> torch.device:

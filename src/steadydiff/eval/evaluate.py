@@ -166,7 +166,8 @@ def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500,
         inception = load_inception(inception_weights).to(pipe.device)
     s = cfg.sample
     t0 = time.perf_counter()
-    x, y = pipe.sample(num, sampler=sampler, steps=steps, cfg_scale=cfg_scale, seed=seed)
+    x, y = pipe.sample(num, sampler=sampler, steps=steps, cfg_scale=cfg_scale, seed=seed,
+                       allow_nonfinite=True)  # counted in the figures (num_nonfinite)
     sample_s = time.perf_counter() - t0
     res: dict[str, Any] = {}
     if labelled:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from ..config import Config, validate
+from ..devices import resolve_device
 from ..guard.provenance import FP16_MAX
 from ..rundir import RunDir
 from ..trainer import checkpoint as ckpt
@@ -25,7 +26,8 @@ from .model import UnusableCheckpoint, fresh_state, model_from_checkpoint
 from .read import read_run
 
 
-def diagnose(path: str | Path, *, probe: bool = True, device: str = "cpu") -> Diagnosis:
+def diagnose(path: str | Path, *, probe: bool = True,
+             device: str | torch.device = "cpu") -> Diagnosis:
     """Post-mortem of a run directory or a checkpoint directory.
 
     Args:
@@ -34,7 +36,7 @@ def diagnose(path: str | Path, *, probe: bool = True, device: str = "cpu") -> Di
             directory (its weights; plus the run's history when it sits in a run's
             ``checkpoints/``).
         probe: run the forward probe (one forward pass on a small batch).
-        device: where the probe runs.
+        device: where the probe runs (:func:`~steadydiff.devices.resolve_device`).
 
     Returns:
         A :class:`Diagnosis`, causes ranked most likely first.
@@ -42,7 +44,9 @@ def diagnose(path: str | Path, *, probe: bool = True, device: str = "cpu") -> Di
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ValueError: ``path`` is neither a run directory nor a checkpoint.
+        DeviceError: ``device`` is unknown or not on this machine.
     """
+    device = resolve_device(device, what="--device")  # a missing GPU is not a finding
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no such run directory or checkpoint: {path}")

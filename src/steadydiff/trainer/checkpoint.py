@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..devices import resolve_device
+
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
@@ -346,10 +348,11 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", *,
     """Load a verified checkpoint directory. ``weights_only`` skips optimizer and RNG;
     ``allow_nonfinite`` returns weights holding NaN/Inf (named in ``Checkpoint.nonfinite``)
     instead of refusing them: for looking at a diverged model, never for training it."""
+    # first: an absent accelerator is a DeviceError, not a file that "cannot be loaded safely"
+    dev = str(resolve_device(device))
     problems = verify_checkpoint(path)
     if problems:
         raise CheckpointError("checkpoint failed verification:\n  " + "\n  ".join(problems))
-    dev = str(device)
 
     def safely(name: str, load):
         try:

@@ -30,10 +30,10 @@ from typing import Any, Callable, Literal
 import torch
 from tqdm import tqdm
 
-from .. import distributed, seeding
+from .. import distributed, preflight, seeding
 from ..adapters import AdapterRun
 from ..config import Config, ConfigError, config_diff, validate
-from ..data import as_pairs, build_dataset, make_loader
+from ..data import make_loader
 from ..diffusion import Draws, diffusion_loss, draw, make_schedule, sample
 from ..eval.during import make_evaluator
 from ..eval.grid import grid_nrow, save_grid
@@ -41,7 +41,7 @@ from ..guard import Decision, Guard, GuardAbort
 from ..guard.faults import make_injector
 from ..guard.update import Update, plain_step
 from ..lint import lint
-from ..loading import resolve_device
+from ..devices import resolve_device
 from ..models import build_model
 from ..report import write_report
 from ..rundir import JSONL_LOGS, RunDir
@@ -284,15 +284,7 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
                 ctx: distributed.DistContext = distributed.DistContext()) -> TrainState:
     """Model, EMA, optimizer, scaler and schedule for ``cfg`` (fresh, not resumed; not yet
     wrapped in DDP)."""
-    if cfg.model.num_classes and num_classes_in_data > cfg.model.num_classes:
-        raise ConfigError(
-            f"the data has {num_classes_in_data} classes but model.num_classes is "
-            f"{cfg.model.num_classes}; set model.num_classes={num_classes_in_data}")
-    if cfg.model.num_classes and num_classes_in_data == 0:
-        raise ConfigError(
-            f"model.num_classes={cfg.model.num_classes} (class-conditional) but the data has no "
-            "labels; set data.class_labels=true for a folder with one sub-folder per class, "
-            "or model.num_classes=0 for an unconditional model")
+    preflight.check_classes(cfg, num_classes_in_data)
     model = build_model(cfg.model, image_size=cfg.data.image_size,
                         channels=cfg.data.channels).to(device)
     # frozen base + trainable adapter (docs/adapters.md), or the whole model
@@ -381,22 +373,31 @@ def save_best(state: TrainState, run: RunDir) -> Path | None:
 
 
 def check_resume_config(saved: Config, cfg: Config, allow_change: bool) -> list[str]:
-    """Report config changes on resume; refuse those that break exactness unless allowed."""
+    """Report config changes on resume; refuse those that break exactness unless allowed.
+
+    Returns the report's lines: the changes that alter training first, then the
+    bookkeeping ones (logging, sample cadence, ...: :data:`RESUME_SAFE`), each group
+    under its own heading so the refusal names only what is really at stake.
+    """
     changes = config_diff(saved, cfg)
-    lines = [f"  {k}: {a!r} -> {b!r}" for k, a, b in changes]
-    unsafe = [k for k, _, _ in changes if not k.startswith(RESUME_SAFE)]
+    notes = {k: "" for k, _, _ in changes}
+    unsafe = {k for k in notes if not k.startswith(RESUME_SAFE)}
     # the cosine schedule (and an unfinished warmup) is a function of train.steps
-    if any(k == "train.steps" for k, _, _ in changes) and (
+    if "train.steps" in notes and (
             cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > min(saved.train.steps,
                                                                            cfg.train.steps)):
-        unsafe.append("train.steps")
-        lines = [ln + ("  (changes the LR schedule of the remaining steps)"
-                       if ln.strip().startswith("train.steps:") else "") for ln in lines]
-    if unsafe and not allow_change:
+        unsafe.add("train.steps")
+        notes["train.steps"] = "  (changes the LR schedule of the remaining steps)"
+    alter = [f"    {k}: {a!r} -> {b!r}{notes[k]}" for k, a, b in changes if k in unsafe]
+    keep = [f"    {k}: {a!r} -> {b!r}" for k, a, b in changes if k not in unsafe]
+    lines = ((["  alter training:"] + alter if alter else [])
+             + (["  bookkeeping (safe to change):"] + keep if keep else []))
+    if alter and not allow_change:
         raise ConfigError(
             "the config differs from the checkpoint's in fields that change the training "
-            "itself:\n" + "\n".join(lines) + "\nresume with the original config, use a new "
-            "--out directory, or pass --allow-config-change to accept the changes")
+            "itself:\n" + "\n".join(alter) + "\nresume with the original config, use a new "
+            "--out directory, or pass --allow-config-change to accept the changes"
+            + ("\n(also changed, safe on resume:\n" + "\n".join(keep) + ")" if keep else ""))
     return lines
 
 
@@ -501,13 +502,16 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     run = RunDir(run_dir)
-    prec.check_precision(cfg.train.precision, device, cfg.train.allow_slow_precision)
     for warning in lint(cfg, device):  # dangerous but legal settings: say why, at start
         say(f"warning: {warning}")
     configure_runtime(cfg, device, ctx)
 
-    # ---- setup
-    data = as_pairs(dataset) if dataset is not None else build_dataset(cfg.data)
+    # ---- setup: the dry run's checks (precision, the model on the meta device, the data),
+    # then the real thing
+    pre = preflight.check(cfg, dataset, device=device)
+    data = pre.data
+    for line in pre.header(cfg, run.root):  # the full config goes to RUN/config.yaml
+        say(line)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, getattr(data, "num_classes", 0), device, ctx)
     state.evaluator = make_evaluator(cfg, run_dir)

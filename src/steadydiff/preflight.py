@@ -1,0 +1,149 @@
+"""Everything a run checks before its first step, without training: :func:`check`.
+
+``steadydiff train --dry-run`` and the trainer's setup run the same checks, so a config the
+dry run approves does not fail the moment training starts: the device is resolved, the
+precision checked on it, the data built (its classes, image size and channels compared with
+the config) and the model built on the meta device (no memory, no weights) and run through one
+forward pass, which catches every shape that cannot work (image size vs. down-samplings or
+patch size, group norms, attention heads, attention resolutions that never occur).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from .config import Config, ConfigError
+from .data import as_pairs, build_dataset
+from .devices import resolve_device
+from .models import build_model
+from .trainer.precision import check_precision
+
+
+@dataclass
+class Preflight:
+    """What :func:`check` found: the device, the data and the model a run would use."""
+
+    device: torch.device
+    data: Dataset
+    num_classes_in_data: int
+    parameters: int
+
+    def header(self, cfg: Config, run_dir: str | Path | None = None) -> list[str]:
+        """A few lines saying what the run is (the full config is in RUN/config.yaml)."""
+        m, t = cfg.model, cfg.train
+        arch = (f"unet, channels {m.unet.channels} x {list(m.unet.channel_mult)}"
+                if m.kind == "unet" else f"dit-{m.dit.preset}, patch {m.dit.patch_size}")
+        cond = f"{m.num_classes} classes" if m.num_classes else "unconditional"
+        describe = getattr(self.data, "describe", None)
+        data = describe() if describe else f"{len(self.data)} images"  # type: ignore[arg-type]
+        lines = []
+        if run_dir is not None:
+            lines.append(f"run:   {run_dir} (full config: {Path(run_dir) / 'config.yaml'})")
+        lines += [f"model: {arch}, {cond}, {self.parameters / 1e6:.2f}M parameters",
+                  f"data:  {data}",
+                  f"train: {t.steps} steps, batch {t.batch_size}, {t.precision} on "
+                  f"{self.device}, guard {'on' if cfg.guard.enabled else 'off'}"]
+        return lines
+
+
+def check_classes(cfg: Config, num_classes_in_data: int) -> None:
+    """The model's classes against the data's.
+
+    Raises:
+        ConfigError: the data has more classes than ``model.num_classes``, or none for a
+            class-conditional model.
+    """
+    if cfg.model.num_classes and num_classes_in_data > cfg.model.num_classes:
+        raise ConfigError(
+            f"the data has {num_classes_in_data} classes but model.num_classes is "
+            f"{cfg.model.num_classes}; set model.num_classes={num_classes_in_data}")
+    if cfg.model.num_classes and num_classes_in_data == 0:
+        raise ConfigError(
+            f"model.num_classes={cfg.model.num_classes} (class-conditional) but the data has no "
+            "labels; set data.class_labels=true for a folder with one sub-folder per class, "
+            "or model.num_classes=0 for an unconditional model")
+
+
+def check_data(cfg: Config, dataset: Dataset | None = None) -> Dataset:
+    """Build the data a run trains on (``dataset``, else ``cfg.data``'s) and compare it with
+    the config: classes, and a user dataset's image size and channels.
+
+    Raises:
+        DataError: the data cannot be read or holds values outside [-1, 1].
+        ConfigError: classes, image size or channels that do not match the config.
+    """
+    data = as_pairs(dataset) if dataset is not None else build_dataset(cfg.data)
+    check_classes(cfg, getattr(data, "num_classes", 0))
+    shape = getattr(data, "image_shape", None)  # a user dataset's (C, H, W)
+    d = cfg.data
+    if shape is not None and tuple(shape) != (d.channels, d.image_size, d.image_size):
+        c, h, w = shape
+        fix = (f"set data.image_size={h}" if h == w else "use square images")
+        raise ConfigError(
+            f"the dataset's images are {c}×{h}×{w} (C×H×W) but the config says data.channels="
+            f"{d.channels}, data.image_size={d.image_size}; {fix}"
+            + (f" and data.channels={c}" if c != d.channels else ""))
+    return data
+
+
+def check_model(cfg: Config) -> int:
+    """Build the model on the meta device and run one forward pass; returns its number of
+    parameters.
+
+    Raises:
+        ConfigError: a model that cannot be built or run at ``data.image_size`` (the message
+            names the section and what would be valid).
+    """
+    d, m = cfg.data, cfg.model
+    where = (f"model.kind={m.kind} (model.{m.kind}.*) at data.image_size={d.image_size}, "
+             f"data.channels={d.channels}")
+    try:
+        with torch.device("meta"):
+            model = build_model(m, image_size=d.image_size, channels=d.channels)
+            _forward(model, cfg)
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(f"the model cannot be built: {where}: {e}") from None
+    return sum(p.numel() for p in model.parameters())
+
+
+def _forward(model: nn.Module, cfg: Config) -> None:
+    d = cfg.data
+    x = torch.zeros(2, d.channels, d.image_size, d.image_size)
+    t = torch.zeros(2)
+    y = torch.zeros(2, dtype=torch.long) if cfg.model.num_classes else None
+    with torch.no_grad():
+        out = model(x, t, y)
+    if out.shape != x.shape:
+        raise ValueError(f"the model's output has shape {tuple(out.shape)}, expected "
+                         f"{tuple(x.shape)}")
+
+
+def check(cfg: Config, dataset: Dataset | None = None, *,
+          device: torch.device | None = None) -> Preflight:
+    """Every check a run makes before its first step (the dry run, and the trainer's setup).
+
+    Args:
+        cfg: a validated config.
+        dataset: a user dataset replacing ``cfg.data``'s (as in ``steadydiff.train``).
+        device: the device already chosen (the trainer's, under torchrun this rank's);
+            None resolves ``train.device``.
+
+    Returns:
+        A :class:`Preflight`: the device, the built data and the model's size.
+
+    Raises:
+        ConfigError: device, precision, classes, image shape or model shape (the message
+            names the field and what would be valid).
+        DataError: data that cannot be read, or outside [-1, 1].
+    """
+    device = device if device is not None else resolve_device(cfg.train.device,
+                                                             what="train.device")
+    check_precision(cfg.train.precision, device, cfg.train.allow_slow_precision)
+    parameters = check_model(cfg)  # before the data: it may take a while to read
+    data = check_data(cfg, dataset)
+    return Preflight(device, data, getattr(data, "num_classes", 0), parameters)
