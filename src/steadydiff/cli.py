@@ -1,7 +1,8 @@
 """The command line: ``steadydiff train | sample | eval | report | doctor | merge``.
 
 Thin by design: parse arguments, build a config, call a library function. Exit codes:
-0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments),
+0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments, a
+run directory that cannot be used: not a run, in use by a live process, no intact checkpoint),
 3 aborted because instability persisted past the recovery budget, 4 a checkpoint could not be
 written (disk full, permission denied) with train.on_save_error=stop, 5 (torchrun) the process
 group failed: another rank died or hung past train.dist_timeout / train.watchdog_timeout.
