@@ -273,6 +273,22 @@ def test_lock_is_released_when_a_run_fails(tmp_path, finished, images):
     assert note is None
 
 
+def test_under_torchrun_a_refused_lock_stops_every_rank_with_the_same_error(tmp_path):
+    from test_distributed import launch  # torchrun with 2 CPU processes (gloo)
+
+    run = tmp_path / "run"
+    lock, _ = RunDir(run).lock()  # this test process trains there, as far as ranks can see
+    try:
+        rc, log = launch(run, timeout=120)
+    finally:
+        lock.release()
+    # torchrun exits 1 when a worker fails; rank 0's own status is 2. Rank 0 found the lock
+    # taken and broadcast the refusal: both ranks print it, neither hangs or trains
+    assert rc != 0 and "exitcode  : 2" in log, log[-3000:]
+    assert log.count(f"being trained into by another process (pid {os.getpid()}") == 2, log
+    assert not (run / "checkpoints").exists() and not (run / "config.yaml").exists()
+
+
 # --------------------------------------------------------------------------- 9. report
 
 
