@@ -268,9 +268,11 @@ def test_lock_is_released_when_a_run_fails(tmp_path, finished, images):
         _damage(c)
     with pytest.raises(RunDirError, match="every checkpoint failed"):
         steadydiff.train(_cfg(images), out_dir=run)
-    lock, note = RunDir(run).lock()  # free again, and not mistaken for a dead holder's
-    lock.release()
-    assert note is None
+    # free again for another process, and not mistaken for a dead holder's
+    r = subprocess.run([PY, "-c", "import sys; from steadydiff.rundir import RunDir; "
+                        "lock, note = RunDir(sys.argv[1]).lock(); print(note)", str(run)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "None", r.stdout + r.stderr
 
 
 def test_under_torchrun_a_refused_lock_stops_every_rank_with_the_same_error(tmp_path):

@@ -285,10 +285,13 @@ def _pid_alive(pid: int) -> bool:
 class RunLock:
     """The run directory's lock, held for the life of a run (rank 0 under torchrun).
 
-    An ``flock`` on ``run.lock``, which the kernel releases when the process ends however it
-    ends, so a lock left by a killed process is never mistaken for a live one; the file
-    names the holder (pid, host, start time) for the error the next process prints. Where
-    the filesystem has no ``flock``, the recorded pid is checked instead (same host only).
+    A POSIX record lock (``lockf``) on ``run.lock``, which the kernel releases when the
+    process ends however it ends, so a lock left by a killed process is never mistaken for a
+    live one. Not ``flock``: an flock is shared with forked children, so data-loader workers
+    outliving a SIGKILLed trainer for a moment would keep the run locked; a record lock
+    belongs to the process alone. The file names the holder (pid, host, start time) for the
+    error the next process prints. Where the filesystem has no locks, the recorded pid is
+    checked instead (same host only).
     """
 
     def __init__(self, path: Path, fd: int):
@@ -303,13 +306,13 @@ class RunLock:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 held, prev = False, _read_lock(fd)
             except OSError as e:
                 prev = _read_lock(fd)
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                if e.errno in (errno.EACCES, errno.EAGAIN):
                     held = True
-                else:  # no flock on this filesystem: trust a live pid on this host
+                else:  # no locks on this filesystem: trust a live pid on this host
                     held = bool(prev) and prev.get("host") == socket.gethostname() \
                         and prev.get("pid") != os.getpid() and _pid_alive(int(prev["pid"]))
             if held:
@@ -332,7 +335,8 @@ class RunLock:
         return cls(path, fd), note
 
     def release(self) -> None:
-        """Empty the lock file (it stays: removing a locked file races with a newcomer)."""
+        """Empty the lock file and unlock (closing the file releases the lock; the file
+        stays: removing a locked file races with a newcomer)."""
         try:
             os.ftruncate(self.fd, 0)
         finally:
