@@ -150,6 +150,19 @@ def test_corrupt_checkpoint_is_moved_aside_even_when_an_older_one_is_used(tmp_pa
     assert _tree(aside) == damaged and (aside.parent / f"{FINAL}-1").is_dir()
 
 
+def test_corrupt_checkpoint_newer_than_a_stale_latest_pointer_is_moved_aside(tmp_path,
+                                                                            finished, images):
+    run = tmp_path / "run"
+    shutil.copytree(finished, run)
+    (run / "checkpoints" / "latest").write_text("step_00000004\n")  # killed before the pointer
+    _damage(run / "checkpoints" / FINAL)
+    damaged = _tree(run / "checkpoints" / FINAL)
+    res = steadydiff.train(_cfg(images), out_dir=run)
+    assert res.resumed_from.name == "step_00000004"
+    assert _tree(run / "checkpoints" / "corrupt" / FINAL) == damaged  # not overwritten
+    assert ckpt.verify_checkpoint(run / "checkpoints" / FINAL) == []
+
+
 def test_restart_starts_over_and_keeps_the_old_run(tmp_path, finished, cfg_file):
     run = tmp_path / "run"
     shutil.copytree(finished, run)

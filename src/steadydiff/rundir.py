@@ -187,6 +187,12 @@ class RunDir:
             self._check_link(c)
             problems = ckpt.verify_checkpoint(c)
             if not problems:
+                # a stale ``latest`` (a kill between rename and pointer) can pick an older
+                # one: a corrupt newer one would be overwritten when the run reaches its step
+                newer = [p for p in self.list_checkpoints() if p != c
+                         and (ckpt.step_of(p) or 0) > (ckpt.step_of(c) or 0)
+                         and all(p != bad for bad, _ in rejected)]
+                rejected += [(p, why) for p in newer if (why := ckpt.verify_checkpoint(p))]
                 for bad, why in rejected:
                     say(f"warning: checkpoint {bad.name} failed verification; moved it to "
                         f"{self.set_aside(bad, why)} (kept, not used)")
