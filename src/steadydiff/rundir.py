@@ -295,8 +295,9 @@ class RunLock:
     process ends however it ends, so a lock left by a killed process is never mistaken for a
     live one. Not ``flock``: an flock is shared with forked children, so data-loader workers
     outliving a SIGKILLed trainer for a moment would keep the run locked; a record lock
-    belongs to the process alone. The file names the holder (pid, host, start time) for the
-    error the next process prints. Where the filesystem has no locks, the recorded pid is
+    belongs to the process alone (so two runs inside one process are not told apart, and
+    nothing else in the process may open and close ``run.lock``). The file names the holder
+    (pid, host, start time) for the error the next process prints. Where the filesystem has no locks, the recorded pid is
     checked instead (same host only).
     """
 
@@ -319,8 +320,9 @@ class RunLock:
                 if e.errno in (errno.EACCES, errno.EAGAIN):
                     held = True
                 else:  # no locks on this filesystem: trust a live pid on this host
-                    held = bool(prev) and prev.get("host") == socket.gethostname() \
-                        and prev.get("pid") != os.getpid() and _pid_alive(int(prev["pid"]))
+                    pid = prev.get("pid")
+                    held = isinstance(pid, int) and pid != os.getpid() and _pid_alive(pid) \
+                        and prev.get("host") == socket.gethostname()
             if held:
                 raise RunDirError(
                     f"{run.root} is being trained into by another process ({_describe(prev)});"

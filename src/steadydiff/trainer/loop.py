@@ -469,6 +469,8 @@ def _claim(run: RunDir, main: bool):
             lock, outcome = run.lock()
         except RunDirError as e:
             outcome = e
+        except OSError as e:  # e.g. a read-only parent: every rank must hear it, not hang
+            outcome = RunDirError(f"cannot create or lock {run.lock_file}: {e}")
     outcome = distributed.broadcast_object(outcome)
     if isinstance(outcome, Exception):
         raise outcome
