@@ -214,7 +214,8 @@ class RunDir:
         if not c.is_symlink():
             return
         target = c.resolve()
-        if not target.is_relative_to(self.root.resolve()):
+        # checkpoints/ itself may be a link (to a scratch disk): inside it is inside the run
+        if not any(target.is_relative_to(d.resolve()) for d in (self.root, self.checkpoints)):
             raise RunDirError(
                 f"checkpoint {c} is a symlink to {target}, outside the run directory; it is "
                 f"not used unless asked for: pass --resume {target} (steadydiff.train("
