@@ -322,9 +322,10 @@ def run_case(name: str, mode: str, a: argparse.Namespace) -> dict[str, Any]:
     cfg, s = make_config(name, mode, a)
     run_dir = Path(a.out) / f"{name}-{mode}"
     shutil.rmtree(run_dir, ignore_errors=True)
-    run_dir.mkdir(parents=True)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with open(run_dir / "bench.log", "w") as log:
+    # beside the run, not in it: the trainer refuses a non-empty folder that is not a run
+    with open(run_dir.with_name(f"{run_dir.name}.log"), "w") as log:
         r = run_trainer(cfg, run_dir, log) if mode != "bare" else run_bare(cfg, log)
     seconds = time.perf_counter() - t0
     model, ema = r["model"], r["ema"]
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="runs in parallel (processes)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--out", default=str(REPO / "runs" / "bench_stability"),
-                   help="run directories (incidents.jsonl, bench.log) go here")
+                   help="run directories (incidents.jsonl) and their NAME.log go here")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     a = p.parse_args(argv)
 

@@ -45,7 +45,9 @@ def launch(out: Path, *overrides: str, procs: int = 2, timeout: float = 300) -> 
     out.mkdir(parents=True, exist_ok=True)
     head = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc_per_node={procs}"] if procs > 1 else [sys.executable])
-    log = out / f"log_{time.monotonic_ns()}.txt"
+    # beside the run, not in it: training refuses a non-empty folder that is not a run
+    log = out.with_name(f"{out.name}-logs") / f"log_{time.monotonic_ns()}.txt"
+    log.parent.mkdir(exist_ok=True)
     with open(log, "w") as f:
         r = subprocess.run(head + [str(WORKER), str(CONFIG), str(out), *BASE, *overrides],
                            stdout=f, stderr=subprocess.STDOUT, env=_env(), timeout=timeout)

@@ -160,8 +160,13 @@ def test_partial_files(tmp_path):
     assert "1 unreadable line(s) skipped" in page and "summary.json: unreadable" in page
     assert "No per-layer statistics (no layers.jsonl)" in page
     assert "step_00000040.png: unreadable" in page
-    # nothing at all: still a page with a verdict
+    # nothing at all is not a run: refused, and nothing written into it (docs/RELIABILITY.md,
+    # "Run-directory safety"); a run killed before its first row still gets a page
     (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="not a steadydiff run"):
+        write_report(tmp_path / "empty")
+    assert not any((tmp_path / "empty").iterdir())
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
     page = write_report(tmp_path / "empty").read_text()
     assert "Incomplete" in page and "nothing logged" in page
     # only a config and half a metrics row

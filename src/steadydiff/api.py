@@ -27,7 +27,7 @@ def _as_config(config: Config | dict[str, Any] | str | Path) -> Config:
 def train(config: Config | dict[str, Any] | str | Path,
           dataset: torch.utils.data.Dataset | None = None, *,
           out_dir: str | Path = "runs/train", resume: bool | str | Path = True,
-          allow_config_change: bool = False) -> RunResult:
+          allow_config_change: bool = False, restart: bool = False) -> RunResult:
     """Train a diffusion model.
 
     Args:
@@ -36,9 +36,15 @@ def train(config: Config | dict[str, Any] | str | Path,
             ``(image,)`` (``TensorDataset(images)``) or ``(image, label)`` pairs; replaces
             the config's data source. Values outside [-1, 1] are refused (``DataError``
             naming the observed range) before the first step.
-        out_dir: the run directory. Rerunning with the same directory resumes.
-        resume: True (resume if a checkpoint exists), a checkpoint path, or False.
+        out_dir: the run directory: new, empty, or an earlier run's (rerunning with the
+            same directory resumes). A non-empty folder that is not a run, or one another
+            live process trains into, is refused (:class:`~steadydiff.rundir.RunDirError`).
+        resume: True (resume from the newest checkpoint that verifies; corrupt ones are
+            moved to ``checkpoints/corrupt/``; if every one is corrupt, RunDirError), a
+            checkpoint path, or False (start fresh; refuses a folder with checkpoints).
         allow_config_change: accept config changes on resume that break exactness.
+        restart: start over at step 0 on purpose: the run's existing files are moved to
+            ``out_dir/previous-<time>/`` first (nothing is deleted).
 
     Returns:
         A :class:`RunResult` (run directory, final step and loss, checkpoint, sample grids).
@@ -51,4 +57,4 @@ def train(config: Config | dict[str, Any] | str | Path,
             restored afterwards.
     """
     return run(_as_config(config), run_dir=out_dir, dataset=dataset, resume=resume,
-               allow_config_change=allow_config_change)
+               allow_config_change=allow_config_change, restart=restart)

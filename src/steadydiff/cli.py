@@ -2,8 +2,8 @@
 
 Thin by design: parse arguments, build a config, call a library function. Exit codes:
 0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments, a
-device that is unknown or absent, non-finite samples),
-3 aborted because instability persisted past the recovery budget, 4 a checkpoint could not be
+device that is unknown or absent, non-finite samples, a run directory that cannot be used:
+not a run, in use by a live process, no intact checkpoint), 3 aborted because instability persisted past the recovery budget, 4 a checkpoint could not be
 written (disk full, permission denied) with train.on_save_error=stop, 5 (torchrun) the process
 group failed: another rank died or hung past train.dist_timeout / train.watchdog_timeout,
 6 interrupted by SIGTERM, SIGINT or SIGUSR1 (preemption, Ctrl-C, a requeue script): the step
@@ -82,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="resume from this checkpoint or run directory")
     t.add_argument("--no-resume", action="store_true",
                    help="start fresh; refuses if the run directory already has checkpoints")
+    t.add_argument("--restart", action="store_true",
+                   help="start over at step 0: the run directory's files are moved to "
+                        "OUT/previous-<time>/ first (nothing is deleted)")
     t.add_argument("--allow-config-change", action="store_true",
                    help="accept config changes on resume that break exactness")
 
@@ -199,7 +202,8 @@ def cmd_train(a: argparse.Namespace) -> int:
     say = print if int(os.environ.get("RANK", 0)) == 0 else (lambda *_a, **_k: None)
     if a.print_config:
         say(cfg.to_yaml(), end="")
-    res = run(cfg, run_dir=out, resume=resume, allow_config_change=a.allow_config_change)
+    res = run(cfg, run_dir=out, resume=resume, allow_config_change=a.allow_config_change,
+              restart=a.restart)
     if say is not print:  # torchrun: rank 0 reports for the group
         return EXIT_OK
     print(f"\nfinished {res.steps} steps in {res.seconds:.0f}s"
@@ -266,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     from .data import DataError
     from .distributed import EXIT_DIST_FAILURE, DistributedError
     from .guard import GuardAbort
+    from .rundir import RunDirError
     from .trainer.checkpoint import CheckpointError
     from .trainer.loop import CheckpointSaveError
     from .trainer.preempt import TrainingInterrupted
@@ -276,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                 "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge}
     try:
         return handlers[args.command](args)
-    except (ConfigError, DataError, CheckpointError, ValueError, FileNotFoundError) as e:
+    except (ConfigError, DataError, CheckpointError, RunDirError, ValueError,
+            FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except GuardAbort as e:

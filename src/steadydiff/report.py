@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .inspect.html import render
 from .inspect.read import read_run
+from .rundir import RunDir
 
 __all__ = ["render", "write_report"]
 
@@ -32,7 +33,12 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
     Raises:
         FileNotFoundError: ``run_dir`` does not exist.
+        ValueError: ``run_dir`` is not a run (as for the doctor); nothing is written there.
     """
+    run = RunDir(run_dir)
+    if run.root.is_dir() and not run.is_run():
+        raise ValueError(f"{run.root} is not a steadydiff run directory (no checkpoints/, "
+                         "metrics.jsonl, incidents.jsonl or summary.json); nothing was written")
     log = read_run(run_dir)
     out = Path(out) if out is not None else log.paths.report
     page = render(log)

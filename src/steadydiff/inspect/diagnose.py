@@ -59,8 +59,8 @@ def diagnose(path: str | Path, *, probe: bool = True,
         d.run_dir = path
         candidates = run.checkpoint_candidates()
     else:
-        raise ValueError(f"{path} is neither a run directory (config.yaml, metrics.jsonl, "
-                         "checkpoints/) nor a checkpoint directory (manifest.json)")
+        raise ValueError(f"{path} is neither a run directory (checkpoints/, metrics.jsonl, "
+                         "summary.json) nor a checkpoint directory (manifest.json)")
 
     # ---- the newest checkpoint that verifies; corrupt ones are findings
     chosen = None

@@ -308,7 +308,25 @@ def verify_checkpoint(path: Path) -> list[str]:
                             " (truncated or replaced)")
         elif _sha256(p) != entry.get("sha256"):
             problems.append(f"{p}: sha256 does not match the manifest (corrupted)")
+    if not problems:
+        problems += _step_mismatch(path, manifest)
     return problems
+
+
+def _step_mismatch(path: Path, manifest: dict[str, Any]) -> list[str]:
+    """A checkpoint whose name says one step and whose records say another (a renamed or
+    re-linked directory) would resume at the wrong place: a verification problem."""
+    named = step_of(path)
+    if named is None:
+        return []
+    try:
+        in_state = json.loads((path / "state.json").read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        in_state = None  # unreadable state.json: load_checkpoint says why
+    recorded = {"manifest.json": manifest.get("step"), "state.json": in_state}
+    return [f"{path}: named step {named} but its {name} records step {step} (renamed, "
+            "copied or linked under the wrong name)"
+            for name, step in recorded.items() if step is not None and step != named]
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

@@ -44,7 +44,7 @@ from ..lint import lint
 from ..devices import resolve_device
 from ..models import build_model
 from ..report import write_report
-from ..rundir import JSONL_LOGS, RunDir
+from ..rundir import JSONL_LOGS, RunDir, RunDirError
 from . import checkpoint as ckpt
 from . import precision as prec
 from . import telemetry
@@ -406,7 +406,8 @@ def check_resume_config(saved: Config, cfg: Config, allow_change: bool) -> list[
 
 
 def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset | None = None,
-        resume: str | Path | bool = True, allow_config_change: bool = False) -> RunResult:
+        resume: str | Path | bool = True, allow_config_change: bool = False,
+        restart: bool = False) -> RunResult:
     """Train ``cfg`` into ``run_dir``; under torchrun, one rank of a DDP group.
 
     Args:
@@ -415,27 +416,40 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
         dataset: optional torch Dataset of images or (image, label) pairs, replacing
             ``cfg.data``'s dataset.
         resume: True resumes from the newest intact checkpoint in ``run_dir`` if there is
-            one (rerunning the same command continues the run); a path resumes from that
-            checkpoint; False starts fresh (refusing to overwrite existing checkpoints).
+            one (rerunning the same command continues the run; corrupt checkpoints are
+            moved to ``checkpoints/corrupt/``, and if none verifies the run refuses); a path
+            resumes from that checkpoint; False starts fresh (refusing to overwrite existing
+            checkpoints).
         allow_config_change: accept config changes on resume that break exactness.
+        restart: start over deliberately: the run's existing files are moved to
+            ``run_dir/previous-<time>/`` (nothing is deleted) and training starts at step 0.
+
+    The run directory is checked and locked for the life of the run (rank 0 holds the lock):
+    a non-empty folder that is not a run, or a run another live process trains into, is a
+    :class:`~steadydiff.rundir.RunDirError` (docs/RELIABILITY.md, "Run-directory safety").
 
     Returns:
         A :class:`RunResult` (on every rank; only rank 0 wrote files).
 
     Raises:
+        RunDirError: the run directory cannot be trained into (see above).
         distributed.DistributedError: a collective failed (another rank died or hung).
         TrainingInterrupted: SIGTERM, SIGINT or SIGUSR1 arrived; the run stopped after the
             current step with a verified checkpoint (every rank at the same step). The
             handlers are installed only while this runs (main thread only), then restored.
     """
+    if restart and resume not in (True, False):
+        raise ConfigError("restart (--restart) starts over and resume (--resume PATH) "
+                          "continues a checkpoint: choose one")
     owned = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     ctx, device = distributed.setup(cfg.train.device, cfg.train.dist_timeout)
     try:
         with distributed.Watchdog(cfg.train.watchdog_timeout if ctx.enabled else 0,
                                   ctx.rank) as watchdog, \
-                StopSignals(ctx.rank if ctx.enabled else None) as signals:
+                StopSignals(ctx.rank if ctx.enabled else None) as signals, \
+                _claim(RunDir(run_dir), ctx.is_main):
             return _run(cfg, ctx, device, watchdog, signals, Path(run_dir), dataset, resume,
-                        allow_config_change)
+                        allow_config_change, restart)
     except torch.distributed.DistError as e:
         raise distributed.DistributedError(distributed.describe_failure(e, ctx)) from e
     except RuntimeError as e:
@@ -454,19 +468,54 @@ def _is_collective_failure(e: RuntimeError) -> bool:
                                    "timed out", "connection reset"))
 
 
-def _resume_source(run: RunDir, resume: str | Path | bool, main: bool) -> Path | None:
+@contextlib.contextmanager
+def _claim(run: RunDir, main: bool):
+    """Hold the run directory for the life of the run: rank 0 checks that it may be trained
+    into and locks it; every rank gets the outcome, so all go on or all raise the same
+    error."""
+    lock, outcome = None, None
+    if main:
+        try:
+            run.check_target()
+            lock, outcome = run.lock()
+        except RunDirError as e:
+            outcome = e
+        except OSError as e:  # e.g. a read-only parent: every rank must hear it, not hang
+            outcome = RunDirError(f"cannot create or lock {run.lock_file}: {e}")
+    outcome = distributed.broadcast_object(outcome)
+    if isinstance(outcome, Exception):
+        raise outcome
+    if outcome and main:
+        print(outcome)  # a dead process's lock was taken over
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _resume_source(run: RunDir, resume: str | Path | bool, main: bool,
+                   restart: bool = False) -> Path | None:
     """The checkpoint to resume from (rank 0 picks it, every rank reads that one): the
-    newest intact one for ``resume=True``, the given one, or none for a fresh run (which
-    refuses a directory that already holds checkpoints)."""
+    newest intact one for ``resume=True`` (corrupt ones moved aside; none intact refuses),
+    the given one, or none for a fresh run (which refuses a directory that already holds
+    checkpoints) or a ``restart`` (the old run's files moved aside first)."""
     source: Path | Exception | None = None
     if main:
-        if resume is True:
-            source = run.latest_good()
-        elif resume:
-            source = ckpt.resolve_checkpoint(resume)
-        elif run.list_checkpoints():
-            source = ConfigError(f"{run.root} already holds checkpoints; resume it, or choose "
-                                 "a new --out directory (nothing there is overwritten)")
+        try:
+            if restart:
+                if (old := run.restart()) is not None:
+                    print(f"restart: the earlier run's files were moved to {old}")
+            elif resume is True:
+                source = run.resume_point()
+            elif resume:
+                source = ckpt.resolve_checkpoint(resume)
+            elif run.list_checkpoints():
+                source = ConfigError(f"{run.root} already holds checkpoints; resume it, "
+                                     "start over with --restart (its files are kept in "
+                                     "previous-<time>/), or choose a new --out directory")
+        except (RunDirError, ckpt.CheckpointError) as e:
+            source = e
     source = distributed.broadcast_object(source)
     if isinstance(source, Exception):
         raise source
@@ -497,7 +546,7 @@ def _resume(state: TrainState, source: Path, allow_config_change: bool,
 
 def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
          watchdog: distributed.Watchdog, signals: StopSignals, run_dir: Path, dataset, resume,
-         allow_config_change: bool) -> RunResult:
+         allow_config_change: bool, restart: bool = False) -> RunResult:
     t_start = time.perf_counter()
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
@@ -517,7 +566,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     state.evaluator = make_evaluator(cfg, run_dir)
 
     # ---- resume: the same command again continues the run
-    source = _resume_source(run, resume, main)
+    source = _resume_source(run, resume, main, restart)
     c = _resume(state, source, allow_config_change, say) if source is not None else None
     if ctx.enabled:
         state.ddp = distributed.wrap(state.model, device)  # broadcasts rank 0's weights
