@@ -26,7 +26,8 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from guard_loop import T, Denoiser, batch_at, diffusion_loss, digits, with_nan_pixel
+from guard_loop import (T, Denoiser, batch_at, diffusion_loss, digits, report_losses,
+                        with_nan_pixel)
 from steadydiff import Guard
 
 
@@ -149,10 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"guard: {d.action} at step {d.step} "
                   f"({d.incident.kind if d.incident else 'fp16 overflow: the scaler skips'})")
     print(guard.summary())
-    if losses:
-        k = min(10, len(losses))
-        print(f"finished {guard.progress.step} steps: loss {sum(losses[:k]) / k:.4f} "
-              f"(first {k}) -> {sum(losses[-k:]) / k:.4f} (last {k})")
+    report_losses(guard, losses)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,11 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print(f"guard: {d.action} at step {d.step} ({d.incident.kind if d.incident else ''})")
     print(guard.summary())
+    report_losses(guard, losses)
+
+
+def report_losses(guard: Guard, losses: list[float]) -> None:
+    """The loss at the start and at the end of the run (the examples' last line)."""
     if losses:
         k = min(10, len(losses))
         print(f"finished {guard.progress.step} steps: loss {sum(losses[:k]) / k:.4f} "
