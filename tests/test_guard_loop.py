@@ -14,6 +14,8 @@ guard adds the ``Guard(...)`` line and the two lines after ``backward``.
 import contextlib
 import json
 import math
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +25,10 @@ from torch.optim.lr_scheduler import LambdaLR
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from steadydiff import Guard
+
+# the diffusers-style EMA stand-in is the one the accelerate-style example ships
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from guard_accelerate_style import EMAModel  # noqa: E402
 
 T, B, STEPS = 100, 8, 30
 ALPHA_BAR = torch.cumprod(1 - torch.linspace(1e-4, 0.02, T), 0)
@@ -256,26 +262,6 @@ class Accelerator:
     def autocast(self):
         return (torch.autocast("cpu", dtype=torch.float16) if self.fp16
                 else contextlib.nullcontext())
-
-
-class EMAModel:
-    """The shape of diffusers' ``EMAModel``: ``step(parameters)``, ``shadow_params``."""
-
-    def __init__(self, parameters, decay=0.99):
-        self.decay = decay
-        self.shadow_params = [p.detach().clone() for p in parameters]
-
-    @torch.no_grad()
-    def step(self, parameters):
-        for s, p in zip(self.shadow_params, parameters):
-            s.lerp_(p, 1 - self.decay)
-
-    def state_dict(self):
-        return {"decay": self.decay, "shadow_params": self.shadow_params}
-
-    def load_state_dict(self, state):
-        self.decay = state["decay"]
-        self.shadow_params = [t.clone() for t in state["shadow_params"]]
 
 
 def accelerate_loop(run_dir, mixed_precision="no", steps=STEPS, **faults):
