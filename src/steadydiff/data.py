@@ -28,7 +28,7 @@ import math
 import os
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -681,7 +681,9 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
     takes the contiguous slice ``[floor(r*B/W), floor((r+1)*B/W))`` of each global batch, so
     ranks are disjoint and together cover it, and the sample order does not depend on the
     world size (a run resumed on another number of processes sees the same data). The state is
-    one integer: batches consumed.
+    one integer, batches consumed, and the set of quarantined indices: ``exclude`` removes them
+    from every epoch's permutation (an epoch is then n - |exclude| long), so the stream stays a
+    pure function of (seed, exclude) and a resumed run with the same set sees the same batches.
 
     Args:
         num_samples: dataset length n (>= 1).
@@ -690,13 +692,18 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
         seed: the run seed.
         start_batch: the first batch to yield (the resume position).
         rank, world_size: this process's slice under DDP; B >= world_size.
+        exclude: dataset indices never drawn (the guard's quarantine).
     """
 
     def __init__(self, num_samples: int, batch_size: int, *, seed: int, start_batch: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, exclude: Iterable[int] = ()) -> None:
         super().__init__()
         if num_samples < 1:
             raise DataError(f"cannot sample from an empty dataset (num_samples={num_samples})")
+        self.exclude = frozenset(int(i) for i in exclude if 0 <= int(i) < num_samples)
+        if len(self.exclude) >= num_samples:
+            raise DataError(f"all {num_samples} samples are quarantined: nothing left to train "
+                            "on (see incidents.jsonl, kind sample_quarantined)")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -708,6 +715,7 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
         if start_batch < 0:
             raise ValueError(f"start_batch must be >= 0, got {start_batch}")
         self.num_samples = num_samples
+        self.epoch_len = num_samples - len(self.exclude)
         self.batch_size = batch_size
         self.seed = seed
         self.start_batch = start_batch
@@ -723,11 +731,14 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
         self._perms: OrderedDict[int, torch.Tensor] = OrderedDict()
 
     def permutation(self, epoch: int) -> torch.Tensor:
-        """The sample order of ``epoch``: (n,) int64, a pure function of (seed, epoch, n)."""
+        """The sample order of ``epoch``: (n - |exclude|,) int64, a pure function of (seed,
+        epoch, n, exclude)."""
         p = self._perms.get(epoch)
         if p is None:
             g = torch.Generator().manual_seed(derive_seed(_TAG_PERM, self.seed, epoch))
             p = torch.randperm(self.num_samples, generator=g)
+            if self.exclude:
+                p = p[~torch.isin(p, torch.tensor(sorted(self.exclude)))]
             self._perms[epoch] = p
             if len(self._perms) > 4:
                 self._perms.popitem(last=False)
@@ -736,7 +747,7 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
         return p
 
     def _positions(self, start: int, stop: int) -> list[StreamKey]:
-        n = self.num_samples
+        n = self.epoch_len
         out: list[StreamKey] = []
         pos = start
         while pos < stop:  # one pass per epoch the range touches
@@ -757,7 +768,7 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
 
     def epoch_of(self, b: int) -> int:
         """The epoch of batch ``b``'s first (global) stream position."""
-        return b * self.batch_size // self.num_samples
+        return b * self.batch_size // self.epoch_len
 
     def __iter__(self) -> Iterator[list[StreamKey]]:
         b = self.start_batch
@@ -811,7 +822,7 @@ def _worker_init(_: int) -> None:
 
 def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: int = 0,
                 hflip: bool = False, num_workers: int = 0, rank: int = 0, world_size: int = 1,
-                pin_memory: bool = False) -> DataLoader:
+                pin_memory: bool = False, exclude: Iterable[int] = ()) -> DataLoader:
     """An endless loader of ``(x (b,C,H,W), y (b,), idx (b,), bad (b,))`` batches, resumable
     exactly (``bad`` flags samples whose image failed to load and was replaced).
 
@@ -826,6 +837,8 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
             depend on it.
         rank, world_size: the DDP slice.
         pin_memory: pin batches for faster host-to-GPU copies.
+        exclude: dataset indices never drawn (the guard's quarantine; see
+            :class:`StreamBatchSampler`).
 
     Returns:
         A DataLoader whose ``batch_sampler`` is the ``StreamBatchSampler`` (use its
@@ -833,7 +846,7 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
     """
     view = SeededView(dataset, seed=seed, hflip=hflip)
     sampler = StreamBatchSampler(len(view), batch_size, seed=seed, start_batch=start_batch,
-                                 rank=rank, world_size=world_size)
+                                 rank=rank, world_size=world_size, exclude=exclude)
     return DataLoader(
         view, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
@@ -842,6 +855,17 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
         # *global* torch RNG, shifting the model's random stream by how often it was called.
         generator=torch.Generator().manual_seed(derive_seed(_TAG_LOADER, seed, rank)),
     )
+
+
+def source_of(dataset: Dataset, i: int) -> str | None:
+    """What names item ``i`` for a person: its file path for an image folder (through any
+    class subset), else None (the index is all there is)."""
+    while isinstance(dataset, ClassSubset):
+        dataset, i = dataset.dataset, dataset.index[int(i)]
+    paths = getattr(dataset, "paths", None)
+    if isinstance(dataset, ImageFolderDataset) and paths is not None and 0 <= i < len(paths):
+        return str(paths[int(i)])
+    return None
 
 
 # --------------------------------------------------------------------------- class subset
@@ -925,4 +949,5 @@ __all__ = [
     "IMAGE_EXTENSIONS", "ClassSubset", "DataError", "DigitsDataset", "FashionMNISTDataset",
     "ImageFolderDataset", "PairsDataset",
     "SeededView", "StreamBatchSampler", "as_pairs", "build_dataset", "make_loader",
+    "source_of",
 ]
