@@ -1,4 +1,5 @@
-"""Stability: each injected fault run three ways (issue 3's table).
+"""Stability: each injected fault run three ways (issue 3's table), and the diagnosis
+scenarios of issue 13 (the guard alone).
 
 For every scenario (clean, nan_batch, outlier_batch, loss_scale, lr_scale, param_nan,
 param_huge, grad_nan, fp16_overflow, oom) the quick-start digits config is trained three ways:
@@ -16,6 +17,14 @@ incidents (count, kinds, actions, from ``incidents.jsonl``), recovery cost (step
 batches skipped, skipped steps) and ``diagnosis_ok``: the guard's incident kind is the one
 expected for the injected fault (table ``SCENARIOS``) and, for parameter/activation faults,
 the parameter/module it names is the injected one (``FaultInjector.fired``).
+
+The diagnosis scenarios (``DIAGNOSIS``: a recurring bad sample, an LR ramp, a weight
+corrupted between steps, a bad sample in one micro-batch of four, fp16 overflow in an
+attention layer) ask more of the diagnosis: the named cause must be the injected one down to
+the sample (index and micro-batch, and its quarantine), the LR (``lr_too_high`` with the LR
+values and a cap), the parameter or the module; their cost counts samples dropped as well.
+
+    python bench/stability.py --scenarios diagnosis --modes guard   # issue 13's table
 
 fp16: the ``fp16_overflow`` scenario needs fp16 autocast with a GradScaler to mean anything,
 and fp16 autocast on a CPU without native fp16 is emulated (convolution backward measured
@@ -70,9 +79,22 @@ SCENARIOS: dict[str, tuple[dict | None, tuple[str, ...], str | None]] = {
     "clean_fp16": (None, (), None),
     "fp16_overflow": ({"kind": "fp16_overflow", "factor": 1e4}, ("fp16_overflow",), "module"),
     "oom": ({"kind": "oom", "factor": 32}, ("out_of_memory",), None),
+    # ---- issue 13: the diagnosis must name the injected cause itself
+    # a sample corrupt every time it is drawn (from step 0: it recurs every epoch)
+    "recurring_bad_sample": ({"kind": "bad_sample", "index": 7}, ("bad_batch",), "sample"),
+    # an LR growing 5% per step from the fault step on (a scheduler bug)
+    "lr_ramp": ({"kind": "lr_ramp", "factor": 1.05, "steps": 10**6}, ("lr_too_high",), "lr"),
+    # one element of a weight becomes 1e36 between two steps
+    "weight_corrupt": ({"kind": "weight_corrupt"}, ("weight_jump", "nonfinite_params"),
+                       "param"),
+    # gradient accumulation over 4 micro-batches, one sample of one of them corrupt
+    "bad_micro_batch": ({"kind": "bad_sample", "index": 11}, ("bad_batch",), "micro_batch"),
 }
 FP16 = ("clean_fp16", "fp16_overflow")
-DEFAULT_SCENARIOS = [s for s in SCENARIOS]
+DIAGNOSIS = ("recurring_bad_sample", "lr_ramp", "weight_corrupt", "bad_micro_batch")
+FROM_START = ("recurring_bad_sample", "bad_micro_batch")  # the fault is on from step 0
+EXTRA_SETS = {"bad_micro_batch": ["train.grad_accum=4"]}
+DEFAULT_SCENARIOS = [s for s in SCENARIOS if s not in DIAGNOSIS]
 
 
 # --------------------------------------------------------------------------- settings
@@ -83,8 +105,9 @@ def case_settings(name: str, a: argparse.Namespace) -> dict[str, Any]:
     fp16 = name in FP16
     small = fp16 and a.device != "cuda"
     steps = a.fp16_steps if small else a.steps
-    return {"steps": steps, "fault_step": steps // 2 if small or a.fault_step is None
-            else a.fault_step, "batch_size": a.fp16_batch if small else None,
+    fault_step = steps // 2 if small or a.fault_step is None else a.fault_step
+    return {"steps": steps, "fault_step": 0 if name in FROM_START else fault_step,
+            "batch_size": a.fp16_batch if small else None,
             "precision": "fp16" if fp16 else "fp32"}
 
 
@@ -101,7 +124,7 @@ def make_config(name: str, mode: str, a: argparse.Namespace):
         sets.append("train.allow_slow_precision=true")
     if s["batch_size"]:
         sets.append(f"train.batch_size={s['batch_size']}")
-    sets += a.set
+    sets += EXTRA_SETS.get(name, []) + a.set
     cfg = load_config(a.config, sets)
     changes: dict[str, Any] = {}
     if "report" in type(cfg.logging).model_fields:
@@ -189,7 +212,10 @@ def run_trainer(cfg, run_dir: Path, log) -> dict[str, Any]:
         out["cost"] = {"steps_redone": g.counts["steps_redone"],
                        "batches_skipped": g.counts["batches_skipped"],
                        "skipped_steps": g.counts["skips"], "rollbacks": g.counts["rollbacks"],
-                       "fp16_overflow_skips": g.scaler_skips}
+                       "fp16_overflow_skips": g.scaler_skips,
+                       "samples_dropped": g.counts.get("samples_dropped", 0),
+                       "quarantined": sorted(getattr(g, "quarantine", ())),
+                       "lr_cap": getattr(g, "lr_cap", None)}
         out["precision_end"] = st.precision
         out["micro_batch_end"] = -(-cfg.train.batch_size // st.grad_accum)
     return out
@@ -305,6 +331,14 @@ def diagnose(name: str, incidents: list[dict], fired: list[dict]) -> tuple[bool,
         return False, f"expected {'/'.join(expected)}, saw {[i['kind'] for i in acting]}"
     if target is None:
         return True, f"{hits[0]['kind']} at step {hits[0]['step']}"
+    if target in ("sample", "micro_batch"):
+        return _named_sample(hits, incidents, fired, target)
+    if target == "lr":
+        e, d = hits[0].get("evidence") or {}, hits[0].get("diagnosis") or {}
+        ok = bool(e.get("lr_start")) and bool(e.get("lr_end")) and d.get("lr_cap") is not None
+        return ok, (f"lr_too_high: LR {e.get('lr_start', 0):.3g} -> {e.get('lr_end', 0):.3g} "
+                    f"from step {e.get('trend_start_step')}, capped at "
+                    f"{d.get('lr_cap') or float('nan'):.3g}")
     injected = next((f.get(target) for f in fired if f.get(target)), None)
     for inc in hits:
         names = named_by(inc, target)
@@ -313,6 +347,26 @@ def diagnose(name: str, incidents: list[dict], fired: list[dict]) -> tuple[bool,
             return True, f"{inc['kind']} names {target} {injected}"
     return False, (f"{hits[0]['kind']} named {named_by(hits[0], target)[:2]}, injected "
                    f"{target} {injected}")
+
+
+def _named_sample(hits: list[dict], incidents: list[dict], fired: list[dict],
+                  target: str) -> tuple[bool, str]:
+    """The data incidents name the injected sample (index; for ``micro_batch`` also the
+    micro-batch it was in, consistent with its position) and it was quarantined."""
+    injected = next((f.get("index") for f in fired if f.get("index") is not None), None)
+    named = [s for h in hits for s in (h.get("evidence") or {}).get("samples") or []]
+    right = [s for s in named if s.get("index") == injected]
+    quarantined = any(i.get("kind") == "sample_quarantined" and
+                      (i.get("evidence") or {}).get("index") == injected for i in incidents)
+    wrong = sorted({s.get("index") for s in named} - {injected})
+    ok = bool(right) and not wrong and quarantined
+    why = (f"sample {injected} named {len(right)}x" + (f" (also {wrong})" if wrong else "")
+           + (", quarantined" if quarantined else ", not quarantined"))
+    if target == "micro_batch" and right:
+        micros = sorted({s.get("micro_batch") for s in right})
+        why += f", micro-batch {micros}"
+        ok = ok and all(isinstance(m, int) for m in micros)
+    return ok, why
 
 
 def run_case(name: str, mode: str, a: argparse.Namespace) -> dict[str, Any]:
@@ -423,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.threads:
         torch.set_num_threads(a.threads)  # (each run sets it again in its own process)
     names = [s for s in a.scenarios.split(",") if s]
+    if "diagnosis" in names:  # the issue-13 table
+        i = names.index("diagnosis")
+        names[i:i + 1] = list(DIAGNOSIS)
     unknown = [s for s in names if s not in SCENARIOS]
     if unknown:
         p.error(f"unknown scenario(s) {unknown}; valid: {', '.join(SCENARIOS)}")
@@ -463,15 +520,16 @@ def main(argv: list[str] | None = None) -> int:
         c = r.get("cost") or {}
         cost = (f"redo {c.get('steps_redone', 0)}, skip {c.get('batches_skipped', 0)}b/"
                 f"{c.get('skipped_steps', 0) + c.get('fp16_overflow_skips', 0)}s"
-                if c else "-")
+                + (f", drop {c['samples_dropped']} sample(s)" if c.get("samples_dropped")
+                   else "") if c else "-")
         table.append([r["name"], r["mode"], "yes" if r["finished"] else "NO",
                       "yes" if r["finite"] else "NO", _fmt_ratio(r["eval_loss_ratio"]),
                       r["incidents"], ",".join(r["incident_kinds"]) or "-",
                       ",".join(r["incident_actions"]) or "-", cost,
                       {True: "yes", False: "no", None: "-"}[r["diagnosis_ok"]],
-                      (r["error"] or "")[:50]])
+                      r["diagnosis"][:70], (r["error"] or "")[:50]])
     print_table(table, ["scenario", "mode", "finished", "finite", "eval/clean", "inc",
-                        "kinds", "actions", "cost", "diag", "error"])
+                        "kinds", "actions", "cost", "diag", "named cause", "error"])
     print(f"guard rows meet the bar: {check['guard_rows_pass']}"
           + "".join(f"\n  {f['name']}: {'; '.join(f['why'])}" for f in check["failures"]))
     print(f"wall time {time.perf_counter() - t0:.0f} s")

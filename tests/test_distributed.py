@@ -163,11 +163,15 @@ def test_fault_on_one_rank_makes_every_rank_act_the_same(tmp_path, two):
     decisions = [(i["step"], i["kind"], i["action"]) for i in s0["incidents"]]
     assert decisions == [(i["step"], i["kind"], i["action"]) for i in s1["incidents"]]
     kinds = {k: (st, a) for st, k, a in decisions}
-    assert kinds["bad_batch"] == (2, "skip")
+    # one NaN pixel in rank 1's first sample: that sample is dropped, both ranks redo the
+    # step on the rest (the redone backward all-reduces like any other)
+    assert kinds["bad_batch"] == (2, "drop_samples")
     assert kinds["nonfinite_params"][1] == "rollback"
     assert kinds["rank_mismatch"][1] == "resync"
     by_kind = {i["kind"]: i for i in s0["incidents"]}
     assert by_kind["bad_batch"]["rank"] == 1  # the report says where it happened
+    (sample,) = by_kind["bad_batch"]["evidence"]["samples"]
+    assert sample["rank"] == 1 and sample["position"] == 0
     assert by_kind["rank_mismatch"]["evidence"]["ranks_differing"] == [1]
     written = [json.loads(x)["kind"] for x in (tmp_path / "incidents.jsonl").read_text()
                .splitlines()]

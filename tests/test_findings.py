@@ -363,3 +363,11 @@ def test_report_and_doctor_give_the_same_advice(tmp_path):
     assert cause.recommendation == rec and cause.evidence["first"] == f.summary()
     page = render(read_run(run))
     assert esc(rec) in page and esc(f.summary()) in page
+
+
+def test_every_kind_is_explained_in_the_guide():
+    """docs/guard.md has an entry per incident kind (what it means, what the guard did, what
+    to change): the kinds are listed once, in findings.py, and the guide follows them."""
+    guide = (Path(__file__).resolve().parents[1] / "docs" / "guard.md").read_text()
+    missing = [k for k in get_args(F.IncidentKind) if f"### `{k}`" not in guide]
+    assert not missing, missing

@@ -334,3 +334,54 @@ def test_accelerate_style_loop_fp16_grad_scaler(tmp_path, fault):
     if fault == "grad_nan":
         assert guard.scaler_skips == 1 and guard.scaler.get_scale() == 32768.0
         assert rows(tmp_path) == []
+
+
+def test_plain_loop_drops_then_quarantines_a_bad_sample(tmp_path):
+    """A loop of one's own passes the dataset indices and a ``rerun``: a sample that is NaN
+    every time it is drawn is dropped from its step while the other seven train, and
+    quarantined the second time; the loop's own sampler leaves out ``guard.quarantine``."""
+    torch.manual_seed(0)
+    bad = 13
+    data = DATA.clone()
+    data[bad, 0, 0, 0] = float("nan")
+    model = Denoiser()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, opt, run_dir=tmp_path, config=CFG, num_timesteps=T)
+    decisions, drawn = [], []
+    while guard.progress.step < STEPS:
+        pool = [i for i in range(len(data)) if i not in guard.quarantine]
+        start = guard.progress.batches_consumed * B
+        idx = torch.tensor([pool[(start + k) % len(pool)] for k in range(B)])
+        drawn.append(idx.tolist())
+        x0 = data[idx]
+        xt, t, noise = noisy(x0)
+
+        def per_sample(keep):
+            return (model(xt[keep], t[keep]) - noise[keep]).square().mean((1, 2, 3))
+
+        ps = per_sample(torch.ones(B, dtype=torch.bool))
+        ps.mean().backward()
+
+        def rerun(keep, n_kept):  # the step again, on the kept samples only
+            again = per_sample(keep)
+            again.mean().backward()
+            return again.mean(), again.detach(), t[keep]
+
+        d = guard.step(ps.mean(), t=t, per_sample_loss=ps.detach(), inputs=x0, indices=idx,
+                       rerun=rerun)
+        decisions.append(d)
+    assert all(d.action == "step" for d in decisions)  # no batch was thrown away
+    hit = [d for d in decisions if d.dropped]
+    assert [d.dropped for d in hit] == [(bad,), (bad,)]
+    assert [d.quarantined for d in hit] == [(), (bad,)] and guard.quarantine == {bad}
+    when = next(i for i, d in enumerate(decisions) if d.quarantined)
+    later = drawn[when + 1:]
+    assert later and all(bad not in b for b in later)
+    assert [(r["kind"], r["action"]) for r in rows(tmp_path)] == [
+        ("bad_batch", "drop_samples"), ("bad_batch", "drop_samples"),
+        ("sample_quarantined", "quarantine")]
+    assert finite_module(model)
+    # the quarantine is part of the guard's state (a resumed loop keeps it)
+    fresh = Guard(Denoiser(), torch.optim.AdamW(model.parameters()), config=CFG)
+    fresh.load_state_dict(json.loads(json.dumps(guard.state_dict())))
+    assert fresh.quarantine == {bad}

@@ -439,6 +439,9 @@ class Guard:
         bad, why = self._responsible(f, everyone, k_max)
         if not bad or len(bad) > k_max:
             return None
+        sizes = [len(rs) for rs, _ in per_rank]
+        if any(sum(1 for s in bad if s.rank == r) >= n_r for r, n_r in enumerate(sizes)):
+            return None  # a rank would keep no sample (and could not join the backward)
         chunk = -(-n // max(num_micro, 1))  # torch.chunk's micro-batch size
         return [s.row(s.position // chunk, self._source(s.index), why, world) for s in bad]
 
@@ -493,6 +496,8 @@ class Guard:
         keep = torch.ones(seen.n_local, dtype=torch.bool)
         keep[[x["position"] for x in samples if x.get("rank", 0) == me]] = False
         f.evidence["samples"] = samples
+        if seen.world > 1:  # where the bad samples were
+            f.evidence["rank"] = min(x["rank"] for x in samples)
         self.update.discard(prog)  # no update from the poisoned gradients
         self.counts["samples_dropped"] += len(samples)
         inc = self._record(f, "drop_samples", cost={"samples_dropped": len(samples),
