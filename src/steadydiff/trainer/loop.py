@@ -562,7 +562,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     for line in pre.header(cfg, run.root):  # the full config goes to RUN/config.yaml
         say(line)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
-    state = build_state(cfg, getattr(data, "num_classes", 0), device, ctx)
+    state = build_state(cfg, pre.num_classes_in_data, device, ctx)
     state.evaluator = make_evaluator(cfg, run_dir)
 
     # ---- resume: the same command again continues the run
@@ -587,7 +587,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         return iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
                                 start_batch=position, hflip=cfg.data.hflip,
                                 num_workers=cfg.data.num_workers, rank=ctx.rank,
-                                world_size=ctx.world_size, pin_memory=device.type == "cuda"))
+                                world_size=ctx.world_size, pin_memory=device.type == "cuda",
+                                num_classes=cfg.model.num_classes))
 
     # ---- the loop: {stop?, report, done?, step}
     batches = batches_from(state.batches_consumed)
