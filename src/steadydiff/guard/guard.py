@@ -695,6 +695,27 @@ class Guard:
         if self.ema is not None and snap.ema is not None:
             self.ema.load(snap.ema)
 
+    def restore_verified(self) -> int | None:
+        """Restore the newest verified snapshot (the ring's: weights and EMA were checked
+        finite when it was taken) into the model, EMA, optimizer, LR scheduler, grad scaler,
+        RNG and the progress (``step``, ``batches_consumed``), dropping any gradients.
+
+        Meant for after an ``abort`` decision, so the last good state can be saved as a
+        checkpoint to resume from (steadydiff's trainer does so itself, as the abort point);
+        the snapshot stays in the ring.
+
+        Returns:
+            The restored step, or None when there is no snapshot (nothing was changed).
+        """
+        snap = self.ring.newest()
+        if snap is None:
+            return None
+        self.optimizer.zero_grad(set_to_none=True)
+        self.restore(snap)
+        self.progress.step, self.progress.batches_consumed = snap.step, snap.batches_consumed
+        self._prev_norms = None
+        return snap.step
+
     # ------------------------------------------------------------------ state / report
 
     @property
