@@ -363,7 +363,7 @@ def _save(state: TrainState, run: RunDir) -> Path | None:
 
 
 def abort_point(state: TrainState, run: RunDir, reason: str,
-                say: Callable[[str], None] = print) -> dict[str, Any]:
+                say: Callable[[str], None] = print, write: bool = True) -> dict[str, Any]:
     """What an aborted run leaves to resume from (rank 0; the run is over).
 
     The guard's newest verified snapshot (weights and EMA checked finite when it was taken)
@@ -377,6 +377,9 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
     The suggestion: ``optim.lr`` times the guard's LR factor at the abort when it was backing
     off, else half of it. Rerunning the command resumes from the newest intact checkpoint
     (this one when written, else the newest already there).
+
+    Args:
+        write: False only suggests (the weights' own check refused the state).
 
     Returns:
         ``{step, reason, checkpoint (None when none was written), checkpoint_step,
@@ -397,7 +400,7 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
                             "--allow-config-change"])}
     on_disk = run.list_checkpoints()  # newest first, verified or not: never overwritten
     newest = ckpt.step_of(on_disk[0]) if on_disk else None
-    snap = guard.ring.newest() if guard is not None else None
+    snap = guard.ring.newest() if guard is not None and write else None
     if snap is not None and (newest is None or snap.step > newest):
         guard.restore_verified()
         guard.skips.clear()
@@ -674,7 +677,9 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
             out.final_checkpoint()
     except GuardAbort as e:
         if main:
-            e.abort_point = abort_point(state, run, str(e), say)
+            # a changed adapter base is refused by every save: no abort point to write
+            keep = e.incident is None or e.incident.kind != "adapter_base_modified"
+            e.abort_point = abort_point(state, run, str(e), say, write=keep)
             _finish(state, run, "aborted", reason=str(e), tb=out.tb, abort=e.abort_point)
         # torchrun ends the group as soon as one worker exits non-zero: every rank waits
         # until rank 0 has written the abort point, summary.json and the report
