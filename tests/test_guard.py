@@ -324,6 +324,15 @@ def test_abort_leaves_its_last_verified_state_to_resume(tmp_path, capsys):
     assert point["resume"] == (f"steadydiff train {run / 'config.yaml'} --out {run} --set "
                                "optim.lr=0.0005 --allow-config-change")
     assert "abort point: wrote" in capsys.readouterr().out
+    # the report's verdict and the doctor's abort cause show where to resume, and how
+    from steadydiff.doctor import diagnose
+
+    page = (run / "report.html").read_text()
+    assert f"abort point: {path}, the guard&#x27;s last verified state (step 6)" in page
+    assert point["resume"] in page
+    cause = diagnose(run, probe=False).causes[0]
+    assert cause.check == "run_aborted" and point["resume"] in cause.recommendation
+    assert cause.evidence["abort_point"]["checkpoint"] == str(path)
 
     # the suggested command, without the injected faults (they would strike again)
     rc = main(point["resume"].split()[1:] + ["--set", "faults=[]"])
