@@ -54,6 +54,10 @@ def train(config: Config | dict[str, Any] | str | Path,
         A :class:`RunResult` (run directory, final step and loss, checkpoint, sample grids).
 
     Raises:
+        GuardAbort: the guard's recovery budget ran out. The guard's last verified state
+            was written as a checkpoint when newer than every checkpoint on disk, and
+            ``.abort_point`` holds it with the suggested LR and the command to resume.
+        DataError: unusable data, e.g. a label that is no class id (the item is named).
         TrainingInterrupted: SIGTERM, SIGINT or SIGUSR1 arrived while training; the step in
             progress finished and a verified checkpoint of it was written (``.checkpoint``,
             ``.result``). Calling ``train`` again with the same arguments resumes exactly.

@@ -58,11 +58,18 @@ DecisionKind = Literal["step", "skip", "rollback", "abort"]
 
 
 class GuardAbort(RuntimeError):
-    """Instability persisted past the recovery budget (CLI exit code 3)."""
+    """Instability persisted past the recovery budget (CLI exit code 3).
+
+    Attributes:
+        incident: the abort incident, when there is one.
+        abort_point: set by steadydiff's trainer (rank 0): what the run left to resume from
+            and the suggested command, as in summary.json's ``abort`` (see docs/guard.md).
+    """
 
     def __init__(self, message: str, incident: "Incident | None" = None):
         super().__init__(message)
         self.incident = incident
+        self.abort_point: dict[str, Any] | None = None
 
 
 @dataclass
