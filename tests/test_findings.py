@@ -28,7 +28,8 @@ from tiny import TINY_MODEL  # noqa: E402  (tests/tiny.py)
 SRC = Path(steadydiff.__file__).parent
 VICTIM = "mid.res.0.conv1.weight"
 # what the guard adds to a finding's evidence after detection (not the kind's own keys)
-CONTEXT = {"provenance", "health", "rank", "top_grad_layers", "weight_growth_since_snapshot"}
+CONTEXT = {"provenance", "health", "rank", "top_grad_layers", "weight_growth_since_snapshot",
+           "samples", "elements", "symptom"}
 
 
 # --------------------------------------------------------------------------- the registry
@@ -199,14 +200,17 @@ def test_real_rows_summaries(faulty):
     by = {}
     for row in rows:
         by.setdefault(row["kind"], []).append(F.finding_from_row(row))
-    assert by["bad_batch"][0].summary() == "max |x| of the batch = nan"
+    # one NaN pixel in one sample: the summary names the sample the guard dropped
+    assert by["bad_batch"][0].summary().startswith("max |x| of the batch = nan; samples: index ")
+    assert by["bad_batch"][0].summary().endswith("(non-finite input)")
     assert by["bad_batch"][1].summary().startswith("max |x| of the batch = 1e+04 (×1e+04 the "
                                                    "usual")
     assert by["out_of_memory"][0].summary() == "out of memory at micro-batch 8 -> 4"
     assert by["loss_spike"][0].summary().startswith("loss ")
     assert "its t-bucket" in by["loss_spike"][0].summary()
     assert "largest grad: " in by["loss_spike"][0].summary()
-    assert by["nonfinite_params"][0].summary() == f"non-finite params: {VICTIM}"
+    assert by["nonfinite_params"][0].summary() == \
+        f"non-finite params: {VICTIM}; {VICTIM}: 1 non-finite of 2304 elements"
     assert f"non-finite grads: {VICTIM}" in by["nonfinite_grad"][0].summary()
     jump = by["weight_jump"][0].summary()
     assert jump.startswith(f"param norm jump in one step: {VICTIM} ×") and "," not in \

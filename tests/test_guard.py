@@ -83,14 +83,15 @@ class Run:
         torch.set_num_threads(1)
         self.data = build_dataset(cfg.data)
         self.state = build_state(cfg, self.data.num_classes, self.device)
-        self.guard = attach_guard(self.state, run_dir)
+        self.guard = attach_guard(self.state, run_dir, self.data)
         self.decisions, self.trained_on = [], []  # (step, action), batch positions stepped
         self._open()
 
     def _open(self):
         self.pos = self.state.batches_consumed
         self.batches = iter(make_loader(self.data, batch_size=self.cfg.train.batch_size,
-                                        seed=self.cfg.train.seed, start_batch=self.pos))
+                                        seed=self.cfg.train.seed, start_batch=self.pos,
+                                        exclude=self.guard.quarantine if self.guard else ()))
 
     def step(self):
         """One call of train_step; returns its decision."""
@@ -101,10 +102,11 @@ class Run:
         self.decisions.append((d.step, d.action))
         how = handle_decision(s, d, say=lambda _msg: None)  # the loop's own handler
         if how == "rolled_back":
-            self._open()  # the data continues where the guard says
             del self.trained_on[s.step:]  # the undone steps are not part of the trajectory
         elif how == "stepped":
             self.trained_on.append(pos)
+        if s.batches_consumed != self.pos or d.quarantined:
+            self._open()  # the data continues where the guard says
         return d
 
     def until(self, steps, every=None):
@@ -118,8 +120,11 @@ class Run:
 
 # kind, fault fields, expected incident kind, expected action, evidence check
 CASES = {
-    "nan_batch": ({"step": 5}, "bad_batch", "skip",
-                  lambda e: e["max_abs_input"] == "nan"),
+    # one NaN pixel in one sample: that sample is dropped, the rest of the batch trains
+    "nan_batch": ({"step": 5}, "bad_batch", "drop_samples",
+                  lambda e: e["max_abs_input"] == "nan" and len(e["samples"]) == 1
+                  and e["samples"][0]["why"] == "non-finite input"
+                  and e["samples"][0]["position"] == 0 and e["samples"][0]["micro_batch"] == 0),
     "outlier_batch": ({"step": 11, "factor": 1e4}, "bad_batch", "skip",
                       lambda e: e["max_abs_input"] > 1e3 * e["usual_max_abs_input"]),
     "loss_scale": ({"step": 7, "factor": 1e8}, "loss_spike", "skip",
@@ -164,9 +169,13 @@ def test_fault_through_train(tmp_path, kind):
     if want_action == "skip":
         assert row["cost"] == {"steps_redone": 0, "batches_skipped": 1,
                                "batch_position": fields["step"]}
-    else:  # snapshot at step 6 (every 3): one step redone, batches 6 and 7 not trained on
-        assert row["cost"] == {"steps_redone": 1, "batches_skipped": 2,
-                               "skipped_batches": [6, 8], "restored_step": 6}
+    elif want_action == "drop_samples":
+        assert row["cost"] == {"samples_dropped": 1, "steps_redone": 0, "batches_skipped": 0,
+                               "batch_position": fields["step"]}
+    else:  # snapshot at step 6 (every 3): one step redone, only batch 7 (whose update went
+        # bad) not trained on; batch 6 is trained on again
+        assert row["cost"] == {"steps_redone": 1, "batches_skipped": 1,
+                               "skipped_positions": [7], "restored_step": 6}
         assert row["diagnosis"]["lr_factor"] == 0.5
     assert want_kind in res.guard_summary
     paths = assert_checkpoints_finite(run)
@@ -189,7 +198,9 @@ def test_fault_in_train_step_ema_never_nonfinite(kind):
 
     r.until(12, every=check)
     acted = [(s, a) for s, a in r.decisions if a != "step"]
-    assert len(acted) == 1 and acted[0][1] == want_action
+    # dropping a sample is a step (the rest of the batch trained)
+    assert [a for _, a in acted] == ([] if want_action == "drop_samples" else [want_action])
+    assert r.guard.incidents[0].action == want_action
     assert r.guard.incidents[0].kind == want_kind
     # the EMA moved only on applied steps, and a rollback restored it with the weights: one
     # update per step of the final trajectory
@@ -216,11 +227,13 @@ def _live_tensors(state):
     return out
 
 
-@pytest.mark.parametrize("skip_batches,new_pos", [(0, 8), (5, 11)])
-def test_rollback_restores_snapshot_bit_equal_and_skips_data(skip_batches, new_pos):
+@pytest.mark.parametrize("skip_batches,new_pos,skipped", [(0, 6, (7,)),
+                                                          (5, 11, (6, 7, 8, 9, 10))])
+def test_rollback_restores_snapshot_bit_equal_and_skips_data(skip_batches, new_pos, skipped):
     """param_nan at step 7, snapshot at step 6 (data position 6): the state after the
     rollback equals the snapshot bit for bit (model, EMA, optimizer moments, RNG), and the
-    data continues at max(failure_pos + 1, snapshot_pos + skip_batches)."""
+    data continues at the snapshot's position, skipping only the batch whose update went bad
+    (7), plus the first ``skip_batches`` from the snapshot's position when configured."""
     r = Run(tiny(f"guard.skip_batches={skip_batches}",
                  faults=[{"kind": "param_nan", "step": 7, "target": VICTIM}]))
     r.until(7)
@@ -230,7 +243,7 @@ def test_rollback_restores_snapshot_bit_equal_and_skips_data(skip_batches, new_p
     d = r.step()
     assert d.action == "rollback" and d.incident.kind == "nonfinite_params"
     assert (d.step, d.data_position) == (6, new_pos)
-    assert d.skipped_batches == range(6, new_pos)
+    assert d.skipped_batches == skipped
     assert (r.state.step, r.state.batches_consumed) == (6, new_pos)
     live = _live_tensors(r.state)
     assert live.keys() == expect.keys()
@@ -239,12 +252,14 @@ def test_rollback_restores_snapshot_bit_equal_and_skips_data(skip_batches, new_p
     assert r.state.ema.num_updates == snap.ema["num_updates"]
     assert torch.equal(torch.get_rng_state(), snap.rng)
     cost = d.incident.cost
-    assert cost["skipped_batches"] == [6, new_pos] and cost["steps_redone"] == 1
-    assert cost["batches_skipped"] == new_pos - 6
-    # the next batch trained on is the one at the new position, and the run goes on
+    assert cost["skipped_positions"] == list(skipped) and cost["steps_redone"] == 1
+    assert cost["batches_skipped"] == len(skipped)
+    # the next batch trained on is the one at the new position, the skipped ones never are,
+    # and the run goes on
     r.until(12)
     assert r.trained_on[6] == new_pos
-    assert set(range(6, new_pos)).isdisjoint(r.trained_on[6:])
+    assert set(skipped).isdisjoint(r.trained_on[6:])
+    assert r.trained_on[6:] == sorted(r.trained_on[6:])
     assert finite(r.state.model.parameters())
 
 
@@ -753,12 +768,14 @@ def test_provenance_clean_step_not_reproduced():
 
 
 def test_guard_state_round_trip_keeps_detector_stats():
-    r = Run(tiny("train.steps=8", faults=[{"kind": "nan_batch", "step": 5}]))
+    # (sample_drop_max=0: the NaN batch is skipped whole, so there is a skip to keep)
+    r = Run(tiny("train.steps=8", "guard.sample_drop_max=0",
+                 faults=[{"kind": "nan_batch", "step": 5}]))
     r.until(8)
     g = r.guard
     s = json.loads(json.dumps(g.state_dict()))  # checkpoints store it as JSON
     assert s["grad"][2] == 8 and s["counts"]["skips"] == 1  # 8 healthy steps observed
-    fresh = Run(tiny("train.steps=8"))
+    fresh = Run(tiny("train.steps=8", "guard.sample_drop_max=0"))
     fresh.guard.load_state_dict(s)
     h = fresh.guard
     # (the number of incidents is the next test's business)
@@ -787,9 +804,10 @@ def test_incident_count_survives_resume(tmp_path):
     """The metrics rows' ``incidents`` keeps counting across a resume, like ``skipped_steps``
     and ``rollbacks`` do (the guard state saves the count)."""
     run = tmp_path / "run"
-    steadydiff.train(tiny("train.steps=4", faults=[{"kind": "nan_batch", "step": 2}]),
-                     out_dir=run)
-    steadydiff.train(tiny("train.steps=6"), out_dir=run, allow_config_change=True)
+    steadydiff.train(tiny("train.steps=4", "guard.sample_drop_max=0",
+                          faults=[{"kind": "nan_batch", "step": 2}]), out_dir=run)
+    steadydiff.train(tiny("train.steps=6", "guard.sample_drop_max=0"), out_dir=run,
+                     allow_config_change=True)
     last = metrics(run)[-1]
     assert last["skipped_steps"] == 1
     assert last["incidents"] == 1
@@ -802,7 +820,8 @@ def test_skip_budget_counts_skips_spread_over_the_window(tmp_path):
     the budget saw them, so spread-out skips never ended the run)."""
     faults = [{"kind": "nan_batch", "step": s} for s in (1, 4, 7, 10)]
     cfg = tiny("train.steps=14", "guard.skip_window=2", "guard.max_skips=3",
-               "guard.budget_window=1000", "train.checkpoint_every=0", faults=faults)
+               "guard.budget_window=1000", "train.checkpoint_every=0",
+               "guard.sample_drop_max=0", faults=faults)
     with pytest.raises(GuardAbort, match="more than 3 skipped steps within 1000"):
         steadydiff.train(cfg, out_dir=tmp_path / "run")
     rows = incidents(tmp_path / "run")

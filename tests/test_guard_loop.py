@@ -163,11 +163,12 @@ PLAIN = {
                    lambda e: e["z"] > 6 and e["top_grad_layers"][0]["param"]),
     "grad_nan": (12, [(12, "skip", "nonfinite_grad")],
                  lambda e: e["provenance"]["nonfinite_grad_params"] == ["inp.weight"]),
-    # a NaN weight poisons every step until the state is restored: two skips, then the
-    # third incident in the skip window escalates to a rollback to the step-10 snapshot
-    "param_nan": (12, [(12, "skip", "nonfinite_loss"), (12, "skip", "nonfinite_loss"),
-                       (10, "rollback", "nonfinite_loss")],
-                  lambda e: math.isnan(float(e["loss"]))),
+    # a weight gone NaN between two steps is seen before it is blamed on a batch: the
+    # parameter is named and the guard rolls back to the step-10 snapshot at once, skipping
+    # no data (the batch was innocent)
+    "param_nan": (12, [(10, "rollback", "nonfinite_params")],
+                  lambda e: e["params"] == ["out.weight"] and e["when"] == "before_forward"
+                  and e["elements"][0]["nonfinite"] == 1),
 }
 
 
@@ -184,8 +185,8 @@ def test_plain_loop_faults(tmp_path, fault):
     if fault == "param_nan":
         d = ds[-1] if ds[-1].action == "rollback" else next(d for d in ds
                                                            if d.action == "rollback")
-        # failure at data position 14 (12 steps + 2 skipped batches); snapshot at 10
-        assert d.skipped_batches == range(10, 15) and d.data_position == 15
+        # failure at data position 12, snapshot at 10: both batches are trained on again
+        assert d.skipped_batches == () and d.data_position == 10
         assert d.incident.cost["steps_redone"] == 2
         assert guard.lr_factor == 0.5  # backed off for lr_backoff_steps after the rollback
     assert f"{len(rows(tmp_path))} incident" in guard.summary()
@@ -322,8 +323,7 @@ ACCEL = {
     "nan_batch": (12, [(12, "skip", "nonfinite_loss")]),
     "loss_spike": (12, [(12, "skip", "grad_spike")]),
     "grad_nan": (12, [(12, "skip", "nonfinite_grad")]),
-    "param_nan": (12, [(12, "skip", "nonfinite_loss"), (12, "skip", "nonfinite_loss"),
-                       (10, "rollback", "nonfinite_loss")]),
+    "param_nan": (12, [(10, "rollback", "nonfinite_params")]),
 }
 
 
@@ -338,13 +338,12 @@ def test_accelerate_style_loop_fp32(tmp_path, fault):
 
 
 # fp16: a gradient overflow is the GradScaler's business (skip the step, halve the scale,
-# no incident); a NaN batch is an incident; a NaN weight escalates to a rollback
+# no incident); a NaN batch is an incident; a NaN weight is rolled back at once
 FP16 = {
     None: (None, []),
     "grad_nan": (12, [(12, "skip", None)]),
     "nan_batch": (12, [(12, "skip", "nonfinite_loss")]),
-    "param_nan": (12, [(12, "skip", "nonfinite_loss"), (12, "skip", "nonfinite_loss"),
-                       (10, "rollback", "nonfinite_loss")]),
+    "param_nan": (12, [(10, "rollback", "nonfinite_params")]),
 }
 
 

@@ -32,7 +32,8 @@ def test_a_first_incident_is_skipped(kind):
 def test_repeated_incidents_escalate_to_a_rollback():
     h = History(step=30, skips=(20, 25))  # this one is the 3rd within 50 steps
     a = decide(f("grad_spike"), h, CFG)
-    assert (a.kind, a.reason, a.snapshot) == ("rollback", "repeated incidents", "newest")
+    assert (a.kind, a.reason, a.restore_before, a.skip_data) == \
+        ("rollback", "repeated incidents", None, "implicated")
     # the same two skips long ago do not escalate
     assert decide(f("grad_spike"), History(step=300, skips=(20, 25)), CFG).kind == "skip"
 
@@ -45,9 +46,38 @@ def test_a_bad_batch_never_escalates():
 def test_state_unusable_and_divergence_roll_back():
     for kind in ("nonfinite_params", "weight_jump"):
         a = decide(f(kind, "fatal"), History(step=5), CFG)
-        assert (a.kind, a.reason, a.snapshot) == ("rollback", "state unusable", "newest")
-    a = decide(f("divergence", "trend"), History(step=5), CFG)
-    assert (a.kind, a.reason, a.snapshot) == ("rollback", "slow divergence", "oldest")
+        assert (a.kind, a.reason, a.restore_before, a.skip_data) == \
+            ("rollback", "state unusable", None, "implicated")
+        # changed between two steps: the batch is innocent, no data is skipped
+        a = decide(f(kind, "fatal", when="before_forward"), History(step=5), CFG)
+        assert (a.kind, a.skip_data) == ("rollback", "none")
+    # a divergence goes back to before it began (not to the oldest snapshot), skipping nothing
+    a = decide(f("divergence", "trend", trend_start_step=120), History(step=200), CFG)
+    assert (a.kind, a.reason, a.restore_before, a.skip_data, a.lr_cap_fraction) == \
+        ("rollback", "slow divergence", 120, "none", None)
+
+
+def test_lr_too_high_rolls_back_before_the_trend_and_caps_the_lr():
+    c = GuardConfig(lr_cap_fraction=0.5)
+    lr = f("lr_too_high", "trend", trend_start_step=120, lr_start=1e-3, lr_end=4e-3)
+    h = History(step=200, snapshots=(50, 100, 150, 200))
+    a = decide(lr, h, c)
+    assert (a.kind, a.restore_before, a.skip_data, a.lr_cap_fraction) == \
+        ("rollback", 120, "none", 0.5)
+    assert h.snapshot_before(120) == 100 and h.snapshot_before(20) == 50
+    assert h.snapshot_before(None) == 200
+    # the same snapshot for the same cause again: a stricter cap; a third time: abort
+    again = History(step=200, snapshots=(50, 100), last_rollback=(100, "learning rate too high"),
+                    same_rollbacks=1)
+    assert decide(lr, again, c).lr_cap_fraction == 0.25
+    third = History(step=200, snapshots=(50, 100), last_rollback=(100, "learning rate too high"),
+                    same_rollbacks=2)
+    a = decide(lr, third, c)
+    assert a.kind == "abort" and "restored step 100 for learning rate too high 2 times" in a.why
+    # another cause at that snapshot is not "the same rollback"
+    other = History(step=200, snapshots=(50, 100), last_rollback=(100, "state unusable"),
+                    same_rollbacks=2)
+    assert decide(lr, other, c).kind == "rollback"
 
 
 def test_rollback_needs_a_snapshot_and_budget():

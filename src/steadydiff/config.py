@@ -334,6 +334,22 @@ class GuardConfig(Section):
     divergence_window: Int = Field(1000, ge=0, description="steps; 0 disables the detector")
     divergence_ratio: float = Field(1.5, gt=1.0,
                                     description="smoothed loss risen this x above its best")
+    trend_window: Int = Field(48, ge=0, description="steps over which sustained growth of "
+                              "the grad norm and the loss is read (robust: the medians of "
+                              "the window's thirds); 0 disables the detector")
+    trend_grad_ratio: float = Field(2.0, gt=1.0, description="trend: the grad norm's median "
+                                    "rose this x from the first third to the last")
+    trend_loss_ratio: float = Field(1.2, gt=1.0, description="trend: and the loss's median "
+                                    "this x")
+    trend_lr_rise: float = Field(1.1, gt=1.0, description="trend: an LR that rose this x "
+                                 "across the window makes it lr_too_high (else divergence)")
+    lr_cap_fraction: float = Field(0.5, gt=0.0, lt=1.0, description="lr_too_high: cap the LR "
+                                   "at this x the LR at which training was last stable")
+    sample_drop_max: float = Field(0.25, ge=0.0, le=1.0, description="a data incident "
+                                   "singled down to at most this fraction of the batch drops "
+                                   "those samples and trains on the rest; 0: skip the batch")
+    quarantine_after: Int = Field(2, ge=0, description="a sample implicated this many times "
+                                  "is never drawn again this run; 0: never quarantine")
     overflow_limit: Int = Field(8, ge=1, description="fp16 overflow skips within "
                                 "overflow_window before falling back in precision")
     overflow_window: Int = Field(100, ge=1)
@@ -358,9 +374,9 @@ class GuardConfig(Section):
     skips_before_rollback: Int = Field(3, ge=1, description="skips within skip_window "
                                        "before escalating to a rollback")
     skip_window: Int = Field(50, ge=1)
-    skip_batches: Int = Field(0, ge=0, description="after a rollback, skip at least this many "
-                              "batches from the snapshot's position (always at least through "
-                              "the failing batch)")
+    skip_batches: Int = Field(0, ge=0, description="after a rollback, also skip this many "
+                              "batches from the snapshot's position (besides the implicated "
+                              "ones)")
     lr_backoff: float = Field(0.5, gt=0.0, le=1.0, description="LR factor after a rollback")
     lr_backoff_steps: Int = Field(200, ge=0, description="steps before the LR is restored")
     precision_fallback: Bool = Field(True, description="fp16 -> bf16 -> fp32 on persistent "
@@ -420,8 +436,13 @@ class FaultConfig(Section):
     factor: float | None = Field(None, description="outlier/loss/lr/huge multiplier (default "
                                  "1e4; fp16_overflow 1e5); oom: the largest micro-batch that "
                                  "fits (default: half the current one); hang: seconds "
-                                 "(default: forever)")
-    steps: Int = Field(1, ge=1, description="lr_scale: for how many steps")
+                                 "(default: forever); bad_sample: the sample x factor (default: "
+                                 "one NaN pixel); lr_ramp: the LR's growth per step (default "
+                                 "1.05); weight_corrupt: the value one element becomes "
+                                 "(default 1e36)")
+    steps: Int = Field(1, ge=1, description="lr_scale, lr_ramp: for how many steps")
+    index: Int | None = Field(None, ge=0, description="bad_sample: the dataset index that is "
+                              "corrupt every time it is drawn")
     target: str | None = Field(None, description="parameter (param_*, grad_nan) or module "
                                "(fp16_overflow) name; None: a default one")
     where: FaultWhere = Field(
@@ -429,6 +450,14 @@ class FaultConfig(Section):
         "stops responding")
     rank: Int | None = Field(None, ge=0, description="torchrun: fire on this rank only; "
                              "None: on every rank")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FaultConfig":
+        if (self.kind == "bad_sample") != (self.index is not None):
+            raise ValueError("index (a dataset index) is required by bad_sample and "
+                             f"meaningless for {self.kind}" if self.kind != "bad_sample" else
+                             "bad_sample needs index: the dataset index of the corrupt sample")
+        return self
 
 
 class Config(Section):

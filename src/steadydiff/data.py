@@ -28,7 +28,7 @@ import math
 import os
 import warnings
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -69,9 +69,8 @@ class DataError(ValueError):
 
 
 def item_name(data: Dataset, i: int) -> str:
-    """``dataset item 7``, with the file's path when the dataset knows it (``path_of``)."""
-    path_of = getattr(data, "path_of", None)
-    path = path_of(i) if callable(path_of) else None
+    """``dataset item 7``, with its file when there is one (:func:`source_of`)."""
+    path = source_of(data, i)
     return f"dataset item {i}" + (f" ({path})" if path is not None else "")
 
 
@@ -578,10 +577,6 @@ class ImageFolderDataset(Dataset):
     def __len__(self) -> int:
         return len(self.paths)
 
-    def path_of(self, i: int) -> str:
-        """The file of item ``i`` (for messages)."""
-        return str(self.paths[int(i)])
-
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y, _ = self.fetch(i)
         return x, y
@@ -693,16 +688,6 @@ class PairsDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._convert(self.dataset[i], i)
 
-    def path_of(self, i: int) -> str | None:
-        """The source's file of item ``i`` when it knows one (``path_of`` or ``paths``)."""
-        path_of = getattr(self.dataset, "path_of", None)
-        if callable(path_of):
-            return path_of(i)
-        paths = getattr(self.dataset, "paths", None)
-        if isinstance(paths, (list, tuple)) and len(paths) == len(self):
-            return str(paths[int(i)])
-        return None
-
     def _check_range(self, n: int, probe: int = RANGE_PROBE) -> None:
         """Refuse data outside [-1, 1], judged on ``probe`` items spread over the dataset.
 
@@ -810,7 +795,9 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
     takes the contiguous slice ``[floor(r*B/W), floor((r+1)*B/W))`` of each global batch, so
     ranks are disjoint and together cover it, and the sample order does not depend on the
     world size (a run resumed on another number of processes sees the same data). The state is
-    one integer: batches consumed.
+    one integer, batches consumed, and the set of quarantined indices: ``exclude`` removes them
+    from every epoch's permutation (an epoch is then n - |exclude| long), so the stream stays a
+    pure function of (seed, exclude) and a resumed run with the same set sees the same batches.
 
     Args:
         num_samples: dataset length n (>= 1).
@@ -819,13 +806,18 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
         seed: the run seed.
         start_batch: the first batch to yield (the resume position).
         rank, world_size: this process's slice under DDP; B >= world_size.
+        exclude: dataset indices never drawn (the guard's quarantine).
     """
 
     def __init__(self, num_samples: int, batch_size: int, *, seed: int, start_batch: int = 0,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, exclude: Iterable[int] = ()) -> None:
         super().__init__()
         if num_samples < 1:
             raise DataError(f"cannot sample from an empty dataset (num_samples={num_samples})")
+        self.exclude = frozenset(int(i) for i in exclude if 0 <= int(i) < num_samples)
+        if len(self.exclude) >= num_samples:
+            raise DataError(f"all {num_samples} samples are quarantined: nothing left to train "
+                            "on (see incidents.jsonl, kind sample_quarantined)")
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         if world_size < 1 or not 0 <= rank < world_size:
@@ -837,6 +829,7 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
         if start_batch < 0:
             raise ValueError(f"start_batch must be >= 0, got {start_batch}")
         self.num_samples = num_samples
+        self.epoch_len = num_samples - len(self.exclude)
         self.batch_size = batch_size
         self.seed = seed
         self.start_batch = start_batch
@@ -852,11 +845,14 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
         self._perms: OrderedDict[int, torch.Tensor] = OrderedDict()
 
     def permutation(self, epoch: int) -> torch.Tensor:
-        """The sample order of ``epoch``: (n,) int64, a pure function of (seed, epoch, n)."""
+        """The sample order of ``epoch``: (n - |exclude|,) int64, a pure function of (seed,
+        epoch, n, exclude)."""
         p = self._perms.get(epoch)
         if p is None:
             g = torch.Generator().manual_seed(derive_seed(_TAG_PERM, self.seed, epoch))
             p = torch.randperm(self.num_samples, generator=g)
+            if self.exclude:
+                p = p[~torch.isin(p, torch.tensor(sorted(self.exclude)))]
             self._perms[epoch] = p
             if len(self._perms) > 4:
                 self._perms.popitem(last=False)
@@ -865,7 +861,7 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
         return p
 
     def _positions(self, start: int, stop: int) -> list[StreamKey]:
-        n = self.num_samples
+        n = self.epoch_len
         out: list[StreamKey] = []
         pos = start
         while pos < stop:  # one pass per epoch the range touches
@@ -886,7 +882,7 @@ class StreamBatchSampler(Sampler[list[StreamKey]]):
 
     def epoch_of(self, b: int) -> int:
         """The epoch of batch ``b``'s first (global) stream position."""
-        return b * self.batch_size // self.num_samples
+        return b * self.batch_size // self.epoch_len
 
     def __iter__(self) -> Iterator[list[StreamKey]]:
         b = self.start_batch
@@ -946,7 +942,8 @@ def _worker_init(_: int) -> None:
 
 def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: int = 0,
                 hflip: bool = False, num_workers: int = 0, rank: int = 0, world_size: int = 1,
-                pin_memory: bool = False, num_classes: int = 0) -> DataLoader:
+                pin_memory: bool = False, exclude: Iterable[int] = (),
+                num_classes: int = 0) -> DataLoader:
     """An endless loader of ``(x (b,C,H,W), y (b,), idx (b,), bad (b,))`` batches, resumable
     exactly (``bad`` flags samples whose image failed to load and was replaced).
 
@@ -961,6 +958,8 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
             depend on it.
         rank, world_size: the DDP slice.
         pin_memory: pin batches for faster host-to-GPU copies.
+        exclude: dataset indices never drawn (the guard's quarantine; see
+            :class:`StreamBatchSampler`).
         num_classes: the model's classes K: a label outside 0..K-1 stops the run with a
             ``DataError`` naming the item (0: unconditional, labels unused).
 
@@ -970,7 +969,7 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
     """
     view = SeededView(dataset, seed=seed, hflip=hflip, num_classes=num_classes)
     sampler = StreamBatchSampler(len(view), batch_size, seed=seed, start_batch=start_batch,
-                                 rank=rank, world_size=world_size)
+                                 rank=rank, world_size=world_size, exclude=exclude)
     return DataLoader(
         view, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
@@ -979,6 +978,26 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
         # *global* torch RNG, shifting the model's random stream by how often it was called.
         generator=torch.Generator().manual_seed(derive_seed(_TAG_LOADER, seed, rank)),
     )
+
+
+def source_of(dataset: Dataset, i: int) -> str | None:
+    """What names item ``i`` for a person: its file path for an image folder (through any
+    class subset), or for a user dataset (through ``as_pairs``) that has ``path_of(i)`` or
+    one entry of ``paths`` per item; else None (the index is all there is)."""
+    i = int(i)
+    while isinstance(dataset, (ClassSubset, PairsDataset)):
+        if isinstance(dataset, ClassSubset):
+            dataset, i = dataset.dataset, dataset.index[i]
+        else:
+            dataset = dataset.dataset
+    path_of = getattr(dataset, "path_of", None)
+    if callable(path_of):
+        return str(path_of(i))
+    paths = getattr(dataset, "paths", None)
+    if isinstance(paths, (list, tuple)) and 0 <= i < len(paths) and (
+            isinstance(dataset, ImageFolderDataset) or len(paths) == len(dataset)):
+        return str(paths[i])
+    return None
 
 
 # --------------------------------------------------------------------------- class subset
@@ -1017,11 +1036,6 @@ class ClassSubset(Dataset):
         self.skipped = getattr(dataset, "skipped", 0)
         if hasattr(dataset, "fetch"):
             self.fetch = lambda i: dataset.fetch(self.index[int(i)])
-
-    def path_of(self, i: int) -> str | None:
-        """The file of item ``i`` when the dataset has files."""
-        path_of = getattr(self.dataset, "path_of", None)
-        return path_of(self.index[int(i)]) if callable(path_of) else None
 
     def __len__(self) -> int:
         return len(self.index)
@@ -1067,5 +1081,5 @@ __all__ = [
     "IMAGE_EXTENSIONS", "ClassSubset", "DataError", "DigitsDataset", "FashionMNISTDataset",
     "ImageFolderDataset", "PairsDataset",
     "SeededView", "StreamBatchSampler", "as_pairs", "build_dataset", "check_label",
-    "check_labels", "item_name", "labels_of", "make_loader",
+    "check_labels", "item_name", "labels_of", "make_loader", "source_of",
 ]

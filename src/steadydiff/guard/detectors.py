@@ -7,7 +7,10 @@
   loss near t=0 is orders of magnitude above the loss near t=T), so a sample's loss is judged
   against the running statistics of its own t-bucket, in log space, not a global mean.
 - Slow divergence: a smoothed log-loss that has risen well above its best level, with no
-  single spike (the failure that looks fine step by step).
+  single spike (the failure that looks fine step by step), over a long window.
+- Trend: sustained growth of the gradient norm *and* the loss over a short window (tens of
+  steps), read robustly from the medians of the window's thirds, and related to the learning
+  rate: ``lr_too_high`` when the LR rose across the window, ``divergence`` at a steady LR.
 - fp16 overflow: grad-scaler skips piling up in a window (the scale collapsing).
 """
 
@@ -128,9 +131,10 @@ class Divergence:
         self.alpha = 1.0 - 1.0 / max(1.0, window / 10)
         self.smooth: float | None = None
         self.best = math.inf
+        self.best_step: int | None = None  # where the smoothed loss was at its best
         self.seen = 0
 
-    def check_and_observe(self, mean_loss: float) -> Finding | None:
+    def check_and_observe(self, mean_loss: float, step: int | None = None) -> Finding | None:
         if not self.window or mean_loss <= 0:
             return None
         x = math.log(mean_loss)
@@ -138,11 +142,13 @@ class Divergence:
         self.seen += 1
         if self.seen < self.warmup + self.window // 10:
             return None
-        self.best = min(self.best, self.smooth)
+        if self.smooth < self.best:
+            self.best, self.best_step = self.smooth, step
         if self.seen >= self.warmup + self.window and self.smooth - self.best > self.log_ratio:
             return findings.Divergence.new(
                 smoothed_loss=math.exp(self.smooth), best_smoothed_loss=math.exp(self.best),
-                threshold_ratio=math.exp(self.log_ratio), window=self.window)
+                threshold_ratio=math.exp(self.log_ratio), window=self.window,
+                **({} if self.best_step is None else {"trend_start_step": self.best_step}))
         return None
 
     def reset_best(self) -> None:
@@ -151,12 +157,106 @@ class Divergence:
         self.seen = self.warmup + self.window // 10
 
     def state(self) -> list[Any]:
-        return [self.smooth, self.best if math.isfinite(self.best) else None, self.seen]
+        return [self.smooth, self.best if math.isfinite(self.best) else None, self.seen,
+                self.best_step]
 
     def load(self, s: list[Any]) -> None:
         self.smooth = s[0]
         self.best = math.inf if s[1] is None else float(s[1])
         self.seen = int(s[2])
+        self.best_step = s[3] if len(s) > 3 else None
+
+
+def _median(xs: list[float]) -> float:
+    ys = sorted(xs)
+    n = len(ys)
+    return ys[n // 2] if n % 2 else 0.5 * (ys[n // 2 - 1] + ys[n // 2])
+
+
+class Trend:
+    """Sustained growth over the last ``window`` healthy steps: the medians of the window's
+    three thirds (log grad norm, log loss) rise third by third, the grad norm's by at least
+    ``grad_ratio`` and the loss's by at least ``loss_ratio`` from the first third to the last.
+    Medians make it robust to single spikes and to the loss's noise across timesteps; the
+    loss condition keeps it quiet in a healthy warm-up (the LR and often the grad norm rise,
+    the loss falls). It reads nothing until ``warmup`` steps have passed.
+
+    The finding relates the growth to the learning rate: if the LR at the end of the window
+    is ``lr_rise`` x the LR at its start, ``lr_too_high`` (naming both LRs and the step where
+    the growth began: the first step of the window, or the last step whose grad norm was at
+    the first third's level); otherwise ``divergence`` at a steady LR.
+    """
+
+    def __init__(self, window: int, grad_ratio: float, loss_ratio: float, lr_rise: float,
+                 warmup: int):
+        self.window, self.warmup = window, warmup
+        self.log_grad, self.log_loss = math.log(grad_ratio), math.log(loss_ratio)
+        self.lr_rise = lr_rise
+        self.rows: deque[tuple[int, float, float, float]] = deque(maxlen=max(window, 1))
+        self.seen = 0
+
+    def observe(self, step: int, lr: float, grad_norm: float, loss: float) -> None:
+        """A healthy step: (its step, the LR applied, its grad norm and mean loss)."""
+        if not self.window or not (grad_norm > 0 and loss > 0) or not (
+                math.isfinite(grad_norm) and math.isfinite(loss)):
+            return
+        self.seen += 1
+        if self.seen > self.warmup:
+            self.rows.append((step, lr, math.log(grad_norm), math.log(loss)))
+
+    def check(self) -> Finding | None:
+        if not self.window or len(self.rows) < self.window:
+            return None
+        rows = list(self.rows)
+        k = len(rows) // 3
+        thirds = [rows[:k], rows[k:2 * k], rows[2 * k:]]
+        g = [_median([r[2] for r in th]) for th in thirds]
+        lo = [_median([r[3] for r in th]) for th in thirds]
+        if not (g[0] < g[1] < g[2] and g[2] - g[0] >= self.log_grad
+                and lo[2] >= lo[1] >= lo[0] - 0.02 and lo[2] - lo[0] >= self.log_loss):
+            return None
+        # where the growth began: the last step still at the first third's level
+        start = rows[0][0]
+        for r in rows[:2 * k]:
+            if r[2] <= g[0]:
+                start = r[0]
+        lr0 = next(r[1] for r in rows if r[0] == start)
+        lr1 = rows[-1][1]
+        ev = dict(trend_start_step=start, grad_norm_ratio=math.exp(g[2] - g[0]),
+                  loss_ratio=math.exp(lo[2] - lo[0]), window=self.window)
+        if lr0 > 0 and lr1 >= self.lr_rise * lr0:
+            return findings.LrTooHigh.new(lr_start=lr0, lr_end=lr1, **ev)
+        return findings.Divergence.new(
+            smoothed_loss=math.exp(lo[2]), best_smoothed_loss=math.exp(lo[0]),
+            threshold_ratio=math.exp(self.log_loss), **ev)
+
+    def lr_rose(self, lr_now: float, grad_norm: float, loss: float) -> Finding | None:
+        """Spikes that keep coming while the LR rose: ``lr_too_high`` if the LR now is
+        ``lr_rise`` x the LR at the start of the window. Training was last stable at the
+        last step whose grad norm was at most the window's median: its LR is the one named
+        stable, and the growth began there."""
+        rows = list(self.rows)
+        if len(rows) < 3 or rows[0][1] <= 0 or lr_now < self.lr_rise * rows[0][1]:
+            return None
+        med_g = _median([r[2] for r in rows])
+        med_l = _median([r[3] for r in rows])
+        stable = next(r for r in reversed(rows) if r[2] <= med_g)
+        return findings.LrTooHigh.new(
+            lr_start=stable[1], lr_end=lr_now, trend_start_step=stable[0],
+            grad_norm_ratio=grad_norm / math.exp(med_g) if grad_norm > 0 else 0.0,
+            loss_ratio=loss / math.exp(med_l) if loss > 0 else 0.0, window=len(rows))
+
+    def reset(self) -> None:
+        """After a recovery: judge the new trajectory on its own."""
+        self.rows.clear()
+
+    def state(self) -> dict[str, Any]:
+        return {"rows": [list(r) for r in self.rows], "seen": self.seen}
+
+    def load(self, s: dict[str, Any] | None) -> None:
+        s = s or {}
+        self.rows = deque((tuple(r) for r in s.get("rows", ())), maxlen=max(self.window, 1))
+        self.seen = int(s.get("seen", 0))
 
 
 class Overflow:

@@ -8,8 +8,11 @@ Firing rules. A fault fires at optimizer step ``step`` and is *spent* once that 
 ended (stepped, skipped or rolled back), so a rollback that replays step ``step`` does not
 meet it again: it models a transient event (a corrupt batch, a cosmic-ray bit flip, a bad LR
 for a while). Inside its step it fires for every replay the guard makes (provenance), so the
-diagnosis sees what really happened. ``oom`` is the exception: it models a memory limit and
-stays in force from ``step`` on, until the micro-batch fits.
+diagnosis sees what really happened. Three kinds model lasting conditions instead and are
+never spent by a rollback: ``oom`` (a memory limit, in force from ``step`` on, until the
+micro-batch fits), ``bad_sample`` (a corrupt file: the sample is bad every time it is drawn,
+from ``step`` on) and ``lr_ramp`` (a schedule bug: the LR grows by ``factor`` per step for
+``steps`` steps, whatever the guard redoes).
 """
 
 from __future__ import annotations
@@ -33,7 +36,11 @@ FP16_MAX = 65504.0
 # default strength per kind when ``factor`` is not given
 DEFAULT_FACTOR: dict[FaultKind, float] = {"outlier_batch": 1e4, "loss_scale": 1e4,
                                           "lr_scale": 1e4, "param_huge": 1e4,
-                                          "fp16_overflow": 1e5}
+                                          "fp16_overflow": 1e5, "lr_ramp": 1.05,
+                                          "weight_corrupt": 1e36}
+# conditions that last: a rollback does not spend them (module doc)
+LASTING: frozenset[FaultKind] = frozenset({"oom", "bad_sample", "lr_ramp"})
+SPANNED: frozenset[FaultKind] = frozenset({"lr_scale", "lr_ramp"})  # fire for ``steps`` steps
 
 
 class SimulatedOOM(torch.OutOfMemoryError):
@@ -73,8 +80,9 @@ class FaultInjector(StepHooks):
                 kinds: tuple[FaultKind, ...]) -> Iterator[tuple[int, FaultConfig]]:
         for i, f in enumerate(self.faults):
             if f.kind in kinds and i not in self.spent:
-                span = f.steps if f.kind == "lr_scale" else 1
-                if f.step <= step < f.step + span or (f.kind == "oom" and step >= f.step):
+                span = f.steps if f.kind in SPANNED else 1
+                if f.step <= step < f.step + span or (f.kind in ("oom", "bad_sample")
+                                                      and step >= f.step):
                     self.started.add(i)
                     yield i, f
 
@@ -85,14 +93,14 @@ class FaultInjector(StepHooks):
     def end_step(self, step: int) -> None:
         """Mark the faults of ``step`` spent (called once the step is over, whatever happened)."""
         for i, f in enumerate(self.faults):
-            last = f.step + (f.steps - 1 if f.kind == "lr_scale" else 0)
-            if f.kind not in ("oom",) and step >= last:
+            last = f.step + (f.steps - 1 if f.kind in SPANNED else 0)
+            if f.kind not in ("oom", "bad_sample") and step >= last:
                 self.spent.add(i)
 
     def rollback(self) -> None:
         """After a rollback, faults that already began are spent (transient events do not
-        recur when the steps are redone); ``oom`` stays (a memory limit persists)."""
-        self.spent |= {i for i in self.started if self.faults[i].kind != "oom"}
+        recur when the steps are redone); the lasting ones (:data:`LASTING`) stay."""
+        self.spent |= {i for i in self.started if self.faults[i].kind not in LASTING}
 
     # ---- the hooks, in the order the step calls them
 
@@ -106,14 +114,40 @@ class FaultInjector(StepHooks):
                 os.kill(os.getpid(), signal.SIGKILL)
             time.sleep(f.factor if f.factor is not None else 10**9)
 
+    @torch.no_grad()
+    def before_step(self, step: int, model: nn.Module) -> None:
+        """``weight_corrupt``: one element of a parameter becomes ``factor`` (1e36) between
+        two steps: memory corruption, a bad in-place edit, a broken all-gather."""
+        for _, f in self._active(step, ("weight_corrupt",)):
+            name = f.target or _default_param(model)
+            p = dict(model.named_parameters()).get(name)
+            if p is None:
+                raise ValueError(f"fault weight_corrupt: no parameter named {name!r}")
+            p.view(-1)[0] = f.factor
+            self._record(f, step, param=name, factor=f.factor)
+
     def lr(self, step: int, lr: float) -> float:
-        for _, f in self._active(step, ("lr_scale",)):
+        for _, f in self._active(step, ("lr_scale", "lr_ramp")):
+            factor = f.factor if f.kind == "lr_scale" else f.factor ** (step - f.step + 1)
             self._record(f, step, factor=f.factor)
-            lr *= f.factor
+            lr *= factor
         return lr
 
-    def batch(self, step: int, x: torch.Tensor) -> torch.Tensor:
-        for _, f in self._active(step, ("nan_batch", "outlier_batch")):
+    def batch(self, step: int, x: torch.Tensor, idx: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        for _, f in self._active(step, ("nan_batch", "outlier_batch", "bad_sample")):
+            if f.kind == "bad_sample":  # only when the corrupt sample is in this batch
+                rows = [] if idx is None else (idx.cpu() == f.index).nonzero().flatten().tolist()
+                if not rows:
+                    continue
+                x = x.clone()
+                for r in rows:
+                    if f.factor is None:
+                        x[r].view(-1)[0] = float("nan")
+                    else:
+                        x[r] = x[r] * f.factor
+                self._record(f, step, index=f.index, factor=f.factor)
+                continue
             x = x.clone()
             if f.kind == "nan_batch":
                 x.view(-1)[0] = float("nan")  # a single NaN pixel

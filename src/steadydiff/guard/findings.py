@@ -29,14 +29,15 @@ from ..values import finite, fmt, module_of, num
 IncidentKind = Literal[
     "nonfinite_loss", "nonfinite_grad", "lr_spike", "loss_spike", "grad_spike", "divergence",
     "bad_batch", "fp16_overflow", "nonfinite_params", "weight_jump", "skip_budget",
-    "out_of_memory", "rank_mismatch",
+    "out_of_memory", "rank_mismatch", "lr_too_high", "sample_quarantined",
     "attention_logit_growth", "attention_entropy_collapse", "norm_eps_dominated",
     "norm_affine_exploded",
     "adapter_base_modified", "adapter_delta_clamp",
 ]
 # What the guard did about an incident (the row's ``action``; a healthy step writes no row).
 IncidentAction = Literal["skip", "rollback", "abort", "warn", "precision_fallback",
-                         "microbatch_backoff", "resync", "rescale_delta"]
+                         "microbatch_backoff", "resync", "rescale_delta", "drop_samples",
+                         "quarantine"]
 # fatal: state or batch unusable; spike: this update is suspect; trend: a slow problem;
 # warn: a health warning only.
 FindingSeverity = Literal["fatal", "spike", "trend", "warn"]
@@ -54,9 +55,11 @@ class IncidentCost:
     steps_redone: int | None = None
     batches_skipped: int | None = None
     batch_position: int | None = None          # skip: the data-stream position dropped
-    skipped_batches: list[int] | None = None   # rollback: [start, stop) not trained on
+    skipped_batches: list[int] | None = None   # rollback (old rows): [start, stop) skipped
+    skipped_positions: list[int] | None = None  # rollback: the batch positions skipped
     restored_step: int | None = None
     modules_rescaled: int | None = None        # adapter_delta_clamp
+    samples_dropped: int | None = None         # drop_samples: samples left out of the step
     extra: dict[str, Any] = field(default_factory=dict)  # keys this version does not know
 
     @classmethod
@@ -64,7 +67,8 @@ class IncidentCost:
         if not isinstance(d, dict):
             return cls(extra={} if d is None else {"value": d})
         known = {k: d[k] for k in ("steps_redone", "batches_skipped", "batch_position",
-                                   "skipped_batches", "restored_step", "modules_rescaled")
+                                   "skipped_batches", "skipped_positions", "restored_step",
+                                   "modules_rescaled", "samples_dropped")
                  if k in d}
         return cls(**known, extra={k: v for k, v in d.items() if k not in known})
 
@@ -74,6 +78,8 @@ class IncidentCost:
             out.append(f"{self.steps_redone} step(s) redone")
         if self.batches_skipped:
             out.append(f"{self.batches_skipped} batch(es) skipped")
+        if self.samples_dropped:
+            out.append(f"{self.samples_dropped} sample(s) dropped, the rest trained")
         if self.restored_step is not None:
             out.append(f"restored step {self.restored_step}")
         if self.modules_rescaled:
@@ -90,6 +96,7 @@ class IncidentDiagnosis:
     reason: str | None = None               # rollback
     lr_factor: float | None = None          # rollback: the LR backoff now applied
     lr_restored_at_step: int | None = None
+    lr_cap: float | None = None             # lr_too_high: the LR is capped at this
     new_precision: str | None = None        # precision fallback
     new_micro_batch: int | None = None      # out-of-memory backoff
     note: str | None = None
@@ -100,7 +107,8 @@ class IncidentDiagnosis:
         if not isinstance(d, dict):
             return cls(extra={} if d is None else {"value": d})
         known = {k: d[k] for k in ("why", "reason", "lr_factor", "lr_restored_at_step",
-                                   "new_precision", "new_micro_batch", "note") if k in d}
+                                   "lr_cap", "new_precision", "new_micro_batch", "note")
+                 if k in d}
         return cls(**known, extra={k: v for k, v in d.items() if k not in known})
 
     def summary(self) -> str:
@@ -109,6 +117,8 @@ class IncidentDiagnosis:
             out.append(f"LR ×{fmt(self.lr_factor)}" + (f" until step {self.lr_restored_at_step}"
                                                        if self.lr_restored_at_step is not None
                                                        else ""))
+        if self.lr_cap is not None:
+            out.append(f"LR capped at {fmt(self.lr_cap)}")
         if self.new_precision:
             out.append(f"precision -> {self.new_precision}")
         if self.new_micro_batch is not None:
@@ -267,6 +277,10 @@ class Finding:
             out.append(f"largest grad: {top[0].get('param')} ({fmt(top[0].get('grad_norm'))})")
         if e.get("rank") is not None:
             out.append(f"first seen on rank {e['rank']}")
+        samples = e.get("samples")
+        if isinstance(samples, list) and samples:
+            out.append("samples: " + ", ".join(_sample_name(x) for x in samples[:3])
+                       + (f" (+{len(samples) - 3})" if len(samples) > 3 else ""))
         health = e.get("health")
         if isinstance(health, list):
             seen = [f"{h.get('kind')} @ {h.get('module')}" for h in health
@@ -452,16 +466,53 @@ class Divergence(Finding):
 
     @classmethod
     def new(cls, *, smoothed_loss: float, best_smoothed_loss: float, threshold_ratio: float,
-            window: int) -> Divergence:
+            window: int, **trend: Any) -> Divergence:
+        """``trend``: ``trend_start_step`` (where it began), and from the short-window trend
+        detector ``grad_norm_ratio`` / ``loss_ratio``."""
         return cls(cls.KIND, "trend", {
             "smoothed_loss": smoothed_loss, "best_smoothed_loss": best_smoothed_loss,
             "ratio": smoothed_loss / best_smoothed_loss, "threshold_ratio": threshold_ratio,
-            "window": window})
+            "window": window, **trend})
 
     def _facts(self) -> list[str]:
-        return [f"smoothed loss {self._f('smoothed_loss')} = ×{self._f('ratio')} its best "
-                f"{self._f('best_smoothed_loss')} (threshold ×{self._f('threshold_ratio')}, "
-                f"window {self._f('window')} steps)"]
+        out = [f"smoothed loss {self._f('smoothed_loss')} = ×{self._f('ratio')} its best "
+               f"{self._f('best_smoothed_loss')} (threshold ×{self._f('threshold_ratio')}, "
+               f"window {self._f('window')} steps)"]
+        if self.evidence.get("grad_norm_ratio") is not None:
+            out.append(f"grad norm ×{self._f('grad_norm_ratio')} at a steady LR")
+        if self.evidence.get("trend_start_step") is not None:
+            out.append(f"began at step {self._f('trend_start_step')}")
+        return out
+
+
+class LrTooHigh(Finding):
+    """The gradient norm and the loss grew steadily over the trend window while the learning
+    rate rose (detectors.Trend): the LR outgrew what the model can take. The guard rolls back
+    to before the growth began and caps the LR (``guard.lr_cap_fraction``)."""
+
+    KIND = "lr_too_high"
+    instability = lr_usual_cause = serious = warn_once = True
+
+    @classmethod
+    def new(cls, *, lr_start: float, lr_end: float, trend_start_step: int,
+            grad_norm_ratio: float, loss_ratio: float, window: int) -> LrTooHigh:
+        return cls(cls.KIND, "trend", {
+            "lr_start": lr_start, "lr_end": lr_end, "lr_ratio": lr_end / lr_start,
+            "trend_start_step": trend_start_step, "grad_norm_ratio": grad_norm_ratio,
+            "loss_ratio": loss_ratio, "window": window})
+
+    def _facts(self) -> list[str]:
+        return [f"grad norm ×{self._f('grad_norm_ratio')} and loss ×{self._f('loss_ratio')} "
+                f"over {self._f('window')} steps while the LR rose {self._f('lr_start')} -> "
+                f"{self._f('lr_end')} (from step {self._f('trend_start_step')})"]
+
+    def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
+        cap = next((g.diagnosis.lr_cap for g in reversed(group)
+                    if g.diagnosis.lr_cap is not None), None)
+        safe = f" (the guard found {fmt(cap)} stable)" if cap is not None else ""
+        return (f"the LR rose to {self._f('lr_end')} and training grew unstable from "
+                f"{self._f('lr_start')} on: lower the peak LR (optim.lr) or check the LR "
+                f"schedule / warm-up{safe}")
 
 
 class BadBatch(Finding):
@@ -541,14 +592,19 @@ class NonfiniteParams(Finding):
     NOTE: ClassVar[str] = "parameters became non-finite during or right after the update"
 
     @classmethod
-    def new(cls, *, params: list[str], count: int) -> NonfiniteParams:
-        return cls(cls.KIND, "fatal", {"params": params, "count": count, "note": cls.NOTE})
+    def new(cls, *, params: list[str], count: int, **where: Any) -> NonfiniteParams:
+        """``where``: ``when`` (``before_forward``: the weights changed between two steps;
+        absent: right after the update) and ``elements`` (per parameter named: its element
+        count and how many are bad)."""
+        note = cls.NOTE if where.get("when") != "before_forward" else _BETWEEN
+        return cls(cls.KIND, "fatal", {"params": params, "count": count, **where,
+                                       "note": note})
 
     def _facts(self) -> list[str]:
         ps, count = self.params, self._n("count")
         return [f"non-finite params: {', '.join(ps[:3])}"
                 + (f" ({int(count)} in all)" if count is not None and count > min(len(ps), 3)
-                   else "")]
+                   else "")] + _where_facts(self.evidence)
 
     def _instability_advice(self) -> list[str]:
         return [f"look at {self.params[0]}: it went bad first"] if self.params else []
@@ -563,9 +619,12 @@ class WeightJump(Finding):
     NOTE: ClassVar[str] = "a parameter's norm jumped in one step: corrupted or exploded weights"
 
     @classmethod
-    def new(cls, *, params: list[str], norm_ratio: list[float], threshold: float) -> WeightJump:
+    def new(cls, *, params: list[str], norm_ratio: list[float], threshold: float,
+            **where: Any) -> WeightJump:
+        """``where``: as for :meth:`NonfiniteParams.new`."""
+        note = cls.NOTE if where.get("when") != "before_forward" else _BETWEEN
         return cls(cls.KIND, "fatal", {"params": params, "norm_ratio": norm_ratio,
-                                       "threshold": threshold, "note": cls.NOTE})
+                                       "threshold": threshold, **where, "note": note})
 
     def _facts(self) -> list[str]:
         ratios = self.evidence.get("norm_ratio")
@@ -575,7 +634,7 @@ class WeightJump(Finding):
         over = [(p, r) for p, r in pairs if limit is None or (num(r) or 0) > limit]
         jumps = [f"{p} ×{fmt(r)}" for p, r in over or pairs[:1]]
         return [f"param norm jump in one step: {', '.join(jumps)} (threshold "
-                f"×{self._f('threshold')})"]
+                f"×{self._f('threshold')})"] + _where_facts(self.evidence)
 
     def _instability_advice(self) -> list[str]:
         return [f"look at {self.params[0]}: it went bad first"] if self.params else []
@@ -642,6 +701,61 @@ class RankMismatch(Finding):
         return ("the ranks were resynchronized; if it recurs, look for an operation outside "
                 "DDP that differs by rank (a rank-local edit, a non-deterministic kernel) or "
                 "for faulty memory on the odd rank's GPU")
+
+
+_BETWEEN = ("the weights changed between two steps, outside the update (memory corruption, "
+            "an in-place edit, a bad all-gather): no batch is to blame")
+
+
+def _where_facts(e: dict[str, Any]) -> list[str]:
+    out = []
+    if e.get("when") == "before_forward":
+        out.append("found before the forward pass (changed between steps)")
+    els = e.get("elements")
+    if isinstance(els, list) and els and isinstance(els[0], dict):
+        x = els[0]
+        bad = [f"{fmt(x[k])} non-finite" if k == "nonfinite" else
+               f"{fmt(x[k])} huge (max |w| {fmt(x.get('max_abs'))})"
+               for k in ("nonfinite", "huge") if x.get(k)]
+        if bad:
+            out.append(f"{x.get('param')}: {' and '.join(bad)} of {fmt(x.get('numel'))} "
+                       "elements")
+    return out
+
+
+def _sample_name(x: Any) -> str:
+    """One implicated sample, as the evidence lists it: its file, else its index."""
+    if not isinstance(x, dict):
+        return str(x)
+    name = x.get("source") or f"index {x.get('index')}"
+    return f"{name} ({x.get('why')})" if x.get("why") else str(name)
+
+
+class SampleQuarantined(Finding):
+    """A sample implicated in ``guard.quarantine_after`` data incidents: never drawn again
+    this run (the set is saved in the checkpoint)."""
+
+    KIND = "sample_quarantined"
+    serious = warn_once = True
+
+    @classmethod
+    def new(cls, *, index: int, times: int, steps: list[int], source: str | None = None,
+            why: str | None = None) -> SampleQuarantined:
+        return cls(cls.KIND, "warn", {"index": index, "source": source, "times": times,
+                                      "steps": steps, "why": why})
+
+    def _facts(self) -> list[str]:
+        name = self.evidence.get("source") or f"dataset index {self._f('index')}"
+        return [f"{name} implicated {self._f('times')} times (steps {self._f('steps')}"
+                + (f"; {self.evidence['why']}" if self.evidence.get("why") else "")
+                + "): never drawn again"]
+
+    def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
+        names = [str(g.evidence.get("source") or f"index {g.evidence.get('index')}")
+                 for g in group]
+        return (f"fix or remove the quarantined sample(s): {', '.join(names[:5])}"
+                + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+                + "; they hold NaN/Inf or far out-of-range values, or make the loss explode")
 
 
 # --------------------------------------------------------------------------- the probes

@@ -19,8 +19,9 @@ the trainer uses with the guard off. One step is: inspect (one host sync) -> fin
 check the weights -> commit. Every intervention is an :class:`Incident`, appended to
 ``RUN_DIR/incidents.jsonl`` with the evidence, the action and its cost.
 
-Per step the guard costs one small host sync (loss, grad norm, per-t-bucket loss sums) and one
-fused finiteness reduction over the parameters before the EMA sees them; snapshots every
+Per step the guard costs one small host sync (loss, grad norm, per-t-bucket loss sums, the
+weights' norms against the last verified ones) and one fused finiteness reduction over the
+parameters before the EMA sees them; snapshots every
 ``snapshot_every`` steps; probes and provenance replays only every N steps or on incidents.
 Under DDP each rank's numbers are gathered before any action (one small collective per step),
 so every rank decides the same; the replicas' weights are compared by fingerprint every
@@ -35,7 +36,7 @@ import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,10 +45,11 @@ from torch import nn
 from .. import distributed
 from ..config import GuardConfig
 from ..kinds import PRECISIONS, ClipMode, Precision
-from ..values import jsonable
+from ..values import jsonable, num
 from ..trainer.precision import native_support
 from . import policy, probes, provenance
-from .detectors import BucketLossSpike, Divergence, Finding, GradSpike, Overflow, RunningStats
+from .detectors import (BucketLossSpike, Divergence, Finding, GradSpike, Overflow,
+                        RunningStats, Trend)
 from . import findings
 from .findings import FindingSeverity, IncidentAction, IncidentKind, finding_from_row
 from .policy import Action, History
@@ -55,6 +57,8 @@ from .snapshots import Snapshot, SnapshotRing, restore_into
 from .update import Progress, ProgressLike, Update
 
 DecisionKind = Literal["step", "skip", "rollback", "abort"]
+# findings that can be the data's fault: the guard looks for the samples responsible
+DATA_KINDS = frozenset({"bad_batch", "nonfinite_loss", "loss_spike"})
 
 
 class GuardAbort(RuntimeError):
@@ -96,8 +100,14 @@ class Decision:
     action: ``step`` (the update was applied), ``skip`` (no update; the batch is dropped),
         ``rollback`` (state restored to a verified snapshot), ``abort`` (give up).
     step: the step counter after the decision (it moves back on a rollback).
-    data_position: batches consumed; after a rollback the data continues from here.
-    skipped_batches: after a rollback, the batch positions that will not be trained on.
+    data_position: batches consumed: the position of the next batch to train on (after a
+        rollback the data continues from here; positions the guard skips are jumped over).
+    skipped_batches: after a rollback, the batch positions that will not be trained on (the
+        implicated ones; none when the data was innocent).
+    dropped: the dataset indices left out of this step (the rest of the batch trained, or,
+        without ``rerun``, the samples the caller should drop).
+    quarantined: dataset indices quarantined by this step: never draw them again
+        (:attr:`Guard.quarantine` holds them all).
     precision: set when the guard changed the precision (fp16 -> bf16 -> fp32); the progress
         object already holds it, a loop of one's own switches its autocast.
     loss, grad_norm, grad_norm_clipped: host floats when the guard inspected the step;
@@ -110,10 +120,12 @@ class Decision:
     loss: float | None = None
     grad_norm: float | None = None
     incident: Incident | None = None
-    skipped_batches: range | None = None
+    skipped_batches: tuple[int, ...] | None = None
     precision: Precision | None = None
     grad_norm_clipped: float | None = None
     loss_t: list[float | None] | None = None
+    dropped: tuple[int, ...] = ()
+    quarantined: tuple[int, ...] = ()
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -133,6 +145,33 @@ class _Seen:
     buckets: list[float | None]
     world: int
     judged_t: bool  # per-sample losses and timesteps were given
+    n_local: int = 1             # samples in this rank's batch
+    n_global: int = 1            # and in the global batch
+    weights_ok: bool = True      # the weights before the forward: all finite
+    weights_jump: float = 0.0    # and their largest norm ratio to the last verified ones
+
+
+@dataclass
+class _Sample:
+    """One sample of the (global) batch, as the attribution reads it."""
+
+    rank: int
+    position: int            # in this rank's batch
+    index: int | None        # dataset index (None: the caller gave none)
+    max_abs_input: float
+    loss: float
+    t: int
+    finite_input: bool
+
+    def row(self, micro: int, source: str | None, why: str, world: int) -> dict[str, Any]:
+        out = {"index": self.index, "position": self.position, "micro_batch": micro,
+               "loss": self.loss, "max_abs_input": self.max_abs_input, "t": self.t,
+               "why": why}
+        if world > 1:
+            out["rank"] = self.rank
+        if source:
+            out["source"] = source
+        return out
 
 
 class Guard:
@@ -158,6 +197,8 @@ class Guard:
         device: for the precision-support check (default: the model's device).
         update: the :class:`Update` to apply (the trainer shares its own); built from the
             arguments above by default.
+        sample_source: ``sample_source(index)`` names a dataset item (its file path) in the
+            incidents that implicate it.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -166,7 +207,8 @@ class Guard:
                  run_dir: str | Path | None = None, clip_mode: ClipMode = "global",
                  clip: float = 1.0, num_timesteps: int = 1000, precision: Precision | None = None,
                  progress: ProgressLike | None = None, device: torch.device | None = None,
-                 update: Update | None = None):
+                 update: Update | None = None,
+                 sample_source: Callable[[int], str | None] | None = None):
         if isinstance(config, dict):
             config = GuardConfig(**config)
         self.cfg = config or GuardConfig()
@@ -188,6 +230,8 @@ class Guard:
         self.loss = BucketLossSpike(c.t_buckets, c.momentum, c.loss_z, c.loss_ratio,
                                     c.warmup_steps)
         self.divergence = Divergence(c.divergence_window, c.divergence_ratio, c.warmup_steps)
+        self.trend = Trend(c.trend_window, c.trend_grad_ratio, c.trend_loss_ratio,
+                           c.trend_lr_rise, c.warmup_steps)
         self.overflow = Overflow(c.overflow_limit, c.overflow_window)
         self.inputs = RunningStats(0.99)  # log max|x| of batches
         self.ring = SnapshotRing(c.snapshots)
@@ -195,12 +239,21 @@ class Guard:
         self.incidents_before = 0              # incidents of the run before a resume
         self.skips: deque[int] = deque()       # steps of recent skips (escalation + budget)
         self.rollbacks: deque[int] = deque()   # steps of recent rollbacks (budget)
-        self.lr_factor = 1.0
+        self.lr_factor = 1.0  # the temporary backoff after a rollback
         self.backoff_until = -1
+        self.lr_cap: float | None = None  # lr_too_high: the LR is never above this again
+        self.last_factor = 1.0  # what the last step applied: backoff and cap together
         self.max_lr = 0.0   # the largest LR applied by a healthy step so far
         self.scaler_skips = 0
         self.counts = {"skips": 0, "rollbacks": 0, "steps_redone": 0, "batches_skipped": 0,
-                       "warnings": 0}
+                       "warnings": 0, "samples_dropped": 0, "quarantined": 0}
+        self.sample_source = sample_source
+        self.quarantine: set[int] = set()            # dataset indices never drawn again
+        self.implicated: dict[int, list[int]] = {}   # index -> steps of its data incidents
+        self.pending_skips: set[int] = set()         # batch positions not to train on
+        self.skipped_positions: deque[int] = deque()  # positions skipped (since snapshots)
+        self.last_rollback: tuple[int, str] | None = None  # (restored step, reason)
+        self.same_rollbacks = 0
         self._warned: dict[tuple[str, str], int] = {}
         self._names, self._params = self.update.names, self.update.params
         # weights with RMS below 0.05 count as 0.05, so zero-initialised layers moving off
@@ -226,7 +279,10 @@ class Guard:
 
     def step(self, loss: torch.Tensor, *, t: torch.Tensor | None = None,
              per_sample_loss: torch.Tensor | None = None, inputs: torch.Tensor | None = None,
+             indices: Sequence[int] | torch.Tensor | None = None,
              replay: Callable[[int], torch.Tensor] | None = None, num_micro: int = 1,
+             rerun: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor,
+                                                        torch.Tensor]] | None = None,
              after_backward: Callable[[], None] | None = None,
              after_update: Callable[[], None] | None = None,
              probe_forward: Callable[[], object] | None = None) -> Decision:
@@ -235,11 +291,21 @@ class Guard:
         Args:
             loss: the step's loss (any shape; its mean is judged).
             t, per_sample_loss: (B,) timesteps and per-sample losses, for the per-t-bucket
-                spike detector (without them only the grad-norm and finiteness checks run).
+                spike detector and to single out bad samples (without them only the
+                grad-norm and finiteness checks run).
             inputs: the batch, to tell a corrupt batch (NaN/Inf, values far outside [-1, 1])
-                from a model failure.
+                from a model failure, and which of its samples is corrupt.
+            indices: (B,) the dataset indices of the batch's samples: named in the incidents
+                that implicate them, and quarantined after ``quarantine_after`` incidents.
             replay: ``replay(i)`` recomputes micro-batch ``i``'s loss exactly (provenance).
-            num_micro: micro-batches in the step (for the replay).
+            num_micro: micro-batches in the step (for the replay and to name a sample's
+                micro-batch).
+            rerun: ``rerun(keep, n_kept)`` redoes the forward and backward of this step on
+                the samples where the (B,) bool mask ``keep`` is True (``n_kept``: how many
+                are kept in the whole global batch, to weight the mean) and returns its
+                ``(loss, per_sample_loss, t)``. With it, a batch in which a few samples are
+                bad trains on the rest; without it the batch is skipped and
+                :attr:`Decision.dropped` names them.
             after_backward, after_update: test hooks (fault injection) run after a replayed
                 backward and right after the optimizer step.
             probe_forward: one forward pass on real data for the periodic health probes.
@@ -248,12 +314,17 @@ class Guard:
             A :class:`Decision`.
         """
         c, prog = self.cfg, self.progress
+        before = self._weights_before()
         gnorm = self.update.norm(prog)
-        seen = self._sync(loss, gnorm, t, per_sample_loss, inputs)
+        seen = self._sync(loss, gnorm, t, per_sample_loss, inputs, before)
+        factor = self._lr_factor_now()
 
-        # ---- before the update: the batch, the loss and gradients, the LR
-        finding = self._inspect(seen, inputs is not None, replay, num_micro, after_backward)
-        lr_now = max(g["lr"] for g in self.optimizer.param_groups) * self.lr_factor
+        # ---- before the update: the weights, the batch, the loss and gradients, the LR
+        finding = self._check_weights_before(seen)
+        if finding is None:
+            finding = self._inspect(seen, inputs is not None, replay, num_micro,
+                                    after_backward)
+        lr_now = max(g["lr"] for g in self.optimizer.param_groups) * factor
         if finding is None and self.max_lr > 0 and lr_now > c.lr_jump * self.max_lr:
             # an LR far above anything applied before (warm-up and restarts stay below the
             # peak): a schedule or config bug, and it would wreck the weights in one update
@@ -266,26 +337,49 @@ class Guard:
             if l_spike and g_spike:
                 l_spike.evidence["grad_norm"] = g_spike.evidence
         if finding is not None:
+            samples = (self._attribute(finding, t, per_sample_loss, inputs, indices,
+                                       num_micro, seen.world)
+                       if finding.kind in DATA_KINDS and per_sample_loss is not None
+                       else None)
+            if samples and rerun is not None:
+                return self._drop_samples(finding, samples, seen, rerun, inputs, indices,
+                                          num_micro, after_update, probe_forward)
+            if not samples and finding.kind in ("grad_spike", "loss_spike"):
+                # spikes at the end of a sustained rise, or that keep coming while the LR
+                # rose, are its symptom: the LR is the cause
+                trend = self.trend.check()
+                if trend is None and policy.escalates(self.history(), c):
+                    trend = self.trend.lr_rose(lr_now, seen.grad_norm, seen.loss)
+                if trend is not None:
+                    trend.evidence["symptom"] = finding.kind
+                    finding = trend
             if finding.kind != "fp16_overflow":
                 self._gather_evidence(finding, replay, num_micro, after_backward,
                                       probe_forward)
-            return self._act(finding, seen)
+            if samples:
+                finding.evidence["samples"] = samples
+            d = self._act(finding, seen)
+            if samples:
+                d.dropped = tuple(x["index"] for x in samples if x["index"] is not None)
+                d.quarantined = self._implicate(samples)
+            return d
 
         # ---- healthy: update, check the weights, commit (EMA, counters)
         zlimit = self.grad.clip_value() if self.update.clip_mode == "zclip" else None
-        if prog.step >= self.backoff_until:
-            self.lr_factor = 1.0
-        clipped = self.update.apply(prog, gnorm, lr_factor=self.lr_factor, zclip=zlimit)
+        clipped = self.update.apply(prog, gnorm, lr_factor=factor, zclip=zlimit)
         if after_update is not None:
             after_update()
         finding = self._check_weights(seen.world)
         if finding is not None:
             return self._act(finding, seen)
+        step_done = prog.step
         self.update.commit(prog)
+        self._jump_skipped()
         self.grad.observe(seen.grad_norm)
         self.loss.observe(seen.buckets)
         self.max_lr = max(self.max_lr, lr_now)
-        trend = self.divergence.check_and_observe(seen.loss)
+        self.trend.observe(step_done, lr_now, seen.grad_norm, seen.loss)
+        trend = self.trend.check() or self.divergence.check_and_observe(seen.loss, step_done)
         if trend is not None:
             return self._act(trend, seen)
         mismatch = None
@@ -300,13 +394,169 @@ class Guard:
                         grad_norm_clipped=self._clipped_value(seen.grad_norm, clipped, zlimit),
                         loss_t=seen.buckets if seen.judged_t else None)
 
+    def _lr_factor_now(self) -> float:
+        """The LR multiplier of this step: the rollback backoff while it lasts, and the cap
+        an ``lr_too_high`` set (the schedule's LR wins where it is lower)."""
+        if self.progress.step >= self.backoff_until:
+            self.lr_factor = 1.0
+        factor = self.lr_factor
+        if self.lr_cap is not None:
+            lr = max(g["lr"] for g in self.optimizer.param_groups)
+            if lr > 0:
+                factor = min(factor, self.lr_cap / lr)
+        self.last_factor = factor
+        return factor
+
+    # ------------------------------------------------------------------ samples
+
+    def _attribute(self, f: Finding, t: torch.Tensor | None, ps: torch.Tensor,
+                   inputs: torch.Tensor | None, indices, num_micro: int,
+                   world: int) -> list[dict[str, Any]] | None:
+        """The samples that explain a data finding, or None when it is not down to a few of
+        them (at most ``sample_drop_max`` of the batch). One extra transfer and, under DDP,
+        one gather: on incidents only.
+
+        - a batch with NaN/Inf: the samples holding them; far out of range: the samples
+          beyond 10x the usual max |x|;
+        - a non-finite loss: the samples whose loss (or input) is non-finite;
+        - a loss spike: the fewest highest-loss samples without which the per-t-bucket
+          detector would not have fired.
+        """
+        c = self.cfg
+        if not c.sample_drop_max:
+            return None
+        ps = ps.detach().float().reshape(-1)
+        n = ps.numel()
+        if inputs is not None and inputs.shape[0] == n:
+            flat = inputs.detach().reshape(n, -1).float()
+            fin = torch.isfinite(flat).all(1)
+            amax = torch.where(fin, flat.abs().amax(1), torch.full_like(ps, math.inf))
+        else:
+            fin, amax = torch.ones(n, dtype=torch.bool, device=ps.device), torch.zeros_like(ps)
+        tt = t.detach().float().reshape(-1) if t is not None else torch.full_like(ps, -1)
+        rows = torch.stack([amax, ps, tt.to(ps.device), fin.float()], 1).cpu().tolist()
+        idx = (indices.tolist() if isinstance(indices, torch.Tensor) else
+               list(indices) if indices is not None else [None] * n)
+        per_rank = distributed.gather_objects((rows, idx))  # incidents only
+        everyone = [_Sample(r, p, None if ix[p] is None else int(ix[p]), a, lo, int(tv),
+                            bool(fi))
+                    for r, (rs, ix) in enumerate(per_rank)
+                    for p, (a, lo, tv, fi) in enumerate(rs)]
+        k_max = int(c.sample_drop_max * len(everyone))
+        bad, why = self._responsible(f, everyone, k_max)
+        if not bad or len(bad) > k_max:
+            return None
+        chunk = -(-n // max(num_micro, 1))  # torch.chunk's micro-batch size
+        return [s.row(s.position // chunk, self._source(s.index), why, world) for s in bad]
+
+    def _responsible(self, f: Finding, samples: list[_Sample], k_max: int
+                     ) -> tuple[list[_Sample], str]:
+        if f.kind == "bad_batch":
+            usual = num(f.evidence.get("usual_max_abs_input"))
+            if usual is None:
+                return [s for s in samples if not s.finite_input], "non-finite input"
+            return ([s for s in samples if s.max_abs_input > 10 * usual],
+                    f"input beyond 10x the usual max |x| ({usual:.3g})")
+        if f.kind == "nonfinite_loss":
+            return ([s for s in samples if not (s.finite_input and math.isfinite(s.loss))],
+                    "non-finite loss")
+        # a loss spike: drop the worst samples until the bucket detector would stay quiet
+        nb, stats = self.cfg.t_buckets, self.loss.stats
+
+        def bucket(s: _Sample) -> int:
+            return min(max(s.t * nb // self.T, 0), nb - 1)
+
+        def excess(s: _Sample) -> float:
+            st = stats[bucket(s)]
+            return s.loss / math.exp(st.mean) if st.count and s.loss > 0 else 0.0
+
+        ranked = sorted((s for s in samples if s.t >= 0), key=excess, reverse=True)
+        for k in range(1, min(k_max, len(ranked)) + 1):
+            sums, counts = [0.0] * nb, [0] * nb
+            for s in ranked[k:]:
+                sums[bucket(s)] += s.loss
+                counts[bucket(s)] += 1
+            means = [sm / ct if ct else None for sm, ct in zip(sums, counts)]
+            if self.loss.check(means) is None:
+                return ranked[:k], "loss far above its t-bucket's"
+        return [], ""
+
+    def _source(self, index: int | None) -> str | None:
+        if index is None or self.sample_source is None:
+            return None
+        try:
+            src = self.sample_source(index)
+        except Exception:  # naming a file must never take the recovery down
+            return None
+        return None if src is None else str(src)
+
+    def _drop_samples(self, f: Finding, samples: list[dict[str, Any]], seen: _Seen, rerun,
+                      inputs, indices, num_micro, after_update, probe_forward) -> Decision:
+        """Train this step on the batch without the bad samples: record the finding, redo
+        the forward and backward on the rest (every rank: DDP reduces the gradients), and
+        judge that step like any other."""
+        prog = self.progress
+        me = dist.get_rank() if seen.world > 1 else 0
+        keep = torch.ones(seen.n_local, dtype=torch.bool)
+        keep[[x["position"] for x in samples if x.get("rank", 0) == me]] = False
+        f.evidence["samples"] = samples
+        self.update.discard(prog)  # no update from the poisoned gradients
+        self.counts["samples_dropped"] += len(samples)
+        inc = self._record(f, "drop_samples", cost={"samples_dropped": len(samples),
+                                                     "steps_redone": 0, "batches_skipped": 0,
+                                                     "batch_position": prog.batches_consumed})
+        quarantined = self._implicate(samples)
+        keep_dev = keep.to(inputs.device if inputs is not None else self.device)
+        loss, ps, t = rerun(keep_dev, seen.n_global - len(samples))
+        kept_idx = (None if indices is None else
+                    indices[keep_dev.to(indices.device)] if isinstance(indices, torch.Tensor)
+                    else [i for i, k in zip(indices, keep.tolist()) if k])
+        d = self.step(loss, t=t, per_sample_loss=ps,
+                      inputs=inputs[keep_dev] if inputs is not None else None,
+                      indices=kept_idx, num_micro=num_micro, after_update=after_update,
+                      probe_forward=probe_forward)
+        d.dropped = tuple(x["index"] for x in samples if x["index"] is not None) + d.dropped
+        d.quarantined = quarantined + d.quarantined
+        if d.incident is None:
+            d.incident = inc
+        return d
+
+    def _implicate(self, samples: list[dict[str, Any]]) -> tuple[int, ...]:
+        """Count a data incident against each sample; quarantine those implicated
+        ``quarantine_after`` times. Returns the newly quarantined indices."""
+        c, new = self.cfg, []
+        for x in samples:
+            i = x.get("index")
+            if i is None:
+                continue
+            steps = self.implicated.setdefault(int(i), [])
+            steps.append(self.progress.step)
+            if c.quarantine_after and len(steps) >= c.quarantine_after \
+                    and i not in self.quarantine:
+                self.quarantine.add(int(i))
+                self.counts["quarantined"] += 1
+                new.append(int(i))
+                self._record(findings.SampleQuarantined.new(
+                    index=int(i), times=len(steps), steps=list(steps), source=x.get("source"),
+                    why=x.get("why")), "quarantine")
+        return tuple(new)
+
+    def _jump_skipped(self) -> None:
+        """Move the data position past the batches a rollback decided not to train on."""
+        prog = self.progress
+        while prog.batches_consumed in self.pending_skips:
+            self.pending_skips.discard(prog.batches_consumed)
+            prog.batches_consumed += 1
+
     # ------------------------------------------------------------------ inspection
 
     def _sync(self, loss: torch.Tensor, gnorm: torch.Tensor, t: torch.Tensor | None,
-              per_sample_loss: torch.Tensor | None, inputs: torch.Tensor | None) -> _Seen:
-        """One host sync: loss, grad norm, input range, per-bucket loss sums/counts. Under DDP
-        every rank's row is gathered (one collective) and every rank decides from the same
-        numbers: a NaN on one rank makes all of them skip or roll back together."""
+              per_sample_loss: torch.Tensor | None, inputs: torch.Tensor | None,
+              before: torch.Tensor) -> _Seen:
+        """One host sync: loss, grad norm, input range, the weights' check before the
+        forward (``before``: all finite, largest norm ratio), per-bucket loss sums/counts.
+        Under DDP every rank's row is gathered (one collective) and every rank decides from
+        the same numbers: a NaN on one rank makes all of them skip or roll back together."""
         ps = per_sample_loss.detach().float() if per_sample_loss is not None else None
         n_local = float(ps.numel()) if ps is not None else 1.0
         dev = loss.device
@@ -314,6 +564,7 @@ class Guard:
         parts.append((inputs.detach().float().abs().amax().reshape(1).to(dev)
                       if inputs is not None else torch.zeros(1, device=dev)))
         parts.append(torch.full((1,), n_local, device=dev))
+        parts.append(before.to(dev))
         nb = self.cfg.t_buckets
         judged_t = t is not None and ps is not None
         if judged_t:
@@ -330,10 +581,15 @@ class Guard:
         col = rows[:, 2]
         in_max = float(col.max()) if bool(torch.isfinite(col).all()) else float("nan")
         buckets: list[float | None] = [None] * nb
-        if rows.shape[1] > 4:
-            sums, counts = rows[:, 4:4 + nb].sum(0).tolist(), rows[:, 4 + nb:].sum(0).tolist()
+        if rows.shape[1] > 6:
+            sums, counts = rows[:, 6:6 + nb].sum(0).tolist(), rows[:, 6 + nb:].sum(0).tolist()
             buckets = [s / n if n else None for s, n in zip(sums, counts)]
-        return _Seen(loss_v, float(rows[:, 1].mean()), in_max, buckets, world, judged_t)
+        jumps = rows[:, 5]
+        return _Seen(loss_v, float(rows[:, 1].mean()), in_max, buckets, world, judged_t,
+                     n_local=int(n_local), n_global=int(rows[:, 3].sum()),
+                     weights_ok=bool((rows[:, 4] > 0).all()),
+                     weights_jump=float(jumps.max()) if bool(torch.isfinite(jumps).all())
+                     else math.inf)
 
     def _inspect(self, seen: _Seen, has_inputs: bool, replay, num_micro,
                  after_backward) -> Finding | None:
@@ -400,6 +656,27 @@ class Guard:
         st.update(math.log(max(in_max, 1e-12)))
         return None
 
+    @torch.no_grad()
+    def _weights_before(self) -> torch.Tensor:
+        """(ok, jump) of the weights now against the last verified ones, on the device (no
+        sync; the values travel in the step's one sync): a weight that changed between two
+        steps (memory corruption, an in-place edit) is named before it is blamed on a
+        batch. (1, 0) when there is nothing to compare with (the first step, after a
+        rollback)."""
+        if self._prev_norms is None:
+            dev = self._params[0].device if self._params else None
+            return torch.tensor([1.0, 0.0], device=dev)
+        norms = torch.stack(torch._foreach_norm(self._params)).float()
+        jump = (norms / torch.maximum(self._prev_norms, self._norm_floor)).max()
+        return torch.stack([torch.isfinite(norms.sum()).float(), jump])
+
+    @torch.no_grad()
+    def _check_weights_before(self, seen: _Seen) -> Finding | None:
+        if seen.weights_ok and seen.weights_jump <= self.cfg.weight_jump:
+            return None
+        norms = torch.stack(torch._foreach_norm(self._params)).float()
+        return self._weights_finding(norms, seen.world, when="before_forward")
+
     def _check_weights(self, world: int) -> Finding | None:
         """After the update, before the EMA sees the weights: one fused reduction over them
         (all finite? any weight's norm jumped?) and one host sync."""
@@ -412,30 +689,59 @@ class Guard:
             dist.all_reduce(check, op=dist.ReduceOp.MAX)
             check[0] = -check[0]
         ok_v, jump_v = check.cpu().tolist()  # host sync
-        if not ok_v:
-            # under DDP the bad weights may be one rank's own: every rank names its own and
-            # the first rank that has any is the one reported (one gather, on incidents only)
-            per_rank = distributed.gather_objects(provenance.nonfinite_params(self.net))
-            src = next((r for r, b in enumerate(per_rank) if b), 0)
-            f = findings.NonfiniteParams.new(params=per_rank[src][:5],
-                                             count=len(per_rank[src]))
-            if world > 1:
-                f.evidence["rank"] = src
-            return f
-        if jump_v > self.cfg.weight_jump:
-            ratios = (norms / torch.maximum(self._prev_norms, self._norm_floor)).cpu().tolist()
-            per_rank = distributed.gather_objects(sorted(zip(ratios, self._names),
-                                                         reverse=True)[:3])
-            src = max(range(len(per_rank)), key=lambda r: per_rank[r][0][0])
-            top = per_rank[src]
-            f = findings.WeightJump.new(params=[n for _, n in top],
-                                        norm_ratio=[r for r, _ in top],
-                                        threshold=self.cfg.weight_jump)
-            if world > 1:
-                f.evidence["rank"] = src
-            return f
+        if not ok_v or jump_v > self.cfg.weight_jump:
+            return self._weights_finding(norms, world)
         self._prev_norms = norms
         return None
+
+    def _weights_finding(self, norms: torch.Tensor, world: int, **where: Any) -> Finding:
+        """Name the parameters that went bad (incidents only): non-finite values
+        (``nonfinite_params``), else the norms that jumped past ``weight_jump`` or
+        overflowed (``weight_jump``), with each one's element count and how many of its
+        elements are bad. Under DDP every rank names its own and the first rank that has
+        any is the one reported (one gather)."""
+        c = self.cfg
+        ref = (torch.maximum(self._prev_norms, self._norm_floor)
+               if self._prev_norms is not None else self._norm_floor)
+        ratios = (norms / ref).cpu().tolist()
+        nonfinite = provenance.nonfinite_params(self.net)
+        jumped = sorted(((r if math.isfinite(r) else math.inf, n)
+                         for r, n in zip(ratios, self._names)
+                         if not math.isfinite(r) or r > c.weight_jump), reverse=True)
+        mine = {"nonfinite": nonfinite, "jumped": jumped[:3],
+                "top": sorted(zip(ratios, self._names), reverse=True)[:3]}
+        per_rank = distributed.gather_objects(mine)
+        src = next((r for r, m in enumerate(per_rank) if m["nonfinite"]), None)
+        if src is not None:
+            bad = per_rank[src]["nonfinite"]
+            f: Finding = findings.NonfiniteParams.new(params=bad[:5], count=len(bad), **where)
+        else:
+            src = next((r for r, m in enumerate(per_rank) if m["jumped"]), None)
+            if src is None:  # nothing past the limit here: the largest jumps anywhere
+                src = max(range(len(per_rank)), key=lambda r: per_rank[r]["top"][0][0])
+            top = per_rank[src]["jumped"] or per_rank[src]["top"]
+            f = findings.WeightJump.new(params=[n for _, n in top],
+                                        norm_ratio=[r for r, _ in top],
+                                        threshold=c.weight_jump, **where)
+        if world > 1:
+            f.evidence["rank"] = src
+        named = dict(self.net.named_parameters())
+        elements = []
+        for name in f.params[:3]:
+            p = named.get(name)
+            if p is None:
+                continue
+            w = p.detach().float()
+            i = self._names.index(name) if name in self._names else None
+            rms = (float(ref[i]) / math.sqrt(max(p.numel(), 1))) if i is not None else 0.05
+            ok = torch.isfinite(w)
+            finite_abs = torch.where(ok, w.abs(), torch.zeros_like(w))
+            elements.append({"param": name, "numel": p.numel(),
+                             "nonfinite": int((~ok).sum()),
+                             "huge": int((finite_abs > 100 * max(rms, 1e-12)).sum()),
+                             "max_abs": float(finite_abs.max()) if p.numel() else 0.0})
+        f.evidence["elements"] = elements
+        return f
 
     def _clipped_value(self, gnorm_v: float, clipped: torch.Tensor,
                        zlimit: float | None) -> float:
@@ -453,7 +759,9 @@ class Guard:
         prog = self.progress
         return History(step=prog.step, skips=tuple(self.skips), rollbacks=tuple(self.rollbacks),
                        precision=prog.precision, supported=self._supported,
-                       has_snapshot=len(self.ring) > 0)
+                       has_snapshot=len(self.ring) > 0,
+                       snapshots=tuple(sn.step for sn in self.ring.ring),
+                       last_rollback=self.last_rollback, same_rollbacks=self.same_rollbacks)
 
     def _act(self, f: Finding, seen: _Seen) -> Decision:
         """Carry out the policy's action for finding ``f``."""
@@ -488,7 +796,9 @@ class Guard:
             self.counts["skips"] += 1
             inc = self._record(f, "skip", cost={"steps_redone": 0, "batches_skipped": 1,
                                                 "batch_position": prog.batches_consumed})
+        self.skipped_positions.append(prog.batches_consumed)
         prog.batches_consumed += 1
+        self._jump_skipped()
         self._trim()
         if a.budget_abort:
             b = findings.SkipBudget.new(skips=len(self.skips), max_skips=c.max_skips,
@@ -500,37 +810,66 @@ class Guard:
                         incident=inc, precision=a.precision if a.scaler else None)
 
     def _rollback(self, f: Finding, a: Action, seen: _Seen) -> Decision:
-        """Restore a verified snapshot, skip the data window, back the LR off."""
+        """Restore a verified snapshot (the newest, or the newest from before a trend
+        began), skip the implicated batches only, back the LR off or cap it."""
         c, prog = self.cfg, self.progress
         self.update.discard(prog)
-        snap: Snapshot = self.ring.oldest() if a.snapshot == "oldest" else self.ring.newest()
+        snap = self._snapshot_before(a.restore_before)
         failure_pos, failure_step = prog.batches_consumed, prog.step
         self.restore(snap)
         self._prev_norms = None
-        new_pos = max(failure_pos + 1, snap.batches_consumed + c.skip_batches)
+        start = snap.batches_consumed
+        skip = set(range(start, start + c.skip_batches))
+        if a.skip_data == "implicated":  # the failing batch, and the ones skipped since
+            skip |= {failure_pos} | {p for p in self.skipped_positions if p >= start}
+        self.pending_skips = {p for p in self.pending_skips | skip if p >= start}
+        skipped = tuple(sorted(self.pending_skips))
         redone = prog.step - snap.step
-        skipped = range(snap.batches_consumed, new_pos)
-        prog.step, prog.batches_consumed = snap.step, new_pos
+        prog.step, prog.batches_consumed = snap.step, start
+        self._jump_skipped()
+        self.skipped_positions = deque(p for p in self.skipped_positions if p < start)
         self.ring.drop_after(snap.step)
-        self.lr_factor = max(self.lr_factor * c.lr_backoff, 1e-4)
-        self.backoff_until = prog.step + c.lr_backoff_steps
+        diagnosis: dict[str, Any] = {"reason": a.reason}
+        if a.lr_cap_fraction is not None:  # the cause is the LR: cap it for good
+            stable = num(f.evidence.get("lr_start")) or max(
+                g["lr"] for g in self.optimizer.param_groups)
+            cap = a.lr_cap_fraction * stable
+            self.lr_cap = cap if self.lr_cap is None else min(self.lr_cap, cap)
+            diagnosis["lr_cap"] = self.lr_cap
+        else:
+            self.lr_factor = max(self.lr_factor * c.lr_backoff, 1e-4)
+            self.backoff_until = prog.step + c.lr_backoff_steps
+            diagnosis.update(lr_factor=self.lr_factor, lr_restored_at_step=self.backoff_until)
+        if (snap.step, a.reason) == self.last_rollback:
+            self.same_rollbacks += 1
+        else:
+            self.last_rollback, self.same_rollbacks = (snap.step, a.reason), 1
         self.rollbacks.append(prog.step)
         self.skips.clear()
         self.divergence.reset_best()
+        self.trend.reset()
         self.counts["rollbacks"] += 1
         self.counts["steps_redone"] += redone
         self.counts["batches_skipped"] += len(skipped)
         if a.precision:
             prog.precision = a.precision
+            diagnosis["new_precision"] = a.precision
         inc = self._record(f, "rollback", step=failure_step, cost={
             "steps_redone": redone, "batches_skipped": len(skipped),
-            "skipped_batches": [skipped.start, skipped.stop], "restored_step": snap.step},
-            diagnosis={"reason": a.reason, "lr_factor": self.lr_factor,
-                       "lr_restored_at_step": self.backoff_until,
-                       **({"new_precision": a.precision} if a.precision else {})})
+            "skipped_positions": list(skipped), "restored_step": snap.step},
+            diagnosis=diagnosis)
         self._trim()
         return Decision("rollback", prog.step, prog.batches_consumed, seen.loss,
                         seen.grad_norm, inc, skipped_batches=skipped, precision=a.precision)
+
+    def _snapshot_before(self, step: int | None) -> Snapshot:
+        """The newest snapshot at or before ``step`` (None: the newest); the oldest when
+        every snapshot is newer."""
+        ring = list(self.ring.ring)
+        if step is None:
+            return ring[-1]
+        older = [sn for sn in ring if sn.step <= step]
+        return older[-1] if older else ring[0]
 
     def _trim(self) -> None:
         """Forget skips and rollbacks older than every window that counts them."""
@@ -539,6 +878,10 @@ class Guard:
         for events in (self.skips, self.rollbacks):
             while events and events[0] < horizon:
                 events.popleft()
+        oldest = self.ring.oldest()  # a skipped batch matters while a rollback can reach it
+        keep_from = oldest.batches_consumed if oldest is not None else self.progress.batches_consumed
+        while self.skipped_positions and self.skipped_positions[0] < keep_from:
+            self.skipped_positions.popleft()
 
     # ------------------------------------------------------------------ OOM
 
@@ -720,8 +1063,21 @@ class Guard:
         self.optimizer.zero_grad(set_to_none=True)
         self.restore(snap)
         self.progress.step, self.progress.batches_consumed = snap.step, snap.batches_consumed
+        self._jump_skipped()  # batches a rollback decided not to train on stay skipped
+        self.skipped_positions = deque(p for p in self.skipped_positions
+                                       if p < snap.batches_consumed)
         self._prev_norms = None
         return snap.step
+
+    def reset_budget(self) -> None:
+        """Forget the recovery budget spent so far (skips, rollbacks, repeated rollbacks to
+        one snapshot) and the temporary LR backoff, e.g. for a run resumed from its abort
+        point with a lower LR. The LR cap, the quarantine and the detectors' statistics
+        stay."""
+        self.skips.clear()
+        self.rollbacks.clear()
+        self.last_rollback, self.same_rollbacks = None, 0
+        self.lr_factor, self.backoff_until = 1.0, -1
 
     # ------------------------------------------------------------------ state / report
 
@@ -743,7 +1099,13 @@ class Guard:
             "divergence": self.divergence.state(), "overflow": list(self.overflow.events),
             "skips": list(self.skips), "rollbacks": list(self.rollbacks),
             "lr_factor": self.lr_factor, "backoff_until": self.backoff_until,
-            "max_lr": self.max_lr,
+            "max_lr": self.max_lr, "lr_cap": self.lr_cap, "trend": self.trend.state(),
+            "quarantine": sorted(self.quarantine),
+            "implicated": {str(k): v for k, v in self.implicated.items()},
+            "pending_skips": sorted(self.pending_skips),
+            "skipped_positions": list(self.skipped_positions),
+            "last_rollback": list(self.last_rollback) if self.last_rollback else None,
+            "same_rollbacks": self.same_rollbacks,
             "counts": dict(self.counts),
             "scaler_skips": self.scaler_skips, "incidents": self.num_incidents,
         }
@@ -758,6 +1120,16 @@ class Guard:
         self.skips, self.rollbacks = deque(s["skips"]), deque(s["rollbacks"])
         self.lr_factor, self.backoff_until = s["lr_factor"], s["backoff_until"]
         self.max_lr = float(s.get("max_lr", 0.0))
+        # (absent from checkpoints written before issue 13: the defaults)
+        self.lr_cap = s.get("lr_cap")
+        self.trend.load(s.get("trend"))
+        self.quarantine = {int(i) for i in s.get("quarantine", ())}
+        self.implicated = {int(k): list(v) for k, v in s.get("implicated", {}).items()}
+        self.pending_skips = {int(p) for p in s.get("pending_skips", ())}
+        self.skipped_positions = deque(int(p) for p in s.get("skipped_positions", ()))
+        last = s.get("last_rollback")
+        self.last_rollback = (int(last[0]), str(last[1])) if last else None
+        self.same_rollbacks = int(s.get("same_rollbacks", 0))
         if isinstance(self.progress, Progress) and s.get("precision"):
             self.progress.precision = s["precision"]
             if s["precision"] != "fp16":
@@ -775,6 +1147,11 @@ class Guard:
         head = (f"guard: {n} incident{'s' if n != 1 else ''}; {c['skips']} skipped step(s), "
                 f"{c['rollbacks']} rollback(s) ({c['steps_redone']} steps redone, "
                 f"{c['batches_skipped']} batches skipped), {c['warnings']} health warning(s)")
+        if c["samples_dropped"] or self.quarantine:
+            head += (f", {c['samples_dropped']} sample(s) dropped, {len(self.quarantine)} "
+                     "quarantined")
+        if self.lr_cap is not None:
+            head += f", LR capped at {self.lr_cap:.3g}"
         if self.scaler_skips:
             head += f", {self.scaler_skips} fp16 overflow skip(s)"
         lines = [head]

@@ -33,7 +33,13 @@ class StepHooks:
     def kill(self, step: int, where: str) -> None:
         """``where``: before_step | in_step | in_checkpoint."""
 
-    def batch(self, step: int, x: torch.Tensor) -> torch.Tensor:
+    def before_step(self, step: int, model: nn.Module) -> None:
+        """At the start of the step, before the forward pass (weights corrupted between
+        steps)."""
+
+    def batch(self, step: int, x: torch.Tensor, idx: torch.Tensor | None = None
+              ) -> torch.Tensor:
+        """The batch ``x`` of dataset indices ``idx``."""
         return x
 
     def lr(self, step: int, lr: float) -> float:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from .. import distributed, preflight, seeding
 from ..adapters import AdapterRun
 from ..config import Config, ConfigError, config_diff, validate
-from ..data import make_loader
+from ..data import make_loader, source_of
 from ..diffusion import Draws, diffusion_loss, draw, make_schedule, sample
 from ..eval.during import make_evaluator
 from ..eval.grid import grid_nrow, save_grid
@@ -142,36 +142,21 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
     cfg, model, faults, guard = state.cfg, state.model, state.faults, state.guard
     step = state.step
     faults.kill(step, "before_step")
+    faults.before_step(step, model)
     x, y = batch[0].to(state.device, non_blocking=True), batch[1].to(state.device)
+    idx = batch[2] if len(batch) > 2 else None  # dataset indices (CPU)
     if len(batch) > 3 and batch[3].any():  # images replaced because they failed to load
         state.bad_images.update(batch[2][batch[3]].tolist())
     y = y if model.num_classes else None
-    x = faults.batch(step, x)
+    x = faults.batch(step, x, idx)
     lr = faults.lr(step, lr_at(step, cfg.optim, cfg.train.steps))
     set_lr(state.optimizer, lr)
 
     draws, total = step_draws(state, step, x)
     while True:  # retried only after an out-of-memory backoff
-        xs, ys = x.chunk(state.grad_accum), (y.chunk(state.grad_accum) if y is not None
-                                            else [None] * state.grad_accum)
-        offsets = [0]
-        for xm in xs:
-            offsets.append(offsets[-1] + xm.shape[0])
-        ds = [draws[a:b] for a, b in zip(offsets, offsets[1:])]
-        # each micro-batch's share of the global mean; DDP averages over ranks, hence x world
-        weights = [xm.shape[0] * state.world_size / total for xm in xs]
         try:
-            losses, ts = [], []
-            for micro, (xm, ym) in enumerate(zip(xs, ys)):
-                # DDP all-reduces the gradients once, in the last micro-batch's backward
-                sync = (state.ddp.no_sync() if state.ddp is not None and micro < len(xs) - 1
-                        else contextlib.nullcontext())
-                with sync:
-                    loss, per_sample, t = _micro_loss(state, xm, ym, ds[micro], step,
-                                                      weights[micro])
-                    (state.scaler.scale(loss) if state.scaler else loss).backward()
-                losses.append(per_sample)
-                ts.append(t)
+            xs, ys, ds, weights, per_sample, t_all = _forward_backward(state, x, y, draws,
+                                                                       total, step)
             break
         except torch.OutOfMemoryError as e:
             if guard is None or state.world_size > 1:
@@ -179,15 +164,14 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
                 # backoff cannot rejoin them. The rank fails, torchrun stops the group, and
                 # the rerun resumes (with a smaller train.batch_size or more grad_accum).
                 raise
-            new = guard.handle_oom(xs[0].shape[0], e)
+            micro = -(-x.shape[0] // state.grad_accum)  # torch.chunk's micro-batch size
+            new = guard.handle_oom(micro, e)
             if new is None:
                 raise GuardAbort(f"out of memory at step {step} with a micro-batch of "
-                                 f"{xs[0].shape[0]}: {e}", guard.incidents[-1]) from None
+                                 f"{micro}: {e}", guard.incidents[-1]) from None
             state.grad_accum = -(-x.shape[0] // new)
     faults.grads(step, model)
     faults.kill(step, "in_step")
-    per_sample = torch.cat(losses)
-    t_all = torch.cat(ts)
     every = cfg.logging.layer_stats_every
     layer_grads = None
     if every and (step + 1) % every == 0:  # per-layer gradient norms, before clipping
@@ -208,8 +192,16 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
             loss_i = _micro_loss(state, xs[i], ys[i], ds[i], step, weights[i], local=True)[0]
             return state.scaler.scale(loss_i) if state.scaler else loss_i
 
+        def rerun(keep: torch.Tensor, n_kept: int):
+            """The step again without the samples the guard singled out."""
+            nonlocal per_sample, t_all
+            ym = y[keep] if y is not None else None
+            *_, per_sample, t_all = _forward_backward(state, x[keep], ym, draws[keep],
+                                                      n_kept, step)
+            return per_sample.mean(), per_sample, t_all
+
         d = guard.step(per_sample.mean(), t=t_all, per_sample_loss=per_sample, inputs=x,
-                       replay=replay, num_micro=len(xs),
+                       indices=idx, replay=replay, num_micro=len(xs), rerun=rerun,
                        after_backward=lambda: faults.grads(step, model),
                        after_update=after_update, probe_forward=probe_forward)
         nan = float("nan")
@@ -224,6 +216,32 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
     return StepOutput(per_sample.mean(), gnorm, clipped, per_sample, t_all, lr, d,
                       layer_grad_norms=layer_grads,
                       probe_forward=probe_forward if layer_grads is not None else None)
+
+
+def _forward_backward(state: TrainState, x: torch.Tensor, y: torch.Tensor | None, draws: Draws,
+                      total: int, step: int):
+    """The micro-batches' forward and backward passes (gradient accumulation; DDP
+    all-reduces once, in the last one). ``total``: the samples of the global batch, each
+    micro-batch's loss weighted by its share. Returns the micro-batches, their draws and
+    weights, and the (B,) per-sample losses and timesteps."""
+    n = state.grad_accum
+    xs, ys = x.chunk(n), (y.chunk(n) if y is not None else [None] * len(x.chunk(n)))
+    offsets = [0]
+    for xm in xs:
+        offsets.append(offsets[-1] + xm.shape[0])
+    ds = [draws[a:b] for a, b in zip(offsets, offsets[1:])]
+    # each micro-batch's share of the global mean; DDP averages over ranks, hence x world
+    weights = [xm.shape[0] * state.world_size / total for xm in xs]
+    losses, ts = [], []
+    for micro, (xm, ym) in enumerate(zip(xs, ys)):
+        sync = (state.ddp.no_sync() if state.ddp is not None and micro < len(xs) - 1
+                else contextlib.nullcontext())
+        with sync:
+            loss, per_sample, t = _micro_loss(state, xm, ym, ds[micro], step, weights[micro])
+            (state.scaler.scale(loss) if state.scaler else loss).backward()
+        losses.append(per_sample)
+        ts.append(t)
+    return xs, ys, ds, weights, torch.cat(losses), torch.cat(ts)
 
 
 Handled = Literal["stepped", "skipped", "rolled_back"]
@@ -303,16 +321,19 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
         faults=make_injector(cfg.faults, ctx.rank))
 
 
-def attach_guard(state: TrainState, run_dir: Path | None) -> Guard | None:
+def attach_guard(state: TrainState, run_dir: Path | None,
+                 data: torch.utils.data.Dataset | None = None) -> Guard | None:
     """Build the guard over ``state`` (after any resume: its first snapshot is this state).
     The guard reads and advances ``state``'s counters, precision and scaler, and applies the
-    state's own update."""
+    state's own update; ``data`` names the files of the samples it implicates."""
     cfg = state.cfg
     if not cfg.guard.enabled:
         return None
     state.guard = Guard(state.model, state.optimizer, config=cfg.guard, run_dir=run_dir,
                         num_timesteps=cfg.diffusion.timesteps, progress=state,
-                        device=state.device, update=state.update)
+                        device=state.device, update=state.update,
+                        sample_source=(lambda i: source_of(data, i)) if data is not None
+                        else None)
     return state.guard
 
 
@@ -375,7 +396,7 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
     ``optim.lr`` already carries the backoff.
 
     The suggestion: ``optim.lr`` times the guard's LR factor at the abort when it was backing
-    off, else half of it. Rerunning the command resumes from the newest intact checkpoint
+    off, else half of it; at most the LR cap an ``lr_too_high`` rollback set. Rerunning the command resumes from the newest intact checkpoint
     (this one when written, else the newest already there).
 
     Args:
@@ -386,15 +407,19 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
         lr, lr_factor, lr_why, resume}`` (``resume``: the command), for summary.json.
     """
     cfg, guard = state.cfg, state.guard
+    base = cfg.optim.lr
     backoff = guard is not None and guard.lr_factor < 1.0
-    factor = guard.lr_factor if backoff else 0.5
-    lr = float(f"{cfg.optim.lr * factor:.3g}")
+    cap = guard.lr_cap if guard is not None else None
+    factor = guard.lr_factor if backoff else (1.0 if cap is not None else 0.5)
+    lr, why = base * factor, (f"optim.lr {base:g} x {factor:g}, the guard's LR backoff at the "
+                              "abort" if backoff else f"optim.lr {base:g} x 0.5 (the guard "
+                              "was not backing the LR off: half)")
+    if cap is not None and cap < lr:  # lr_too_high capped the LR for good
+        lr, factor, why = cap, cap / base, f"the guard's LR cap {cap:.3g} (lr_too_high)"
+    lr = float(f"{lr:.3g}")
     info: dict[str, Any] = {
         "step": state.step, "reason": reason, "checkpoint": None, "checkpoint_step": None,
-        "lr": lr, "lr_factor": factor,
-        "lr_why": (f"optim.lr {cfg.optim.lr:g} x {factor:g}, the guard's LR backoff at the "
-                   "abort" if backoff else f"optim.lr {cfg.optim.lr:g} x 0.5 (the guard was "
-                   "not backing the LR off: half)"),
+        "lr": lr, "lr_factor": factor, "lr_why": why,
         "resume": " ".join(["steadydiff", "train", shlex.quote(str(run.config)), "--out",
                             shlex.quote(str(run.root)), "--set", f"optim.lr={lr:g}",
                             "--allow-config-change"])}
@@ -403,9 +428,7 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
     snap = guard.ring.newest() if guard is not None and write else None
     if snap is not None and (newest is None or snap.step > newest):
         guard.restore_verified()
-        guard.skips.clear()
-        guard.rollbacks.clear()
-        guard.lr_factor, guard.backoff_until = 1.0, -1
+        guard.reset_budget()  # the suggested optim.lr carries the backoff
         complete = [c for c in on_disk if (c / "manifest.json").is_file()]
         try:
             path = CheckpointIO(state).save(run.checkpoints, keep=len(complete) + 1,
@@ -631,7 +654,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     c = _resume(state, source, allow_config_change, say) if source is not None else None
     if ctx.enabled:
         state.ddp = distributed.wrap(state.model, device)  # broadcasts rank 0's weights
-    guard = attach_guard(state, run_dir if main else None)
+    guard = attach_guard(state, run_dir if main else None, data)
     if c is not None:
         CheckpointIO(state).restore_guard(c)
 
@@ -645,14 +668,16 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         run.incidents.touch()
 
     def batches_from(position: int):
+        """The data stream from batch ``position`` on, without the quarantined samples."""
         return iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
                                 start_batch=position, hflip=cfg.data.hflip,
                                 num_workers=cfg.data.num_workers, rank=ctx.rank,
                                 world_size=ctx.world_size, pin_memory=device.type == "cuda",
+                                exclude=guard.quarantine if guard else (),
                                 num_classes=cfg.model.num_classes))
 
     # ---- the loop: {stop?, report, done?, step}
-    batches = batches_from(state.batches_consumed)
+    batches, next_pos = batches_from(state.batches_consumed), state.batches_consumed
     out = _Outputs(state, run, main, watchdog, skipped_at_scan, source)
     try:
         with out:
@@ -667,13 +692,18 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
                     break
                 watchdog.beat(f"step {state.step}")
                 step_out = train_step(state, next(batches))
+                next_pos += 1
                 how = handle_decision(state, step_out.decision, say)
                 stepped = how == "stepped"
                 if stepped:
                     out.add(step_out)
                 elif how == "rolled_back":
                     out.rolled_back()
+                if state.batches_consumed != next_pos or step_out.decision.quarantined:
+                    # a rollback, a batch the guard skips, a sample it quarantined: the
+                    # stream reopens where the guard says, without the quarantined samples
                     batches = batches_from(state.batches_consumed)
+                    next_pos = state.batches_consumed
             out.final_checkpoint()
     except GuardAbort as e:
         if main:

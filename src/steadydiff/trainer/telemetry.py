@@ -78,7 +78,7 @@ def metrics_row(state: TrainState, window: list[StepOutput], sec_per_step: float
     row = {
         "step": state.step, "images_seen": state.step * cfg.train.batch_size,
         "loss": loss, "grad_norm": gnorm, "grad_norm_clipped": clipped, "lr": window[-1].lr,
-        "lr_factor": g.lr_factor if g else 1.0, "sec_per_step": sec_per_step,
+        "lr_factor": g.last_factor if g else 1.0, "sec_per_step": sec_per_step,
         "ema_decay": state.ema.current_decay(),
         "grad_scale": state.scaler.get_scale() if state.scaler else None,
         "precision": state.precision,
