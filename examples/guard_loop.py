@@ -116,6 +116,11 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         d = guard.step(loss, t=t, per_sample_loss=per_sample, inputs=x0)  # clip, step, EMA, or not
         if d.action == "abort":
+            step = guard.restore_verified()             # the last verified state, or None
+            if step is not None:                        # save it, not the broken one
+                torch.save({"model": model.state_dict(), "ema": ema.state_dict(),
+                            "optimizer": opt.state_dict(), "step": step},
+                           f"{args.out}/last_good.pt")
             break
         if d.action == "step":
             losses.append(d.loss)

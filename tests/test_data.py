@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, TensorDataset
 
 from steadydiff.config import DataConfig
 from steadydiff.data import (
@@ -25,6 +25,8 @@ from steadydiff.data import (
     StreamBatchSampler,
     as_pairs,
     build_dataset,
+    check_label,
+    check_labels,
     make_loader,
 )
 
@@ -316,6 +318,93 @@ def test_as_pairs_tensors_and_pairs():
 def test_as_pairs_rejects_bad_items(items, match):
     with pytest.raises(DataError, match=match):
         as_pairs(_ListDataset(items))
+
+
+# --------------------------------------------------------------------------- labels
+
+# model.num_classes=3: ids 0..2 are classes, 3 is the null class of classifier-free guidance
+VALID_IDS = "valid class ids are 0..2 (model.num_classes=3; id 3 is reserved for the null class"
+
+
+@pytest.mark.parametrize("label, said", [
+    (3, "label 3 is out of range"),  # the null class id: never accepted from data
+    (7, "label 7 is out of range"),
+    (-1, "label -1 is out of range"),
+    (torch.tensor(4), "label 4 is out of range"),
+    (1.5, "the label is float 1.5; expected an integer class id"),
+    (torch.tensor(1.0), "the label is Tensor tensor(1.); expected an integer class id"),
+    (True, "the label is bool True"),
+], ids=["null", "above", "negative", "tensor", "float", "float-tensor", "bool"])
+def test_check_label_names_item_label_and_range(label, said):
+    with pytest.raises(DataError) as e:
+        check_label(label, 3, "dataset item 5")
+    assert str(e.value).startswith(f"dataset item 5: {said}") and VALID_IDS in str(e.value)
+    assert check_label(np.int64(2), 3, "x") == 2 and check_label(torch.tensor(0), 3, "x") == 0
+
+
+def test_labels_read_without_images_are_all_checked_before_training(tmp_path):
+    """A dataset with ``labels`` (here a folder's, edited) or a TensorDataset: the first
+    bad label is found among all of them, with the file's path for a folder."""
+    for name in ["a", "b"]:
+        for j in range(2):
+            _img(tmp_path / name / f"{j}.png")
+    folder = ImageFolderDataset(tmp_path, 4, class_labels=True)
+    check_labels(folder, 2)  # its own labels are fine
+    folder.labels[3] = 2
+    with pytest.raises(DataError, match=r"dataset item 3 \(.*b/1.png\): label 2 is out of range"
+                                        r"; valid class ids are 0..1"):
+        check_labels(folder, 2)
+
+    images = torch.zeros(40, 1, 4, 4)
+    labels = torch.arange(40) % 3
+    labels[[17, 30]] = 3  # item 17 is not among the images as_pairs reads at build time
+    pairs = as_pairs(TensorDataset(images, labels))
+    with pytest.raises(DataError, match=r"dataset item 17: label 3 is out of range; "
+                                        r"valid class ids are 0..2 .*\(2 labels out of range\)"):
+        check_labels(pairs, 3)
+    listed = _ListDataset([(torch.zeros(1, 4, 4), 0)] * 3)
+    listed.labels = [0, 1, 0.5]  # a user dataset's own per-item labels
+    with pytest.raises(DataError, match=r"dataset item 2: the label is 0.5, not an integer"):
+        check_labels(as_pairs(listed), 3)
+    listed.labels = ["cat", "dog"]  # class names, not per-item labels: left to the fetch
+    check_labels(as_pairs(listed), 3)
+    check_labels(pairs, 4)  # 3 is a real class of a 4-class model
+
+
+def test_labels_are_checked_as_items_are_fetched():
+    """A dataset whose labels come only with its images: the label is checked on the CPU as
+    the item is fetched (any dataset, ours or a user's), before it could reach the model."""
+    items = [(torch.zeros(1, 4, 4), 0)] * 40
+    items[17] = (torch.zeros(1, 4, 4), 3)
+    view = SeededView(_ListDataset(items), seed=0, num_classes=3)
+    assert int(view[(16, 0)][1]) == 0
+    with pytest.raises(DataError) as e:
+        view[(17, 0)]
+    assert str(e.value).startswith(f"dataset item 17: label 3 is out of range; {VALID_IDS}")
+    SeededView(_ListDataset(items), seed=0)[(17, 0)]  # unconditional: labels unused
+    # as_pairs knows the range too: a bad label among the items it reads is refused at once
+    with pytest.raises(DataError, match="dataset item 0: label 5 is out of range"):
+        as_pairs(_ListDataset([(torch.zeros(1, 4, 4), 5)]), 3)
+    # a folder's items are named with their file
+    digits = DigitsDataset(8)
+    digits.labels[4] = 10
+    with pytest.raises(DataError, match="dataset item 4: label 10 is out of range"):
+        next(iter(make_loader(digits, batch_size=1797, seed=0, num_classes=10)))
+
+
+def test_class_embedder_refuses_bad_labels_on_the_cpu():
+    from steadydiff.models import ClassEmbedder
+
+    emb = ClassEmbedder(10, 4)
+    assert emb(torch.tensor([0, 9, 10])).shape == (3, 4)  # 10: the null class
+    for y, said in [(torch.tensor([3, 11]), "class label 11 is out of range"),
+                    (torch.tensor([-1, 2]), "class label -1 is out of range")]:
+        with pytest.raises(ValueError, match=f"{said}: valid labels are 0..9, and 10 for the "
+                                             "null class"):
+            emb(y)
+    with pytest.raises(ValueError, match="class labels must be an integer tensor, got "
+                                         "torch.float32; valid labels are 0..9"):
+        emb(torch.tensor([1.0]))
 
 
 def test_as_pairs_later_item_shape_mismatch():

@@ -266,6 +266,94 @@ def test_api_dataset_of_another_image_size_is_named(tmp_path):
         steadydiff.train(_tiny_cfg(), dataset=TensorDataset(images), out_dir=tmp_path / "r")
 
 
+# model.num_classes=3: ids 0..2 are classes, 3 the null class of classifier-free guidance
+VALID_IDS = "valid class ids are 0..2 (model.num_classes=3; id 3 is reserved for the null class"
+
+
+@pytest.mark.parametrize("bad, said", [
+    (3, "label 3 is out of range"),  # the null class: trained as "no class" before
+    (9, "label 9 is out of range"),  # an IndexError inside F.embedding before
+    (-2, "label -2 is out of range"),
+    (1.5, "the label is float 1.5; expected an integer class id"),
+], ids=["null-class", "above", "negative", "float"])
+def test_api_refuses_a_label_outside_the_models_classes(bad, said, tmp_path):
+    """Labels that come only with the images: item 1 is not among the items read at build
+    time, so it is refused as it is fetched, in the first batch, with label dropout at 1
+    (which used to hide it), before any update or checkpoint."""
+    import steadydiff
+    from steadydiff.data import DataError
+
+    class Pairs(torch.utils.data.Dataset):
+        def __len__(self):
+            return 64
+
+        def __getitem__(self, i):
+            return torch.zeros(1, 8, 8), bad if i == 1 else i % 3
+
+    cfg = _tiny_cfg("model.num_classes=3", "train.batch_size=64", "diffusion.cfg_dropout=1.0")
+    with pytest.raises(DataError) as e:
+        steadydiff.train(cfg, dataset=Pairs(), out_dir=tmp_path / "r")
+    assert str(e.value).startswith(f"dataset item 1: {said}") and VALID_IDS in str(e.value)
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_api_checks_labels_it_can_read_before_training(tmp_path):
+    """A TensorDataset's labels, or a dataset's ``labels``: all checked before the first step
+    (no image of the bad item is loaded); good ones train a class-conditional model."""
+    import steadydiff
+    from steadydiff.data import DataError
+    from torch.utils.data import TensorDataset
+
+    images = torch.rand(40, 1, 8, 8, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    labels = torch.arange(40) % 3
+    res = steadydiff.train(_tiny_cfg("model.num_classes=3"),
+                           dataset=TensorDataset(images, labels), out_dir=tmp_path / "ok")
+    assert res.steps == 2 and res.checkpoint is not None
+
+    labels[17] = 3
+    with pytest.raises(DataError) as e:
+        steadydiff.train(_tiny_cfg("model.num_classes=3"),
+                         dataset=TensorDataset(images, labels), out_dir=tmp_path / "t")
+    assert str(e.value).startswith("dataset item 17: label 3 is out of range; " + VALID_IDS)
+
+    loaded: list[int] = []
+
+    class Labeled(torch.utils.data.Dataset):
+        num_classes = 3
+        labels = [i % 3 for i in range(40)]
+        labels[17] = -1
+
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            loaded.append(i)
+            return images[i], self.labels[i]
+
+    with pytest.raises(DataError) as e:
+        steadydiff.train(_tiny_cfg("model.num_classes=3"), dataset=Labeled(),
+                         out_dir=tmp_path / "l")
+    assert str(e.value).startswith("dataset item 17: label -1 is out of range; " + VALID_IDS)
+    assert 17 not in loaded  # found from the labels, not by loading the item
+    assert not (tmp_path / "t" / "checkpoints").exists()
+    assert not (tmp_path / "l" / "checkpoints").exists()
+
+
+def test_dry_run_refuses_a_folder_with_more_classes_than_the_model(tmp_path, capsys):
+    """A folder's labels are its class folders: a third folder for a 2-class model (label 2,
+    the null class id) is the config's to fix, said before training, by the dry run too."""
+    from PIL import Image
+
+    for name in ["a", "b", "c"]:
+        (tmp_path / "img" / name).mkdir(parents=True)
+        Image.new("L", (8, 8), 128).save(tmp_path / "img" / name / "0.png")
+    argv = ["train", CONFIGS / "digits_cond.yaml", "--set", *TINY_MODEL, "model.num_classes=2",
+            "data.dataset=folder", f"data.path={tmp_path / 'img'}", "data.class_labels=true"]
+    rc, out, err = run_cli([*argv, "--dry-run"], capsys)
+    assert rc == 2 and ("the data has 3 classes but model.num_classes is 2; set "
+                        "model.num_classes=3") in err, (out, err)
+
+
 # --------------------------------------------------------------------------- 7. dry run
 
 

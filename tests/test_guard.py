@@ -308,11 +308,59 @@ def test_abort_when_budget_exhausted(tmp_path):
     # step 8's checkpoint was written after the redone steps 6-7, before the second fault
     paths = assert_checkpoints_finite(run)
     assert [p.name for p in paths] == ["step_00000008", "step_00000004"]
+    # the guard's last verified snapshot (step 6) is older than step 8's checkpoint: no
+    # abort point is written, and the suggestion resumes from the newest checkpoint
+    point = json.loads((run / "summary.json").read_text())["abort"]
+    assert point["checkpoint"] is None and point["checkpoint_step"] == 8
+    assert all("abort" not in json.loads((p / "state.json").read_text()) for p in paths)
+
+
+def test_abort_leaves_its_last_verified_state_to_resume(tmp_path, capsys):
+    """No checkpoint before the abort (checkpoint_every beyond it): the guard's last verified
+    snapshot (step 6) is written as a normal, verified checkpoint marked as the abort point,
+    and the suggested command (optim.lr times the guard's backoff) resumes it and trains on."""
+    from steadydiff.cli import main
+
+    run = tmp_path / "run"
+    cfg = tiny("guard.max_rollbacks=1", "train.checkpoint_every=100", "optim.lr=1e-3",
+               faults=ABORT_FAULTS)
+    with pytest.raises(GuardAbort) as e:
+        steadydiff.train(cfg, out_dir=run)
+    (path,) = assert_checkpoints_finite(run)
+    assert path.name == "step_00000006" and ckpt.verify_checkpoint(path) == []
+    c = ckpt.load_checkpoint(path)
+    assert c.state["abort"] == {"step": 8, "reason": str(e.value)}
+    assert c.state["step"] == 6 and c.state["batches_consumed"] == 6
+    assert c.state["guard"]["rollbacks"] == [] and c.state["guard"]["lr_factor"] == 1.0
+    summary = json.loads((run / "summary.json").read_text())
+    point = summary["abort"]
+    assert summary["steps"] == 8 and point["checkpoint"] == str(path)
+    assert point["lr"] == 5e-4 and point["lr_factor"] == 0.5  # optim.lr 1e-3 x the backoff
+    assert point["resume"] == (f"steadydiff train {run / 'config.yaml'} --out {run} --set "
+                               "optim.lr=0.0005 --allow-config-change")
+    assert "abort point: wrote" in capsys.readouterr().out
+    # the report's verdict and the doctor's abort cause show where to resume, and how
+    from steadydiff.doctor import diagnose
+
+    page = (run / "report.html").read_text()
+    assert f"abort point: {path}, the guard&#x27;s last verified state (step 6)" in page
+    assert point["resume"] in page
+    cause = diagnose(run, probe=False).causes[0]
+    assert cause.check == "run_aborted" and point["resume"] in cause.recommendation
+    assert cause.evidence["abort_point"]["checkpoint"] == str(path)
+
+    # the suggested command, without the injected faults (they would strike again)
+    rc = main(point["resume"].split()[1:] + ["--set", "faults=[]"])
+    out = capsys.readouterr().out
+    assert rc == 0 and f"resumed from {path} at step 6" in out
+    assert "optim.lr: 0.001 -> 0.0005" in out
+    assert json.loads((run / "summary.json").read_text())["status"] == "finished"
+    assert steadydiff.load(run).step == 12
 
 
 def test_cli_abort_exit_code_3(tmp_path):
     """Through the CLI: exit code 3, the summary printed."""
-    raw = load_config(None, TINY + ["guard.max_rollbacks=1"]).to_dict()
+    raw = load_config(None, TINY + ["guard.max_rollbacks=1", "optim.lr=1e-3"]).to_dict()
     raw["faults"] = ABORT_FAULTS
     cfg = tmp_path / "tiny.yaml"
     cfg.write_text(yaml.safe_dump(raw))
@@ -321,6 +369,11 @@ def test_cli_abort_exit_code_3(tmp_path):
                        timeout=120)
     assert p.returncode == 3, p.stderr[-2000:]
     assert "aborted:" in p.stderr
+    # the abort point is older than step 8's checkpoint: resume from the newest, at half LR
+    assert ("to resume from the newest checkpoint with the LR the guard found safe "
+            "(optim.lr 0.001 x 0.5, the guard's LR backoff at the abort):\n  steadydiff train "
+            f"{tmp_path / 'run' / 'config.yaml'} --out {tmp_path / 'run'} --set optim.lr=0.0005 "
+            "--allow-config-change") in p.stderr
     assert "guard: 2 incidents" in p.stdout and "nonfinite_params" in p.stdout
     assert "-> abort" in p.stdout
 

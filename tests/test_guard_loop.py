@@ -216,6 +216,30 @@ def test_plain_loop_abort_when_fault_persists(tmp_path):
     assert rows(tmp_path)[-1]["action"] == "abort"
 
 
+def test_plain_loop_saves_the_verified_state_after_an_abort(tmp_path):
+    """After an abort decision, ``Guard.restore_verified`` puts the newest verified snapshot
+    back (weights, EMA, optimizer, scheduler, progress) so the loop can save it."""
+    model, ema, sched, guard, ds = plain_loop(tmp_path, steps=STEPS)
+    with torch.no_grad():  # a state past saving, as after an abort
+        for p in list(model.parameters()) + list(ema.parameters()):
+            p.fill_(float("nan"))
+    snap = guard.ring.newest()
+    assert snap.step == 30 and guard.progress.step == STEPS
+    guard.progress.step, guard.progress.batches_consumed = 33, 40  # moved on since
+    assert guard.restore_verified() == 30
+    assert (guard.progress.step, guard.progress.batches_consumed) == (30, snap.batches_consumed)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in snap.model.items())
+    assert finite_module(model) and finite_module(ema)
+    assert all(torch.equal(ema.state_dict()[k], v) for k, v in snap.ema.items())
+    assert sched.last_epoch == snap.scheduler["last_epoch"]
+    moments = guard.optimizer.state_dict()["state"]
+    assert all(torch.equal(moments[i]["exp_avg"], snap.optimizer["state"][i]["exp_avg"])
+               for i in moments)
+    guard.ring.ring.clear()
+    assert guard.restore_verified() is None  # no snapshot: nothing changed
+
+
+
 # ------------------------------------------------------------ (b) an accelerate-style loop
 
 

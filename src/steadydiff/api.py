@@ -35,7 +35,11 @@ def train(config: Config | dict[str, Any] | str | Path,
         dataset: optional torch Dataset yielding images (C, H, W) in [-1, 1], 1-tuples
             ``(image,)`` (``TensorDataset(images)``) or ``(image, label)`` pairs; replaces
             the config's data source. Values outside [-1, 1] are refused (``DataError``
-            naming the observed range) before the first step.
+            naming the observed range) before the first step. Labels must be class ids
+            0..model.num_classes-1 (id num_classes is the null class, never data): a
+            ``DataError`` names the first item that is not, before the first step when the
+            labels can be read without the images (``dataset.labels``, a
+            ``TensorDataset(images, labels)``), else when the item is fetched.
         out_dir: the run directory: new, empty, or an earlier run's (rerunning with the
             same directory resumes). A non-empty folder that is not a run, or one another
             live process trains into, is refused (:class:`~steadydiff.rundir.RunDirError`).
@@ -50,6 +54,10 @@ def train(config: Config | dict[str, Any] | str | Path,
         A :class:`RunResult` (run directory, final step and loss, checkpoint, sample grids).
 
     Raises:
+        GuardAbort: the guard's recovery budget ran out. The guard's last verified state
+            was written as a checkpoint when newer than every checkpoint on disk, and
+            ``.abort_point`` holds it with the suggested LR and the command to resume.
+        DataError: unusable data, e.g. a label that is no class id (the item is named).
         TrainingInterrupted: SIGTERM, SIGINT or SIGUSR1 arrived while training; the step in
             progress finished and a verified checkpoint of it was written (``.checkpoint``,
             ``.result``). Calling ``train`` again with the same arguments resumes exactly.

@@ -287,6 +287,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except GuardAbort as e:
         print(f"aborted: {e}", file=sys.stderr)
+        point = getattr(e, "abort_point", None)  # set by the trainer (rank 0)
+        if point:
+            where = (f"from the abort point {point['checkpoint']}" if point["checkpoint"]
+                     else "from the newest checkpoint")
+            print(f"to resume {where} with the LR the guard found safe ({point['lr_why']}):"
+                  f"\n  {point['resume']}", file=sys.stderr)
         return EXIT_ABORTED
     except CheckpointSaveError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -57,6 +57,107 @@ class DataError(ValueError):
     """Data that cannot be used. The message names the path or item and what would be valid."""
 
 
+# --------------------------------------------------------------------------- labels
+
+# A class label is an integer id in 0..K-1, K = model.num_classes. Id K is the null class of
+# classifier-free guidance (Ho & Salimans 2022): the objective puts it in place of dropped
+# labels, so a K coming from the data would silently train as "no class", and anything
+# larger or negative would fail inside F.embedding naming neither the item nor the label.
+# Labels are therefore checked where they enter: all at once before training when they can
+# be read without the images (:func:`check_labels`), else as each item is fetched
+# (``SeededView``, on the CPU), never in the model.
+
+
+def item_name(data: Dataset, i: int) -> str:
+    """``dataset item 7``, with its file when there is one (:func:`source_of`)."""
+    path = source_of(data, i)
+    return f"dataset item {i}" + (f" ({path})" if path is not None else "")
+
+
+def _valid_ids(k: int) -> str:
+    return (f"valid class ids are 0..{k - 1} (model.num_classes={k}; id {k} is reserved for "
+            f"the null class of classifier-free guidance)")
+
+
+def check_label(y: Any, num_classes: int | None, where: str | Any) -> int:
+    """One item's label as an int, refused unless it is an integer class id in
+    0..num_classes-1.
+
+    Args:
+        y: the label: an int, a numpy integer or a one-element integer tensor (on the CPU:
+            the data side, no device sync).
+        num_classes: the model's classes; 0 or None checks the type only (an unconditional
+            model ignores labels).
+        where: the item's name, or a function returning it (called only for the message).
+
+    Raises:
+        DataError: a non-integer or out-of-range label; the message names the item, the
+            label and the valid ids.
+    """
+    if isinstance(y, torch.Tensor) and y.numel() == 1 and not y.is_floating_point() \
+            and not y.is_complex() and y.dtype != torch.bool:
+        v = int(y.item())
+    elif isinstance(y, (int, np.integer)) and not isinstance(y, (bool, np.bool_)):
+        v = int(y)
+    else:
+        name = where() if callable(where) else where
+        ids = f"; {_valid_ids(num_classes)}" if num_classes else ""
+        raise DataError(f"{name}: the label is {type(y).__name__} {y!r:.40}; expected an "
+                        f"integer class id (int or one-element integer tensor){ids}")
+    if num_classes and not 0 <= v < num_classes:
+        name = where() if callable(where) else where
+        raise DataError(f"{name}: label {v} is out of range; {_valid_ids(num_classes)}")
+    return v
+
+
+def labels_of(data: Dataset) -> torch.Tensor | None:
+    """Every item's label, read without loading an image, or None when the labels come only
+    with the images.
+
+    Read from ``data.labels`` (the built-in datasets, ``ClassSubset``, a user dataset with
+    one label per item; an ``as_pairs`` dataset exposes its source's, or a
+    ``TensorDataset``'s second tensor). A ``labels`` attribute of another length (class
+    names, say) or of non-numbers is not taken for per-item labels.
+    """
+    labels = getattr(data, "labels", None)
+    if labels is None:
+        return None
+    try:
+        t = (labels.detach().cpu() if isinstance(labels, torch.Tensor)
+             else torch.as_tensor(np.asarray(labels)))
+    except (TypeError, ValueError, RuntimeError):
+        return None
+    if t.ndim != 1 or len(t) != len(data) or t.dtype == torch.bool or t.is_complex():
+        return None
+    return t
+
+
+def check_labels(data: Dataset, num_classes: int, labels: torch.Tensor | None = None) -> None:
+    """Refuse, before training, the first label that is no class id in 0..num_classes-1,
+    when the labels can be read without the images (:func:`labels_of`); otherwise they are
+    checked as each item is fetched.
+
+    Raises:
+        DataError: naming the item (with its file for a folder), the label and the valid ids.
+    """
+    labels = labels_of(data) if labels is None else labels
+    if labels is None or not num_classes:
+        return
+    bad = (labels < 0) | (labels >= num_classes)
+    if labels.is_floating_point():
+        bad |= labels != labels.round()  # also NaN
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0])
+    v = labels[i].item()
+    if isinstance(v, float) and not v.is_integer():
+        raise DataError(f"{item_name(data, i)}: the label is {v!r}, not an integer class id; "
+                        f"{_valid_ids(num_classes)}")
+    raise DataError(f"{item_name(data, i)}: label {int(v)} is out of range; "
+                    f"{_valid_ids(num_classes)}" + (f" ({int(bad.sum())} labels out of range)"
+                                                    if int(bad.sum()) > 1 else ""))
+
+
 # --------------------------------------------------------------------------- seeding
 
 # Domain tags for ``derive_seed``: the permutation, augmentation and loader streams of one run
@@ -547,10 +648,16 @@ RANGE_SLACK = 1e-3
 
 
 class PairsDataset(Dataset):
-    """``as_pairs`` result: any dataset's items as ``(float32 (C, H, W), int64 label)``."""
+    """``as_pairs`` result: any dataset's items as ``(float32 (C, H, W), int64 label)``.
 
-    def __init__(self, dataset: Dataset) -> None:
+    ``labels`` is the source's per-item labels when they can be read without the images
+    (its ``labels``, or a ``TensorDataset``'s second tensor); ``model_classes`` K, when
+    given, refuses on every item a label outside 0..K-1 (:func:`check_label`).
+    """
+
+    def __init__(self, dataset: Dataset, model_classes: int | None = None) -> None:
         self.dataset = dataset
+        self.model_classes = model_classes
         try:
             n = len(dataset)  # type: ignore[arg-type]
         except TypeError:
@@ -558,8 +665,16 @@ class PairsDataset(Dataset):
                             f"map-style torch Dataset (with __len__ and __getitem__)") from None
         if n == 0:
             raise DataError(f"dataset {type(dataset).__name__} is empty")
+        tensors = getattr(dataset, "tensors", None)  # TensorDataset(images, labels)
+        if isinstance(dataset, torch.utils.data.TensorDataset) and len(tensors) >= 2:
+            self.labels = tensors[1]
+        elif getattr(dataset, "labels", None) is not None:
+            self.labels = dataset.labels
         self._shape: tuple[int, ...] | None = None
-        x, _ = self._convert(dataset[0], 0)  # the first item fixes the shape for the rest
+        first = dataset[0]
+        # (image, label) items carry labels even when the dataset declares no num_classes
+        self.labeled = isinstance(first, (tuple, list)) and len(first) == 2
+        x, _ = self._convert(first, 0)  # the first item fixes the shape for the rest
         self._shape = tuple(x.shape)
         self._check_range(n)
         self.channels, h, w = self._shape
@@ -634,17 +749,11 @@ class PairsDataset(Dataset):
         if self._shape is not None and tuple(x.shape) != self._shape:
             raise DataError(f"dataset item {i}: the image has shape {tuple(x.shape)} but item 0 "
                             f"has {self._shape}; every image must have the same shape")
-        if isinstance(y, torch.Tensor) and y.numel() == 1 and not y.is_floating_point():
-            y = int(y.item())
-        elif isinstance(y, (int, np.integer)) and not isinstance(y, bool):
-            y = int(y)
-        else:
-            raise DataError(f"dataset item {i}: the label is {type(y).__name__} {y!r:.40}; "
-                            f"expected an integer class id (int or one-element integer tensor)")
+        y = check_label(y, self.model_classes, lambda: item_name(self, i))
         return x.to(torch.float32), torch.tensor(y, dtype=torch.int64)
 
 
-def as_pairs(dataset: Dataset) -> Dataset:
+def as_pairs(dataset: Dataset, model_classes: int | None = None) -> Dataset:
     """Adapt a user dataset to yield ``(image (C,H,W) float32, label int64 scalar)``.
 
     Items may be an image tensor (label 0), a 1-tuple ``(image,)`` (a ``TensorDataset`` of
@@ -654,18 +763,23 @@ def as_pairs(dataset: Dataset) -> Dataset:
 
     Args:
         dataset: a map-style torch Dataset.
+        model_classes: the model's classes K: every item's label must be in 0..K-1
+            (None or 0: integers, any value).
 
     Returns:
         A Dataset with ``channels``, ``image_size`` (None if not square), ``num_classes``
-        (from ``dataset.num_classes`` if present, else 0). Our own datasets are returned as is.
+        (from ``dataset.num_classes`` if present, else 0), and ``labels`` when they can be
+        read without the images. Our own datasets are returned as is.
 
     Raises:
-        DataError: an empty dataset, an item of the wrong type, shape or dtype, or values
-            outside [-1, 1] (the message gives the observed range).
+        DataError: an empty dataset, an item of the wrong type, shape or dtype, a label
+            that is no class id, or values outside [-1, 1] (the message gives the observed
+            range).
     """
-    if isinstance(dataset, (PairsDataset, DigitsDataset, ImageFolderDataset)):
+    if isinstance(dataset, (PairsDataset, DigitsDataset, FashionMNISTDataset,
+                            ImageFolderDataset, ClassSubset)):
         return dataset
-    return PairsDataset(dataset)
+    return PairsDataset(dataset, model_classes)
 
 
 # --------------------------------------------------------------------------- batching
@@ -790,12 +904,16 @@ class SeededView(Dataset):
         dataset: any dataset accepted by ``as_pairs``.
         seed: the run seed.
         hflip: flip horizontally with probability 1/2.
+        num_classes: the model's classes K: a label outside 0..K-1 is a ``DataError``
+            naming the item as it is fetched (0: unconditional, labels unused).
     """
 
-    def __init__(self, dataset: Dataset, *, seed: int, hflip: bool = False) -> None:
-        self.dataset = as_pairs(dataset)
+    def __init__(self, dataset: Dataset, *, seed: int, hflip: bool = False,
+                 num_classes: int = 0) -> None:
+        self.dataset = as_pairs(dataset, num_classes)
         self.seed = seed
         self.hflip = hflip
+        self.num_classes = num_classes
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -804,6 +922,8 @@ class SeededView(Dataset):
         i, e = key
         fetch = getattr(self.dataset, "fetch", None)
         x, y, bad = fetch(i) if fetch is not None else (*self.dataset[i], False)
+        if self.num_classes:  # a CPU scalar: no device sync; the null class id is refused
+            check_label(y, self.num_classes, lambda: item_name(self.dataset, i))
         if self.hflip:
             # A fresh generator + derive_seed cost ~15 µs, nothing next to decoding an image.
             # Keep the draw order fixed when adding augmentations (append new draws after
@@ -822,7 +942,8 @@ def _worker_init(_: int) -> None:
 
 def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: int = 0,
                 hflip: bool = False, num_workers: int = 0, rank: int = 0, world_size: int = 1,
-                pin_memory: bool = False, exclude: Iterable[int] = ()) -> DataLoader:
+                pin_memory: bool = False, exclude: Iterable[int] = (),
+                num_classes: int = 0) -> DataLoader:
     """An endless loader of ``(x (b,C,H,W), y (b,), idx (b,), bad (b,))`` batches, resumable
     exactly (``bad`` flags samples whose image failed to load and was replaced).
 
@@ -839,12 +960,14 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
         pin_memory: pin batches for faster host-to-GPU copies.
         exclude: dataset indices never drawn (the guard's quarantine; see
             :class:`StreamBatchSampler`).
+        num_classes: the model's classes K: a label outside 0..K-1 stops the run with a
+            ``DataError`` naming the item (0: unconditional, labels unused).
 
     Returns:
         A DataLoader whose ``batch_sampler`` is the ``StreamBatchSampler`` (use its
         ``batch_indices(b)`` to name the samples of batch ``b``). It never ends: count steps.
     """
-    view = SeededView(dataset, seed=seed, hflip=hflip)
+    view = SeededView(dataset, seed=seed, hflip=hflip, num_classes=num_classes)
     sampler = StreamBatchSampler(len(view), batch_size, seed=seed, start_batch=start_batch,
                                  rank=rank, world_size=world_size, exclude=exclude)
     return DataLoader(
@@ -859,12 +982,21 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
 
 def source_of(dataset: Dataset, i: int) -> str | None:
     """What names item ``i`` for a person: its file path for an image folder (through any
-    class subset), else None (the index is all there is)."""
-    while isinstance(dataset, ClassSubset):
-        dataset, i = dataset.dataset, dataset.index[int(i)]
+    class subset), or for a user dataset (through ``as_pairs``) that has ``path_of(i)`` or
+    one entry of ``paths`` per item; else None (the index is all there is)."""
+    i = int(i)
+    while isinstance(dataset, (ClassSubset, PairsDataset)):
+        if isinstance(dataset, ClassSubset):
+            dataset, i = dataset.dataset, dataset.index[i]
+        else:
+            dataset = dataset.dataset
+    path_of = getattr(dataset, "path_of", None)
+    if callable(path_of):
+        return str(path_of(i))
     paths = getattr(dataset, "paths", None)
-    if isinstance(dataset, ImageFolderDataset) and paths is not None and 0 <= i < len(paths):
-        return str(paths[int(i)])
+    if isinstance(paths, (list, tuple)) and 0 <= i < len(paths) and (
+            isinstance(dataset, ImageFolderDataset) or len(paths) == len(dataset)):
+        return str(paths[i])
     return None
 
 
@@ -948,6 +1080,6 @@ def build_dataset(cfg: DataConfig) -> Dataset:
 __all__ = [
     "IMAGE_EXTENSIONS", "ClassSubset", "DataError", "DigitsDataset", "FashionMNISTDataset",
     "ImageFolderDataset", "PairsDataset",
-    "SeededView", "StreamBatchSampler", "as_pairs", "build_dataset", "make_loader",
-    "source_of",
+    "SeededView", "StreamBatchSampler", "as_pairs", "build_dataset", "check_label",
+    "check_labels", "item_name", "labels_of", "make_loader", "source_of",
 ]

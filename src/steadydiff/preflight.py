@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from .config import Config, ConfigError
-from .data import as_pairs, build_dataset
+from .data import as_pairs, build_dataset, check_labels, labels_of
 from .devices import resolve_device
 from .models import build_model
 from .trainer.precision import check_precision
@@ -69,16 +69,37 @@ def check_classes(cfg: Config, num_classes_in_data: int) -> None:
             "or model.num_classes=0 for an unconditional model")
 
 
-def check_data(cfg: Config, dataset: Dataset | None = None) -> Dataset:
+def check_data(cfg: Config, dataset: Dataset | None = None) -> tuple[Dataset, int]:
     """Build the data a run trains on (``dataset``, else ``cfg.data``'s) and compare it with
-    the config: classes, and a user dataset's image size and channels.
+    the config: classes and labels, and a user dataset's image size and channels.
+
+    Labels are checked here, all of them, when they can be read without the images (a
+    dataset with ``labels``, a ``TensorDataset``); otherwise each item's as it is fetched.
+
+    Returns:
+        The data, and its number of classes (declared; for labels read without a declared
+        count, the largest label + 1; for (image, label) items without either, the model's).
 
     Raises:
-        DataError: the data cannot be read or holds values outside [-1, 1].
+        DataError: the data cannot be read, holds values outside [-1, 1], or a label that
+            is no class id of the model (0..model.num_classes-1; the message names the item).
         ConfigError: classes, image size or channels that do not match the config.
     """
-    data = as_pairs(dataset) if dataset is not None else build_dataset(cfg.data)
-    check_classes(cfg, getattr(data, "num_classes", 0))
+    k = cfg.model.num_classes
+    data = as_pairs(dataset, k) if dataset is not None else build_dataset(cfg.data)
+    declared = int(getattr(data, "num_classes", 0) or 0)
+    labels = labels_of(data) if k else None
+    if labels is None and not declared and k and getattr(data, "labeled", False):
+        num_classes = k  # (image, label) items, no count declared: each label is checked
+        #                  against the model's classes as its item is fetched
+    elif labels is None:
+        check_classes(cfg, declared)
+        num_classes = declared
+    else:
+        if declared:  # more classes than the model is the config's to fix, said as such
+            check_classes(cfg, declared)
+        check_labels(data, k, labels)
+        num_classes = declared or int(labels.max()) + 1
     shape = getattr(data, "image_shape", None)  # a user dataset's (C, H, W)
     d = cfg.data
     if shape is not None and tuple(shape) != (d.channels, d.image_size, d.image_size):
@@ -88,7 +109,7 @@ def check_data(cfg: Config, dataset: Dataset | None = None) -> Dataset:
             f"the dataset's images are {c}×{h}×{w} (C×H×W) but the config says data.channels="
             f"{d.channels}, data.image_size={d.image_size}; {fix}"
             + (f" and data.channels={c}" if c != d.channels else ""))
-    return data
+    return data, num_classes
 
 
 def check_model(cfg: Config) -> int:
@@ -139,11 +160,12 @@ def check(cfg: Config, dataset: Dataset | None = None, *,
     Raises:
         ConfigError: device, precision, classes, image shape or model shape (the message
             names the field and what would be valid).
-        DataError: data that cannot be read, or outside [-1, 1].
+        DataError: data that cannot be read, outside [-1, 1], or a label that is no class id
+            of the model.
     """
     device = device if device is not None else resolve_device(cfg.train.device,
                                                              what="train.device")
     check_precision(cfg.train.precision, device, cfg.train.allow_slow_precision)
     parameters = check_model(cfg)  # before the data: it may take a while to read
-    data = check_data(cfg, dataset)
-    return Preflight(device, data, getattr(data, "num_classes", 0), parameters)
+    data, num_classes = check_data(cfg, dataset)
+    return Preflight(device, data, num_classes, parameters)

@@ -62,11 +62,18 @@ DATA_KINDS = frozenset({"bad_batch", "nonfinite_loss", "loss_spike"})
 
 
 class GuardAbort(RuntimeError):
-    """Instability persisted past the recovery budget (CLI exit code 3)."""
+    """Instability persisted past the recovery budget (CLI exit code 3).
+
+    Attributes:
+        incident: the abort incident, when there is one.
+        abort_point: set by steadydiff's trainer (rank 0): what the run left to resume from
+            and the suggested command, as in summary.json's ``abort`` (see docs/guard.md).
+    """
 
     def __init__(self, message: str, incident: "Incident | None" = None):
         super().__init__(message)
         self.incident = incident
+        self.abort_point: dict[str, Any] | None = None
 
 
 @dataclass
@@ -1042,6 +1049,40 @@ class Guard:
                      scheduler=self.update.scheduler, scaler=self.progress.scaler)
         if self.ema is not None and snap.ema is not None:
             self.ema.load(snap.ema)
+
+    def restore_verified(self) -> int | None:
+        """Restore the newest verified snapshot (the ring's: weights and EMA were checked
+        finite when it was taken) into the model, EMA, optimizer, LR scheduler, grad scaler,
+        RNG and the progress (``step``, ``batches_consumed``), dropping any gradients.
+
+        Meant for after an ``abort`` decision, so the last good state can be saved as a
+        checkpoint to resume from (steadydiff's trainer does so itself, as the abort point);
+        the snapshot stays in the ring.
+
+        Returns:
+            The restored step, or None when there is no snapshot (nothing was changed).
+        """
+        snap = self.ring.newest()
+        if snap is None:
+            return None
+        self.optimizer.zero_grad(set_to_none=True)
+        self.restore(snap)
+        self.progress.step, self.progress.batches_consumed = snap.step, snap.batches_consumed
+        self._jump_skipped()  # batches a rollback decided not to train on stay skipped
+        self.skipped_positions = deque(p for p in self.skipped_positions
+                                       if p < snap.batches_consumed)
+        self._prev_norms = None
+        return snap.step
+
+    def reset_budget(self) -> None:
+        """Forget the recovery budget spent so far (skips, rollbacks, repeated rollbacks to
+        one snapshot) and the temporary LR backoff, e.g. for a run resumed from its abort
+        point with a lower LR. The LR cap, the quarantine and the detectors' statistics
+        stay."""
+        self.skips.clear()
+        self.rollbacks.clear()
+        self.last_rollback, self.same_rollbacks = None, 0
+        self.lr_factor, self.backoff_until = 1.0, -1
 
     # ------------------------------------------------------------------ state / report
 

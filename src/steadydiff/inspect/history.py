@@ -19,6 +19,7 @@ from ..lint import lint
 from ..values import num
 from .causes import Cause, Severity
 from .read import MetricSeries, RunLog, metric_series
+from .verdict import abort_point_lines
 
 # the checks this module runs (Diagnosis.checks)
 CHECKS = ["run_aborted", "incidents", "loss_nonfinite", "loss_diverging", "grad_scaler",
@@ -70,10 +71,14 @@ def check_history(log: RunLog, cfg: Config | None = None) -> list[Cause]:
         group = [f for f in records if f.kind == kind] or [last_f]
         rec = _advice(group, trend(ser, last_f.step or 0, window), log)
         at = s.get("steps", last.get("step"))
+        point = s.get("abort") if isinstance(s.get("abort"), dict) else None
+        resume = (f"; {'; '.join(abort_point_lines(point))}" if point else "")
         causes.append(Cause(
             "critical", "run_aborted", f"step {at}", f"the run aborted at step {at}: {why}",
-            {"reason": why, "abort_incident": last, "incidents_before": dict(trig)},
-            f"the recovery budget ran out on repeated {kind}: " + rec, score=len(rows)))
+            {"reason": why, "abort_incident": last, "incidents_before": dict(trig),
+             **({"abort_point": point} if point else {})},
+            f"the recovery budget ran out on repeated {kind}: " + rec + resume,
+            score=len(rows)))
     elif s.get("status") == "interrupted":  # a stop signal: checkpointed, resumable
         planned = log.planned_steps
         causes.append(Cause(

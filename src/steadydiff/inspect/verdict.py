@@ -58,6 +58,7 @@ def verdict(log: RunLog) -> Verdict:
             a = finding_from_row(aborts[-1])
             why = why or a.diagnosis.why or a.kind
             details.insert(0, f"last incident: {a.kind} at step {a.step} ({a.summary()})")
+        details += abort_point_lines(s.get("abort"))
         return Verdict("aborted", f"Aborted at step {step}: {why or 'reason not recorded'}",
                        details)
 
@@ -88,3 +89,19 @@ def verdict(log: RunLog) -> Verdict:
     if warns:
         head += f" ({warns} health warning{'s' if warns != 1 else ''})"
     return Verdict("healthy", head, details)
+
+
+def abort_point_lines(point: dict | None) -> list[str]:
+    """What an aborted run left to resume from (summary.json ``abort``), as lines."""
+    if not isinstance(point, dict) or not point.get("resume"):
+        return []
+    at = point.get("checkpoint_step")
+    if point.get("checkpoint"):
+        where = f"abort point: {point['checkpoint']}, the guard's last verified state (step {at})"
+    elif at is not None:
+        where = (f"no abort point written: the newest checkpoint (step {at}) is newer than "
+                 "the guard's last verified state")
+    else:
+        where = "no abort point written (no verified state)"
+    return [where, f"to resume with the LR the guard found safe ({point.get('lr_why')}): "
+                   f"{point['resume']}"]

@@ -94,7 +94,26 @@ class ClassEmbedder(nn.Module):
         self.table = nn.Embedding(num_classes + 1, dim)
 
     def forward(self, y: Tensor) -> Tensor:
-        """(N,) long labels in [0, num_classes] -> (N, dim)."""
+        """(N,) long labels in [0, num_classes] (num_classes: the null class) -> (N, dim).
+
+        Raises:
+            ValueError: floating or boolean labels; on the CPU also a label outside
+                [0, num_classes]. On an accelerator the range is not checked here: reading
+                it back would be a host sync in every forward pass (the trainer checks labels
+                on the CPU as the data is fetched; an out-of-range id there is a device-side
+                assert).
+        """
+        if y.is_floating_point() or y.is_complex() or y.dtype == torch.bool:  # metadata only
+            raise ValueError(f"class labels must be an integer tensor, got {y.dtype}; valid "
+                             f"labels are 0..{self.num_classes - 1} (and {self.num_classes}, "
+                             "the null class)")
+        if y.device.type == "cpu" and y.numel() and not torch.compiler.is_compiling():
+            lo, hi = int(y.min()), int(y.max())  # CPU tensors: no device to wait for
+            if lo < 0 or hi > self.num_classes:
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"class label {bad} is out of range: valid labels are "
+                                 f"0..{self.num_classes - 1}, and {self.num_classes} for the "
+                                 "null class (classifier-free guidance)")
         return self.table(y)
 
 

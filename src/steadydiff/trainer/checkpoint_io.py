@@ -42,9 +42,10 @@ class CheckpointIO:
             "world_size": s.world_size,
         }
 
-    def save(self, root: Path, *, keep: int) -> Path:
+    def save(self, root: Path, *, keep: int, abort: dict[str, Any] | None = None) -> Path:
         """Write a verified checkpoint of the state under ``root`` (a run's ``checkpoints/``
-        or ``checkpoints/best``), keeping the newest ``keep``.
+        or ``checkpoints/best``), keeping the newest ``keep``; ``abort`` (``{step, reason}``)
+        marks it as an aborted run's abort point in its state.json.
 
         Raises:
             CheckpointError: non-finite weights or EMA (nothing is written).
@@ -55,8 +56,9 @@ class CheckpointIO:
         s.weights.verify(s)
         model, ema = s.weights.tensors(s)
         step = s.step
+        parts = {**self.parts(), **({"abort": abort} if abort else {})}
         return ckpt.save_checkpoint(root, step, model=model, ema=ema, optimizer=s.optimizer,
-                                    state=self.parts(), keep=keep,
+                                    state=parts, keep=keep,
                                     on_file=lambda _name: s.faults.kill(step, "in_checkpoint"))
 
     def restore(self, c: ckpt.Checkpoint) -> None:

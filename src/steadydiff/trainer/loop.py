@@ -21,6 +21,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -382,6 +383,68 @@ def _save(state: TrainState, run: RunDir) -> Path | None:
         return None
 
 
+def abort_point(state: TrainState, run: RunDir, reason: str,
+                say: Callable[[str], None] = print, write: bool = True) -> dict[str, Any]:
+    """What an aborted run leaves to resume from (rank 0; the run is over).
+
+    The guard's newest verified snapshot (weights and EMA checked finite when it was taken)
+    is restored into ``state`` (model, EMA, optimizer, scaler, step, data position) and
+    written through :class:`CheckpointIO` as a normal, verified checkpoint marked
+    ``"abort": {step, reason}`` in its state.json, when it is newer than every checkpoint
+    already on disk: nothing is overwritten, and none rotated away. Its guard state starts a
+    fresh recovery budget (no skips or rollbacks counted, LR factor 1): the suggested
+    ``optim.lr`` already carries the backoff.
+
+    The suggestion: ``optim.lr`` times the guard's LR factor at the abort when it was backing
+    off, else half of it; at most the LR cap an ``lr_too_high`` rollback set. Rerunning the command resumes from the newest intact checkpoint
+    (this one when written, else the newest already there).
+
+    Args:
+        write: False only suggests (the weights' own check refused the state).
+
+    Returns:
+        ``{step, reason, checkpoint (None when none was written), checkpoint_step,
+        lr, lr_factor, lr_why, resume}`` (``resume``: the command), for summary.json.
+    """
+    cfg, guard = state.cfg, state.guard
+    base = cfg.optim.lr
+    backoff = guard is not None and guard.lr_factor < 1.0
+    cap = guard.lr_cap if guard is not None else None
+    factor = guard.lr_factor if backoff else (1.0 if cap is not None else 0.5)
+    lr, why = base * factor, (f"optim.lr {base:g} x {factor:g}, the guard's LR backoff at the "
+                              "abort" if backoff else f"optim.lr {base:g} x 0.5 (the guard "
+                              "was not backing the LR off: half)")
+    if cap is not None and cap < lr:  # lr_too_high capped the LR for good
+        lr, factor, why = cap, cap / base, f"the guard's LR cap {cap:.3g} (lr_too_high)"
+    lr = float(f"{lr:.3g}")
+    info: dict[str, Any] = {
+        "step": state.step, "reason": reason, "checkpoint": None, "checkpoint_step": None,
+        "lr": lr, "lr_factor": factor, "lr_why": why,
+        "resume": " ".join(["steadydiff", "train", shlex.quote(str(run.config)), "--out",
+                            shlex.quote(str(run.root)), "--set", f"optim.lr={lr:g}",
+                            "--allow-config-change"])}
+    on_disk = run.list_checkpoints()  # newest first, verified or not: never overwritten
+    newest = ckpt.step_of(on_disk[0]) if on_disk else None
+    snap = guard.ring.newest() if guard is not None and write else None
+    if snap is not None and (newest is None or snap.step > newest):
+        guard.restore_verified()
+        guard.reset_budget()  # the suggested optim.lr carries the backoff
+        complete = [c for c in on_disk if (c / "manifest.json").is_file()]
+        try:
+            path = CheckpointIO(state).save(run.checkpoints, keep=len(complete) + 1,
+                                            abort={"step": info["step"], "reason": reason})
+            info["checkpoint"], info["checkpoint_step"] = str(path), snap.step
+            say(f"abort point: wrote {path}, the guard's last verified state (step "
+                f"{snap.step}); rerunning resumes from it")
+        except (ckpt.CheckpointError, OSError, GuardAbort) as err:
+            say(f"warning: could not write the abort point (step {snap.step}): {err}")
+    elif snap is not None:
+        say(f"abort point: the newest checkpoint ({on_disk[0].name}) is newer than the "
+            f"guard's last verified state (step {snap.step}); nothing new written")
+        info["checkpoint_step"] = newest
+    return info
+
+
 def save_best(state: TrainState, run: RunDir) -> Path | None:
     """The best evaluation's checkpoint (``checkpoints/best``, one kept): the same writer as
     every other checkpoint. A failure is reported and never takes the run down."""
@@ -583,7 +646,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     for line in pre.header(cfg, run.root):  # the full config goes to RUN/config.yaml
         say(line)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
-    state = build_state(cfg, getattr(data, "num_classes", 0), device, ctx)
+    state = build_state(cfg, pre.num_classes_in_data, device, ctx)
     state.evaluator = make_evaluator(cfg, run_dir)
 
     # ---- resume: the same command again continues the run
@@ -610,7 +673,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
                                 start_batch=position, hflip=cfg.data.hflip,
                                 num_workers=cfg.data.num_workers, rank=ctx.rank,
                                 world_size=ctx.world_size, pin_memory=device.type == "cuda",
-                                exclude=guard.quarantine if guard else ()))
+                                exclude=guard.quarantine if guard else (),
+                                num_classes=cfg.model.num_classes))
 
     # ---- the loop: {stop?, report, done?, step}
     batches, next_pos = batches_from(state.batches_consumed), state.batches_consumed
@@ -643,7 +707,13 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
             out.final_checkpoint()
     except GuardAbort as e:
         if main:
-            _finish(state, run, "aborted", reason=str(e), tb=out.tb)
+            # a changed adapter base is refused by every save: no abort point to write
+            keep = e.incident is None or e.incident.kind != "adapter_base_modified"
+            e.abort_point = abort_point(state, run, str(e), say, write=keep)
+            _finish(state, run, "aborted", reason=str(e), tb=out.tb, abort=e.abort_point)
+        # torchrun ends the group as soon as one worker exits non-zero: every rank waits
+        # until rank 0 has written the abort point, summary.json and the report
+        distributed.barrier()
         raise
     stopped = state.evaluator.stop_reason() if state.evaluator.stopped else None
     if stopped:
@@ -792,13 +862,15 @@ def _status(row: dict) -> str:
 
 
 def _finish(state: TrainState, run: RunDir, status: str, reason: str | None = None,
-            tb: telemetry.TensorBoard | None = None, signal: str | None = None) -> str | None:
-    """End of a run (finished, interrupted by ``signal``, or aborted): summary.json, the
-    guard's one-screen summary, the health report."""
+            tb: telemetry.TensorBoard | None = None, signal: str | None = None,
+            abort: dict[str, Any] | None = None) -> str | None:
+    """End of a run (finished, interrupted by ``signal``, or aborted at ``abort``):
+    summary.json, the guard's one-screen summary, the health report."""
     summary = state.guard.summary() if state.guard is not None else None
-    telemetry.write_summary(run.root, status, state.step,
+    steps = abort["step"] if abort else state.step  # the abort point moved the state back
+    telemetry.write_summary(run.root, status, steps,
                             state.guard.num_incidents if state.guard else 0, summary, reason,
-                            signal=signal)
+                            signal=signal, abort=abort)
     if summary:
         print(summary)
     if tb:

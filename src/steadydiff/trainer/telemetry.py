@@ -156,16 +156,19 @@ class TensorBoard:
 
 def write_summary(run_dir: Path, status: str, steps: int, incidents: int,
                   guard_summary: str | None, reason: str | None = None,
-                  signal: str | None = None) -> None:
+                  signal: str | None = None, abort: dict[str, Any] | None = None) -> None:
     """summary.json: how the run ended (``finished``, ``interrupted`` by ``signal``, or
-    ``aborted``; read by the report and the doctor). Written to a temporary file and renamed,
-    so a second signal (an immediate exit) never leaves half a summary."""
-    summary = {"status": status, "steps": steps, "incidents": incidents,
-               "guard_summary": guard_summary}
+    ``aborted``, with ``abort``: the abort point's checkpoint and the command to resume from
+    it, see ``loop.abort_point``; read by the report and the doctor). Written to a temporary
+    file and renamed, so a second signal (an immediate exit) never leaves half a summary."""
+    summary: dict[str, Any] = {"status": status, "steps": steps, "incidents": incidents,
+                               "guard_summary": guard_summary}
     if reason:
         summary["reason"] = reason
     if signal:
         summary["signal"] = signal
+    if abort:
+        summary["abort"] = abort
     path = RunDir(run_dir).summary
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(summary, indent=1))
