@@ -199,3 +199,73 @@ def test_trend_detector_relates_sustained_growth_to_the_lr():
     flat = (1 + 0.3 * torch.rand(n, generator=g)).tolist()
     assert _feed(Trend(n, 2.0, 1.2, 1.1, warmup=0), [1e-3] * n, flat, flat) is None
     assert _feed(Trend(n, 2.0, 1.2, 1.1, warmup=10), [1e-3] * n, up, loss_up) is None
+
+
+def _spiky_guard():
+    from torch import nn
+    from steadydiff import Guard
+    model = nn.Linear(2, 2)
+    guard = Guard(model, torch.optim.SGD(model.parameters(), lr=0.1), num_timesteps=100,
+                  config={"warmup_steps": 0, "t_buckets": 4})
+    for _ in range(20):
+        guard.loss.observe([1.0, 1.0, 1.0, 1.0])  # every bucket's loss about 1
+    return guard
+
+
+def _buckets(ps, t):
+    return [float(ps[(t * 4 // 100) == b].mean()) for b in range(4)]
+
+
+def test_a_loss_spike_is_pinned_on_the_fewest_samples_that_explain_it():
+    """One sample with 400x the usual loss fires its t-bucket; without it the bucket would
+    not: that sample, and only it, is named. When more than sample_drop_max of the batch is
+    off, it is the batch's (or the model's) problem: nobody is singled out."""
+    guard = _spiky_guard()
+    t = torch.tensor([5, 30, 55, 80] * 4)
+    ps = torch.ones(16)
+    ps[6] = 400.0  # t=55: bucket 2
+    f = guard.loss.check(_buckets(ps, t))
+    assert f is not None and f.kind == "loss_spike" and f.evidence["t_bucket"] == 2
+    samples = guard._attribute(f, t, ps, None, torch.arange(100, 116), 1, 1)
+    assert [s["index"] for s in samples] == [106]
+    assert samples[0]["position"] == 6 and samples[0]["why"] == "loss far above its t-bucket's"
+    many = torch.ones(16)
+    many[[2, 6, 10, 14]] = 400.0  # all of bucket 2: 4 of 16 = at the limit
+    many[[1, 5]] = 400.0          # and two more: over it
+    f = guard.loss.check(_buckets(many, t))
+    assert guard._attribute(f, t, many, None, torch.arange(16), 1, 1) is None
+
+
+class _Captioned(torch.utils.data.Dataset):
+    """A user's own dataset: (image, label) pairs and a ``path_of(i)`` naming its files."""
+
+    def __init__(self, n=16):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.rand(n, 1, 8, 8, generator=g) * 2 - 1
+        self.y = torch.arange(n) % 2
+        self.num_classes = 2
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], int(self.y[i])
+
+    def path_of(self, i):
+        return f"/data/mine/{i:03d}.png"
+
+
+def test_quarantine_works_for_a_users_own_dataset(tmp_path):
+    """steadydiff.train with a Dataset of one's own: the bad item is named by index and by
+    the dataset's own ``path_of``, and quarantined the same way."""
+    run = tmp_path / "run"
+    cfg = tiny("model.num_classes=2", "train.steps=8", faults=[
+        {"kind": "bad_sample", "step": 0, "index": 3}])
+    res = steadydiff.train(cfg, out_dir=run, dataset=_Captioned())
+    assert res.steps == 8
+    rows = incidents(run)
+    assert [(r["kind"], r["action"]) for r in rows] == [
+        ("bad_batch", "drop_samples"), ("bad_batch", "drop_samples"),
+        ("sample_quarantined", "quarantine")]
+    assert rows[2]["evidence"]["index"] == 3
+    assert rows[2]["evidence"]["source"] == "/data/mine/003.png"

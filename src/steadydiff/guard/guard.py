@@ -884,7 +884,8 @@ class Guard:
             while events and events[0] < horizon:
                 events.popleft()
         oldest = self.ring.oldest()  # a skipped batch matters while a rollback can reach it
-        keep_from = oldest.batches_consumed if oldest is not None else self.progress.batches_consumed
+        keep_from = (oldest.batches_consumed if oldest is not None
+                     else self.progress.batches_consumed)
         while self.skipped_positions and self.skipped_positions[0] < keep_from:
             self.skipped_positions.popleft()
 

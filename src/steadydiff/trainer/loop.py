@@ -396,7 +396,8 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
     ``optim.lr`` already carries the backoff.
 
     The suggestion: ``optim.lr`` times the guard's LR factor at the abort when it was backing
-    off, else half of it; at most the LR cap an ``lr_too_high`` rollback set. Rerunning the command resumes from the newest intact checkpoint
+    off, else half of it; at most the LR cap an ``lr_too_high`` rollback set. Rerunning the
+    command resumes from the newest intact checkpoint
     (this one when written, else the newest already there).
 
     Args:
