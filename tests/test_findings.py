@@ -29,7 +29,7 @@ SRC = Path(steadydiff.__file__).parent
 VICTIM = "mid.res.0.conv1.weight"
 # what the guard adds to a finding's evidence after detection (not the kind's own keys)
 CONTEXT = {"provenance", "health", "rank", "top_grad_layers", "weight_growth_since_snapshot",
-           "samples", "elements", "symptom"}
+           "samples", "elements", "symptom", "rerun"}
 
 
 # --------------------------------------------------------------------------- the registry

@@ -269,3 +269,50 @@ def test_quarantine_works_for_a_users_own_dataset(tmp_path):
         ("sample_quarantined", "quarantine")]
     assert rows[2]["evidence"]["index"] == 3
     assert rows[2]["evidence"]["source"] == "/data/mine/003.png"
+
+
+# --------------------------------------------------------------------------- transient faults
+
+
+def test_a_step_that_is_finite_when_run_again_is_a_transient_fault(tmp_path):
+    """A NaN activation the first time step 7 runs, and never again (a flaky device): the
+    guard runs the step once more with the same data, timesteps and noise, takes that update
+    and skips no data; the incident says transient_fault, the summary counts it."""
+    run = tmp_path / "run"
+    res = steadydiff.train(tiny(faults=[{"kind": "transient_nan", "step": 7}]), out_dir=run)
+    assert res.steps == 12
+    (row,) = incidents(run)
+    assert (row["kind"], row["action"], row["step"]) == ("transient_fault", "rerun", 7)
+    assert row["evidence"]["first"] == "nonfinite_loss"
+    assert row["cost"] == {"steps_redone": 0, "batches_skipped": 0, "reruns": 1}
+    assert "1 transient fault(s)" in res.guard_summary
+    m = metrics(run)
+    assert [r["step"] for r in m] == list(range(1, 13)) and m[-1]["skipped_steps"] == 0
+    # the re-run's update is the clean run's: the same weights at the end
+    clean = steadydiff.train(tiny(), out_dir=tmp_path / "clean")
+    a, b = ckpt.load_checkpoint(res.checkpoint), ckpt.load_checkpoint(clean.checkpoint)
+    for k in a.model:
+        assert torch.equal(a.model[k], b.model[k]), k
+
+
+def test_a_fault_that_repeats_on_the_rerun_is_persistent(tmp_path):
+    """A NaN gradient injected every time step 7 is computed: non-finite again on the re-run,
+    so it is persistent and handled as before (skipped), with the re-run noted."""
+    run = tmp_path / "run"
+    steadydiff.train(tiny(faults=[{"kind": "grad_nan", "step": 7, "target": VICTIM}]),
+                     out_dir=run)
+    (row,) = incidents(run)
+    assert (row["kind"], row["action"]) == ("nonfinite_grad", "skip")
+    assert row["evidence"]["rerun"].endswith("persistent")
+
+
+def test_many_transient_faults_on_one_rank_are_a_hardware_finding():
+    from steadydiff.guard import findings as F
+    rows = [{"kind": "transient_fault", "step": s, "evidence": {"first": "nonfinite_loss",
+                                                                "rank": 1}}
+            for s in (10, 50, 90)]
+    group = [F.finding_from_row(r) for r in rows]
+    advice = group[0].recommendation(F.RunContext(), group)
+    assert "3 transient faults on rank 1's device" in advice and "hardware" in advice
+    one = group[0].recommendation(F.RunContext(), group[:1])
+    assert one.startswith("a one-off")

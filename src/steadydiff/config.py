@@ -365,6 +365,9 @@ class GuardConfig(Section):
     weight_jump: float = Field(10.0, gt=1.0, description="a parameter whose norm grows this "
                                "x in one step (RMS floor 0.05) is corrupt: roll back")
     provenance: Bool = Field(True, description="replay a non-finite step to name the module")
+    rerun_nonfinite: Bool = Field(True, description="run a non-finite step once more with the "
+                                  "same data, timesteps and noise: finite the second time is a "
+                                  "transient fault (its update is taken, no data skipped)")
     rank_check_every: Int = Field(100, ge=0, description="torchrun: every N steps compare a "
                                   "fingerprint of the weights across ranks; a mismatch is an "
                                   "incident and the ranks are resynchronized; 0 disables it")

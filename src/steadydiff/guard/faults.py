@@ -176,8 +176,24 @@ class FaultInjector(StepHooks):
     @contextmanager
     def forward(self, step: int, model: nn.Module) -> Iterator[None]:
         """During the forward pass: ``fp16_overflow`` scales one module's output past the
-        fp16 range (x 1e5 beyond its max), as an overflowing activation would."""
+        fp16 range (x 1e5 beyond its max), as an overflowing activation would;
+        ``transient_nan`` makes one module's output NaN the first time it runs in the step,
+        and never again (a flaky device: the same computation run again is clean)."""
         handles = []
+        for i, f in self._active(step, ("transient_nan",)):
+            name = f.target or _default_module(model)
+            module = dict(model.named_modules()).get(name)
+            if module is None:
+                raise ValueError(f"fault transient_nan: no module named {name!r}")
+            self._record(f, step, module=name)
+
+            def flaky(_m, _inp, out, i=i):
+                if i in self.spent:
+                    return out
+                self.spent.add(i)  # once: the re-run of the step is clean
+                return out * float("nan")
+
+            handles.append(module.register_forward_hook(flaky, prepend=True))
         for _, f in self._active(step, ("fp16_overflow",)):
             name = f.target or _default_module(model)
             module = dict(model.named_modules()).get(name)

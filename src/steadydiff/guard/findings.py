@@ -29,7 +29,7 @@ from ..values import finite, fmt, module_of, num
 IncidentKind = Literal[
     "nonfinite_loss", "nonfinite_grad", "lr_spike", "loss_spike", "grad_spike", "divergence",
     "bad_batch", "fp16_overflow", "nonfinite_params", "weight_jump", "skip_budget",
-    "out_of_memory", "rank_mismatch", "lr_too_high", "sample_quarantined",
+    "out_of_memory", "rank_mismatch", "lr_too_high", "sample_quarantined", "transient_fault",
     "attention_logit_growth", "attention_entropy_collapse", "norm_eps_dominated",
     "norm_affine_exploded",
     "adapter_base_modified", "adapter_delta_clamp",
@@ -37,7 +37,7 @@ IncidentKind = Literal[
 # What the guard did about an incident (the row's ``action``; a healthy step writes no row).
 IncidentAction = Literal["skip", "rollback", "abort", "warn", "precision_fallback",
                          "microbatch_backoff", "resync", "rescale_delta", "drop_samples",
-                         "quarantine"]
+                         "quarantine", "rerun"]
 # fatal: state or batch unusable; spike: this update is suspect; trend: a slow problem;
 # warn: a health warning only.
 FindingSeverity = Literal["fatal", "spike", "trend", "warn"]
@@ -483,6 +483,38 @@ class Divergence(Finding):
         if self.evidence.get("trend_start_step") is not None:
             out.append(f"began at step {self._f('trend_start_step')}")
         return out
+
+
+class TransientFault(Finding):
+    """A non-finite step that was finite when run once more with the same data, timesteps
+    and noise: not the data, not the weights, but the machine (a flaky GPU, a bit flip in an
+    activation) or a non-deterministic kernel. The re-run's update was taken (action
+    ``rerun``)."""
+
+    KIND = "transient_fault"
+    serious = True
+
+    @classmethod
+    def new(cls, *, first: str, loss: Any, grad_norm: Any) -> TransientFault:
+        return cls(cls.KIND, "spike", {"first": first, "loss": loss, "grad_norm": grad_norm})
+
+    def _facts(self) -> list[str]:
+        return [f"{self._f('first')} (loss {self._f('loss')}, grad norm "
+                f"{self._f('grad_norm')}), finite when run again with the same data, "
+                "timesteps and noise"]
+
+    def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
+        by_rank: dict[str, int] = {}
+        for g in group:
+            r = g.evidence.get("rank")
+            by_rank[str(0 if r is None else r)] = by_rank.get(str(0 if r is None else r), 0) + 1
+        rank, n = max(by_rank.items(), key=lambda kv: kv[1])
+        if n >= 3:
+            where = f"rank {rank}'s device" if len(by_rank) > 1 or rank != "0" else "the device"
+            return (f"{n} transient faults on {where}: suspect the hardware (GPU memory errors "
+                    "/ ECC, clocks, heat) or a non-deterministic kernel; run a GPU memory test "
+                    "or move the job off that node")
+        return "a one-off: the step was taken on its re-run; nothing to change unless it recurs"
 
 
 class LrTooHigh(Finding):

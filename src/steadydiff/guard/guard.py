@@ -254,6 +254,7 @@ class Guard:
         self.skipped_positions: deque[int] = deque()  # positions skipped (since snapshots)
         self.last_rollback: tuple[int, str] | None = None  # (restored step, reason)
         self.same_rollbacks = 0
+        self.transient: dict[str, int] = {}  # rank -> transient faults (re-run was finite)
         self._warned: dict[tuple[str, str], int] = {}
         self._names, self._params = self.update.names, self.update.params
         # weights with RMS below 0.05 count as 0.05, so zero-initialised layers moving off
@@ -285,7 +286,8 @@ class Guard:
                                                         torch.Tensor]] | None = None,
              after_backward: Callable[[], None] | None = None,
              after_update: Callable[[], None] | None = None,
-             probe_forward: Callable[[], object] | None = None) -> Decision:
+             probe_forward: Callable[[], object] | None = None,
+             _retry_of: Finding | None = None) -> Decision:
         """Inspect the step whose gradients are in ``.grad`` and act on it.
 
         Args:
@@ -303,9 +305,10 @@ class Guard:
             rerun: ``rerun(keep, n_kept)`` redoes the forward and backward of this step on
                 the samples where the (B,) bool mask ``keep`` is True (``n_kept``: how many
                 are kept in the whole global batch, to weight the mean) and returns its
-                ``(loss, per_sample_loss, t)``. With it, a batch in which a few samples are
-                bad trains on the rest; without it the batch is skipped and
-                :attr:`Decision.dropped` names them.
+                ``(loss, per_sample_loss, t)``. With it, a non-finite step is first run
+                once more whole (finite the second time: a ``transient_fault``, whose update
+                is taken), and a batch in which a few samples are bad trains on the rest;
+                without it the batch is skipped and :attr:`Decision.dropped` names them.
             after_backward, after_update: test hooks (fault injection) run after a replayed
                 backward and right after the optimizer step.
             probe_forward: one forward pass on real data for the periodic health probes.
@@ -336,6 +339,22 @@ class Guard:
             finding = l_spike or g_spike
             if l_spike and g_spike:
                 l_spike.evidence["grad_norm"] = g_spike.evidence
+        if finding is not None and _retry_of is not None:
+            finding.evidence["rerun"] = "non-finite again when run a second time: persistent"
+        elif finding is not None and rerun is not None and c.rerun_nonfinite \
+                and finding.kind in ("nonfinite_loss", "nonfinite_grad"):
+            # the same step again (same data, t, noise): a flaky device or a bit flip in an
+            # activation does not repeat; data and weights do
+            if seen.world > 1 and self._bad_rank is not None:
+                finding.evidence["rank"] = self._bad_rank
+            self.update.discard(prog)
+            loss, ps, t = rerun(torch.ones(seen.n_local, dtype=torch.bool,
+                                           device=inputs.device if inputs is not None
+                                           else self.device), seen.n_global)
+            return self.step(loss, t=t, per_sample_loss=ps, inputs=inputs, indices=indices,
+                             replay=replay, num_micro=num_micro, rerun=rerun,
+                             after_backward=after_backward, after_update=after_update,
+                             probe_forward=probe_forward, _retry_of=finding)
         if finding is not None:
             samples = (self._attribute(finding, t, per_sample_loss, inputs, indices,
                                        num_micro, seen.world)
@@ -375,6 +394,7 @@ class Guard:
         step_done = prog.step
         self.update.commit(prog)
         self._jump_skipped()
+        transient = self._transient(_retry_of, step_done) if _retry_of is not None else None
         self.grad.observe(seen.grad_norm)
         self.loss.observe(seen.buckets)
         self.max_lr = max(self.max_lr, lr_now)
@@ -390,9 +410,22 @@ class Guard:
         if c.probe_every and prog.step % c.probe_every == 0 and probe_forward is not None:
             self._probe(probe_forward)
         return Decision("step", prog.step, prog.batches_consumed, seen.loss, seen.grad_norm,
-                        incident=mismatch,
+                        incident=mismatch or transient,
                         grad_norm_clipped=self._clipped_value(seen.grad_norm, clipped, zlimit),
                         loss_t=seen.buckets if seen.judged_t else None)
+
+    def _transient(self, first: Finding, step: int) -> Incident:
+        """The re-run of a non-finite step was finite: record the transient fault (per rank:
+        many on one rank is that device's problem)."""
+        e = first.evidence
+        f = findings.TransientFault.new(first=first.kind, loss=e.get("loss"),
+                                        grad_norm=e.get("grad_norm"))
+        if e.get("rank") is not None:
+            f.evidence["rank"] = e["rank"]
+        key = str(e.get("rank", 0))
+        self.transient[key] = self.transient.get(key, 0) + 1
+        return self._record(f, "rerun", step=step,
+                            cost={"steps_redone": 0, "batches_skipped": 0, "reruns": 1})
 
     def _lr_factor_now(self) -> float:
         """The LR multiplier of this step: the rollback backoff while it lasts, and the cap
@@ -1111,7 +1144,7 @@ class Guard:
             "pending_skips": sorted(self.pending_skips),
             "skipped_positions": list(self.skipped_positions),
             "last_rollback": list(self.last_rollback) if self.last_rollback else None,
-            "same_rollbacks": self.same_rollbacks,
+            "same_rollbacks": self.same_rollbacks, "transient": dict(self.transient),
             "counts": dict(self.counts),
             "scaler_skips": self.scaler_skips, "incidents": self.num_incidents,
         }
@@ -1136,6 +1169,7 @@ class Guard:
         last = s.get("last_rollback")
         self.last_rollback = (int(last[0]), str(last[1])) if last else None
         self.same_rollbacks = int(s.get("same_rollbacks", 0))
+        self.transient = {str(k): int(v) for k, v in s.get("transient", {}).items()}
         if isinstance(self.progress, Progress) and s.get("precision"):
             self.progress.precision = s["precision"]
             if s["precision"] != "fp16":
@@ -1158,6 +1192,11 @@ class Guard:
                      "quarantined")
         if self.lr_cap is not None:
             head += f", LR capped at {self.lr_cap:.3g}"
+        if self.transient:
+            per = ", ".join(f"rank {r}: {n}" for r, n in sorted(self.transient.items()))
+            head += (f", {sum(self.transient.values())} transient fault(s)"
+                     + (f" ({per})" if len(self.transient) > 1 or "0" not in self.transient
+                        else ""))
         if self.scaler_skips:
             head += f", {self.scaler_skips} fp16 overflow skip(s)"
         lines = [head]

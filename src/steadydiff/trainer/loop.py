@@ -193,11 +193,12 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
             return state.scaler.scale(loss_i) if state.scaler else loss_i
 
         def rerun(keep: torch.Tensor, n_kept: int):
-            """The step again without the samples the guard singled out."""
+            """The step again (same data, t and noise), on the samples ``keep`` selects."""
             nonlocal per_sample, t_all
             ym = y[keep] if y is not None else None
             *_, per_sample, t_all = _forward_backward(state, x[keep], ym, draws[keep],
                                                       n_kept, step)
+            faults.grads(step, model)  # as after the first backward: the same step again
             return per_sample.mean(), per_sample, t_all
 
         d = guard.step(per_sample.mean(), t=t_all, per_sample_loss=per_sample, inputs=x,
