@@ -409,3 +409,38 @@ def test_plain_loop_drops_then_quarantines_a_bad_sample(tmp_path):
     fresh = Guard(Denoiser(), torch.optim.AdamW(model.parameters()), config=CFG)
     fresh.load_state_dict(json.loads(json.dumps(guard.state_dict())))
     assert fresh.quarantine == {bad}
+
+
+def test_plain_loop_rerun_tells_a_transient_fault_from_a_persistent_one(tmp_path):
+    """A NaN that appears only the first time step 12 is computed: with ``rerun=`` the guard
+    computes the step again, finds it finite, applies it and records a transient fault."""
+    torch.manual_seed(0)
+    model = Denoiser()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    guard = Guard(model, opt, run_dir=tmp_path, config=CFG, num_timesteps=T)
+    flaky = {12}
+    decisions = []
+    while guard.progress.step < 16:
+        x0 = batch_at(guard.progress.batches_consumed)
+        xt, t, noise = noisy(x0)
+
+        def per_sample(keep):
+            out = model(xt[keep], t[keep])
+            if guard.progress.step in flaky:  # the device glitches once
+                flaky.discard(guard.progress.step)
+                out = out * float("nan")
+            return (out - noise[keep]).square().mean((1, 2, 3))
+
+        ps = per_sample(torch.ones(B, dtype=torch.bool))
+        ps.mean().backward()
+
+        def rerun(keep, n_kept):
+            again = per_sample(keep)
+            again.mean().backward()
+            return again.mean(), again.detach(), t[keep]
+
+        decisions.append(guard.step(ps.mean(), t=t, per_sample_loss=ps.detach(), rerun=rerun))
+    assert [d.action for d in decisions] == ["step"] * 16
+    (row,) = rows(tmp_path)
+    assert (row["step"], row["kind"], row["action"]) == (12, "transient_fault", "rerun")
+    assert finite_module(model) and guard.transient == {"0": 1}
