@@ -156,6 +156,10 @@ class ModelConfig(Section):
     num_classes: Int = Field(0, ge=0, le=100_000,
                              description="0: unconditional; >0 adds a null class for CFG")
     qk_norm: Bool = False
+    upcast_attention: Bool = Field(
+        False, description="compute every attention layer's q kᵀ and softmax in fp32 under "
+        "fp16/bf16 autocast (the 'upcast attention' fix for fp16 overflow; the guard turns it "
+        "on per layer when one overflows)")
     unet: UNetConfig = UNetConfig()
     dit: DiTConfig = DiTConfig()
 
@@ -418,12 +422,15 @@ class FaultConfig(Section):
     kind: FaultKind
     step: Int = Field(ge=0, description="optimizer step at which it fires")
     factor: float | None = Field(None, description="outlier/loss/lr/huge multiplier (default "
-                                 "1e4; fp16_overflow 1e5); oom: the largest micro-batch that "
+                                 "1e4; fp16_overflow 1e5; attn_logit_overflow: the max logit "
+                                 "as a multiple of 65504, default 8); oom: the largest micro-batch that "
                                  "fits (default: half the current one); hang: seconds "
                                  "(default: forever)")
-    steps: Int = Field(1, ge=1, description="lr_scale: for how many steps")
+    steps: Int = Field(1, ge=1, description="lr_scale, attn_logit_overflow: for how many "
+                       "steps")
     target: str | None = Field(None, description="parameter (param_*, grad_nan) or module "
-                               "(fp16_overflow) name; None: a default one")
+                               "(fp16_overflow, attn_logit_overflow) name; None: a default "
+                               "one")
     where: FaultWhere = Field(
         "in_step", description="kill, hang: where in the step the process is killed / "
         "stops responding")

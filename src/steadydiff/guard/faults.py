@@ -33,7 +33,9 @@ FP16_MAX = 65504.0
 # default strength per kind when ``factor`` is not given
 DEFAULT_FACTOR: dict[FaultKind, float] = {"outlier_batch": 1e4, "loss_scale": 1e4,
                                           "lr_scale": 1e4, "param_huge": 1e4,
-                                          "fp16_overflow": 1e5}
+                                          "fp16_overflow": 1e5, "attn_logit_overflow": 8.0}
+# kinds that stay in force for ``steps`` steps
+SPANNING: tuple[FaultKind, ...] = ("lr_scale", "attn_logit_overflow")
 
 
 class SimulatedOOM(torch.OutOfMemoryError):
@@ -43,6 +45,14 @@ class SimulatedOOM(torch.OutOfMemoryError):
 def _default_param(model: nn.Module) -> str:
     # the largest weight matrix in the middle of the network: a plausible victim
     names = [n for n, p in model.named_parameters() if p.ndim > 1]
+    return names[len(names) // 2]
+
+
+def _default_attention(model: nn.Module) -> str:
+    # the middle one of the attention layers (modules with a fused q/k/v projection)
+    names = [n for n, m in model.named_modules() if hasattr(m, "upcast_attention")]
+    if not names:
+        raise ValueError("fault attn_logit_overflow: the model has no attention layer")
     return names[len(names) // 2]
 
 
@@ -73,7 +83,7 @@ class FaultInjector(StepHooks):
                 kinds: tuple[FaultKind, ...]) -> Iterator[tuple[int, FaultConfig]]:
         for i, f in enumerate(self.faults):
             if f.kind in kinds and i not in self.spent:
-                span = f.steps if f.kind == "lr_scale" else 1
+                span = f.steps if f.kind in SPANNING else 1
                 if f.step <= step < f.step + span or (f.kind == "oom" and step >= f.step):
                     self.started.add(i)
                     yield i, f
@@ -85,7 +95,7 @@ class FaultInjector(StepHooks):
     def end_step(self, step: int) -> None:
         """Mark the faults of ``step`` spent (called once the step is over, whatever happened)."""
         for i, f in enumerate(self.faults):
-            last = f.step + (f.steps - 1 if f.kind == "lr_scale" else 0)
+            last = f.step + (f.steps - 1 if f.kind in SPANNING else 0)
             if f.kind not in ("oom",) and step >= last:
                 self.spent.add(i)
 
@@ -142,8 +152,12 @@ class FaultInjector(StepHooks):
     @contextmanager
     def forward(self, step: int, model: nn.Module) -> Iterator[None]:
         """During the forward pass: ``fp16_overflow`` scales one module's output past the
-        fp16 range (x 1e5 beyond its max), as an overflowing activation would."""
-        handles = []
+        fp16 range (x 1e5 beyond its max), as an overflowing activation would;
+        ``attn_logit_overflow`` grows one attention layer's q and k until its largest logit
+        is ``factor`` x 65504, and has it compute its attention unfused (the logits in the
+        compute dtype, as an unfused fp16 kernel does): under fp16 they overflow, in fp32
+        (or with the layer's ``upcast_attention`` on) the softmax stays finite."""
+        handles, unfused = [], []
         for _, f in self._active(step, ("fp16_overflow",)):
             name = f.target or _default_module(model)
             module = dict(model.named_modules()).get(name)
@@ -157,11 +171,24 @@ class FaultInjector(StepHooks):
 
             # prepend: run before any other hook (the provenance trace must see the result)
             handles.append(module.register_forward_hook(hook, prepend=True))
+        for _, f in self._active(step, ("attn_logit_overflow",)):
+            name = f.target or _default_attention(model)
+            module = dict(model.named_modules()).get(name)
+            if module is None or not isinstance(getattr(module, "qkv", None), nn.Module):
+                raise ValueError(f"fault attn_logit_overflow: no attention module named "
+                                 f"{name!r} (with a fused qkv projection)")
+            self._record(f, step, module=name)
+            handles.append(module.qkv.register_forward_hook(
+                _grow_qk(module.num_heads, FP16_MAX * f.factor)))
+            unfused.append((module, module.fused))
+            module.fused = False
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+            for module, fused in unfused:
+                module.fused = fused
 
     def grads(self, step: int, model: nn.Module) -> None:
         for _, f in self._active(step, ("grad_nan",)):
@@ -191,6 +218,24 @@ class FaultInjector(StepHooks):
             else:
                 p.mul_(f.factor)
             self._record(f, step, param=name, factor=f.factor)
+
+
+def _grow_qk(heads: int, target: float):
+    """A forward hook for an attention layer's fused qkv projection (N, L, 3D): scale q and
+    k by one factor s so that the largest logit q·k/√d of the batch becomes ``target``, as
+    Q/K weights grown s-fold would make it (s is computed in fp32 from this batch)."""
+
+    def hook(_m, _inp, out):
+        n, length, d3 = out.shape
+        with torch.autocast(out.device.type, enabled=False):  # fp32 arithmetic here
+            qkv = out.detach().float().reshape(n, length, 3, heads, d3 // (3 * heads))
+            q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)  # (N, h, L, Dh)
+            logit = (q @ k.transpose(-2, -1)).abs().amax() / q.shape[-1] ** 0.5
+            scale = torch.ones(d3, device=out.device)
+            scale[: 2 * d3 // 3] = (target / logit.clamp_min(1e-6)).sqrt()  # q, k; not v
+            return (out.float() * scale).to(out.dtype)
+
+    return hook
 
 
 def make_injector(faults: Sequence[FaultConfig], rank: int = 0) -> StepHooks:

@@ -12,6 +12,9 @@ The rules (docs/guard.md):
 - fp16 overflow is first the grad scaler's business (lower the scale, skip the step); one
   that repeats ``overflow_limit`` times within ``overflow_window`` steps is a precision
   problem: fall back fp16 -> bf16 -> fp32 (the first one the device runs natively);
+- a forward overflow that began in an attention layer is first that layer's: upcast its
+  attention to fp32 (skip the step); if an upcast layer overflows again, the upcast did not
+  help: fall back in precision at once;
 - the weights themselves went bad after an update (``nonfinite_params``, ``weight_jump``):
   roll back, the state is unusable;
 - a slow divergence: roll back to the *oldest* snapshot (the newest is already on the slope);
@@ -50,6 +53,8 @@ class History:
     precision: the runtime precision.
     supported: precisions this device runs natively (the fallback candidates).
     has_snapshot: a verified snapshot exists to roll back to.
+    upcast: attention layers whose attention already runs in fp32 (an earlier
+        ``attention_upcast``).
     """
 
     step: int
@@ -58,6 +63,7 @@ class History:
     precision: Precision = "fp32"
     supported: frozenset[Precision] = frozenset({"fp32"})
     has_snapshot: bool = True
+    upcast: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,8 @@ class Action:
     why: an abort's explanation (which budget, or no snapshot).
     snapshot: which snapshot a rollback restores.
     precision: switch to this precision (a fallback), or None.
+    upcast: compute this attention layer's attention in fp32 from now on (with a scaler
+        skip), or None.
     scaler: an fp16 overflow skip: the grad scaler lowers its scale.
     record: write an incident (routine fp16 calibration skips are silent).
     budget_abort: after recording the skip, abort: the skip budget is spent (the text says
@@ -81,6 +89,7 @@ class Action:
     why: str = ""
     snapshot: Literal["newest", "oldest"] = "newest"
     precision: Precision | None = None
+    upcast: str | None = None
     scaler: bool = False
     record: bool = True
     budget_abort: str | None = None
@@ -124,13 +133,18 @@ def _rollback(f: Finding, h: History, c: GuardConfig, reason: str,
 def decide(f: Finding, h: History, c: GuardConfig) -> Action:
     """The action for finding ``f`` given the history ``h`` (pure; see the module doc)."""
     if f.kind == "fp16_overflow":
-        if f.severity == "trend":  # repeated: a precision problem
+        attn = f.evidence.get("attention_module")
+        if attn and attn not in h.upcast:  # the first remedy: this layer's attention in fp32
+            return Action("skip", scaler=True, upcast=attn,
+                          reason=f"fp16 overflow in the attention of {attn}")
+        if attn or f.severity == "trend":  # repeated, or upcast did not help: precision
             new = fallback(h.precision, h.supported, c.precision_fallback)
             n = recent(h.skips, h.step, c.budget_window)
             over = (f"more than {c.max_skips} skipped steps within {c.budget_window}"
                     if n > c.max_skips else None)
             return Action("skip", scaler=True, precision=new, budget_abort=over,
-                          reason="repeated fp16 overflow")
+                          reason=(f"fp16 overflow in {attn} persists after its attention "
+                                  "upcast") if attn else "repeated fp16 overflow")
         # one overflow: the scaler calibrates; an overflow in the forward pass is recorded
         return Action("skip", scaler=True, record=f.severity != "routine",
                       reason="fp16 overflow")
