@@ -492,8 +492,10 @@ class Guard:
                                "note": f"q kᵀ and softmax of {a.upcast} in fp32 from now on"})
             elif f.severity == "trend" or a.precision:
                 inc = self._record(f, "precision_fallback" if a.precision else "skip",
-                                   diagnosis={"new_precision": a.precision} if a.precision else
-                                   {"note": "precision fallback disabled or not available"})
+                                   diagnosis={"reason": a.reason, **(
+                                       {"new_precision": a.precision} if a.precision else
+                                       {"note": "precision fallback disabled or not "
+                                                "available"})})
                 if a.precision:
                     prog.precision, prog.scaler = a.precision, None
             elif a.record:
