@@ -764,6 +764,25 @@ def test_guard_probe_every_records_warnings(tmp_path):
     assert {i["action"] for i in incidents(tmp_path)} == {"warn"}
 
 
+def test_grown_qk_is_seen_by_the_default_probe_cadence():
+    """Attention health is on by default: q and k grown (attn_logit_overflow, in fp32 where
+    it overflows nothing) from the start give no finding of any other kind, and the guard's
+    own probe at step 100 (guard.probe_every's default; the layer statistics, which also
+    probe, are off here) reports attention_logit_growth for the layer (and the entropy
+    collapse that logits this large cause), once each."""
+    assert GuardConfig().probe_every == 100
+    r = Run(tiny("train.steps=100", "logging.layer_stats_every=0", faults=[
+        {"kind": "attn_logit_overflow", "step": 0, "steps": 100, "target": ATTN}]))
+    r.until(99)
+    assert r.guard.incidents == []  # nothing sees it between probes
+    r.until(100)
+    assert [(i.step, i.kind, i.action, i.evidence["module"]) for i in r.guard.incidents] == [
+        (100, "attention_logit_growth", "warn", ATTN),
+        (100, "attention_entropy_collapse", "warn", ATTN)]
+    assert r.guard.incidents[0].evidence["max_logit"] > 1e5 > r.guard.incidents[0].evidence[
+        "limit"]
+
+
 def test_provenance_names_first_nonfinite_module():
     m = _unet().train()
     with torch.no_grad():

@@ -341,8 +341,9 @@ class GuardConfig(Section):
     overflow_limit: Int = Field(8, ge=1, description="fp16 overflow skips within "
                                 "overflow_window before falling back in precision")
     overflow_window: Int = Field(100, ge=1)
-    probe_every: Int = Field(0, ge=0, description="attention/normalization probes every N "
-                             "steps; 0: only on incidents")
+    probe_every: Int = Field(100, ge=0, description="attention/normalization probes every N "
+                             "steps (one extra forward: ~0.4% per step at 100 on the "
+                             "quick-start model, docs/BENCHMARKS.md); 0: only on incidents")
     attn_logit_limit: float = Field(50.0, gt=0.0, description="max attention logit")
     attn_entropy_min: float = Field(0.05, ge=0.0, description="nats; below: collapsed")
     norm_var_ratio: float = Field(1.0, gt=0.0, description="norm input variance below this "
