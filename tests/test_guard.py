@@ -384,6 +384,7 @@ def test_attention_overflow_is_upcast_and_training_stays_fp16():
     assert [(s, a) for s, a in r.decisions if a != "step"] == [(2, "skip"), (6, "rollback")]
     assert r.state.precision == "fp16" and r.state.scaler is not None
     assert layer.upcast_attention is True and r.guard.upcast == [ATTN]
+    assert r.state.ema.module.mid.attn.attn.upcast_attention is True  # the EMA samples
     assert finite(r.state.model.parameters()) and finite(r.state.ema.module.parameters())
     # the set of upcast layers is guard state: a resumed guard re-applies it to a fresh model
     s = json.loads(json.dumps(r.guard.state_dict()))
@@ -391,6 +392,7 @@ def test_attention_overflow_is_upcast_and_training_stays_fp16():
     assert fresh.state.model.mid.attn.attn.upcast_attention is False
     fresh.guard.load_state_dict(s)
     assert fresh.state.model.mid.attn.attn.upcast_attention is True
+    assert fresh.state.ema.module.mid.attn.attn.upcast_attention is True
     assert fresh.guard.upcast == [ATTN]
 
 

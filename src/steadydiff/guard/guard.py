@@ -625,13 +625,17 @@ class Guard:
 
     def upcast_attention(self, name: str) -> None:
         """Compute attention layer ``name``'s q kᵀ and softmax in fp32 from now on (its
-        ``upcast_attention`` attribute: steadydiff's and diffusers' attention modules), and
-        remember it: it survives rollbacks (an attribute, not a weight) and resumes
-        (:meth:`state_dict`)."""
+        ``upcast_attention`` attribute: steadydiff's and diffusers' attention modules), in
+        the model and in the EMA's copy of it (which samples), and remember it: it survives
+        rollbacks (an attribute, not a weight) and resumes (:meth:`state_dict`)."""
         module = dict(self.net.named_modules()).get(name)
         if module is None or not hasattr(module, "upcast_attention"):
             raise ValueError(f"no attention module {name!r} with an upcast_attention attribute")
         module.upcast_attention = True
+        copy = self.ema.module() if self.ema is not None else None
+        twin = dict(copy.named_modules()).get(name) if copy is not None else None
+        if twin is not None and hasattr(twin, "upcast_attention"):
+            twin.upcast_attention = True
         if name not in self.upcast:
             self.upcast.append(name)
 
