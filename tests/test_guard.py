@@ -418,6 +418,10 @@ def test_model_upcast_attention_sets_every_layer():
     assert layers and all(m.upcast_attention for m in layers)
     r.until(3)  # upcast from the start: the grown logits never overflow
     assert r.guard.incidents == [] and r.state.precision == "fp16"
+    from steadydiff.config import ModelConfig
+    dit = build_model(ModelConfig(kind="dit", upcast_attention=True), image_size=8, channels=1)
+    layers = [m for m in dit.modules() if hasattr(m, "upcast_attention")]
+    assert layers and all(m.upcast_attention for m in layers)
 
 
 def test_unfused_fp16_attention_overflows_and_upcast_does_not():
