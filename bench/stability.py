@@ -2,7 +2,7 @@
 scenarios of issue 13 (the guard alone).
 
 For every scenario (clean, nan_batch, outlier_batch, loss_scale, lr_scale, param_nan,
-param_huge, grad_nan, fp16_overflow, oom) the quick-start digits config is trained three ways:
+param_huge, grad_nan, fp16_overflow, attn_logit_overflow, oom) the quick-start digits config is trained three ways:
 
 - ``guard``: steadydiff's trainer (``loop.run``) with ``guard.enabled=true``;
 - ``off``:   the same trainer with ``guard.enabled=false``;
@@ -26,10 +26,11 @@ values and a cap), the parameter or the module; their cost counts samples droppe
 
     python bench/stability.py --scenarios diagnosis --modes guard   # issue 13's table
 
-fp16: the ``fp16_overflow`` scenario needs fp16 autocast with a GradScaler to mean anything,
-and fp16 autocast on a CPU without native fp16 is emulated (convolution backward measured
-~100 ms per call at a batch of 4: ~150x slower than fp32 at the quick-start batch of 64). So
-on a CPU it runs on the quick-start model with ``--fp16-batch`` (4) images for
+fp16: the ``fp16_overflow`` and ``attn_logit_overflow`` scenarios need fp16 autocast with a
+GradScaler to mean anything, and fp16 autocast on a CPU without native fp16 is emulated
+(convolution backward measured ~100 ms per call at a batch of 4: ~150x slower than fp32 at
+the quick-start batch of 64). So on a CPU they run on the quick-start model with
+``--fp16-batch`` (4) images for
 ``--fp16-steps`` (8) steps, against a ``clean_fp16`` reference of the same shape. On CUDA it
 runs with the main settings.
 
@@ -77,7 +78,10 @@ SCENARIOS: dict[str, tuple[dict | None, tuple[str, ...], str | None]] = {
     "param_huge": ({"kind": "param_huge", "factor": 1e4}, ("weight_jump",), "param"),
     "grad_nan": ({"kind": "grad_nan"}, ("nonfinite_grad",), "param"),
     "clean_fp16": (None, (), None),
-    "fp16_overflow": ({"kind": "fp16_overflow", "factor": 1e4}, ("fp16_overflow",), "module"),
+    # the default target is the middle attention block: the guard upcasts its attention first
+    "fp16_overflow": ({"kind": "fp16_overflow", "factor": 1e4},
+                      ("fp16_overflow", "attention_upcast"), "module"),
+    "attn_logit_overflow": ({"kind": "attn_logit_overflow"}, ("attention_upcast",), "module"),
     "oom": ({"kind": "oom", "factor": 32}, ("out_of_memory",), None),
     # ---- issue 13: the diagnosis must name the injected cause itself
     # a sample corrupt every time it is drawn (from step 0: it recurs every epoch)
@@ -90,11 +94,12 @@ SCENARIOS: dict[str, tuple[dict | None, tuple[str, ...], str | None]] = {
     # gradient accumulation over 4 micro-batches, one sample of one of them corrupt
     "bad_micro_batch": ({"kind": "bad_sample", "index": 11}, ("bad_batch",), "micro_batch"),
 }
-FP16 = ("clean_fp16", "fp16_overflow")
-DIAGNOSIS = ("recurring_bad_sample", "lr_ramp", "weight_corrupt", "bad_micro_batch")
+FP16 = ("clean_fp16", "fp16_overflow", "attn_logit_overflow")
+DIAGNOSIS = ("recurring_bad_sample", "lr_ramp", "weight_corrupt", "bad_micro_batch",
+             "attn_logit_overflow")
 FROM_START = ("recurring_bad_sample", "bad_micro_batch")  # the fault is on from step 0
 EXTRA_SETS = {"bad_micro_batch": ["train.grad_accum=4"]}
-DEFAULT_SCENARIOS = [s for s in SCENARIOS if s not in DIAGNOSIS]
+DEFAULT_SCENARIOS = [s for s in SCENARIOS if s not in DIAGNOSIS or s == "attn_logit_overflow"]
 
 
 # --------------------------------------------------------------------------- settings
@@ -342,8 +347,11 @@ def diagnose(name: str, incidents: list[dict], fired: list[dict]) -> tuple[bool,
     injected = next((f.get(target) for f in fired if f.get(target)), None)
     for inc in hits:
         names = named_by(inc, target)
-        # the first name given is the diagnosis (weight_jump lists the top three)
-        if injected is not None and names and names[0] == injected:
+        # the first name given is the diagnosis (weight_jump lists the top three); a module
+        # is named by the first overflow, the first non-finite output or the attention layer
+        # the guard upcast, whichever the row has
+        if injected is not None and names and (
+                names[0] == injected or (target == "module" and injected in names)):
             return True, f"{inc['kind']} names {target} {injected}"
     return False, (f"{hits[0]['kind']} named {named_by(hits[0], target)[:2]}, injected "
                    f"{target} {injected}")

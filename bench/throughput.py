@@ -22,7 +22,14 @@ dpmpp_2m 20, euler 50), on the quick-start model with the quick-start ``sample``
 (classifier-free guidance at scale 2.0 doubles every model batch). Weights do not change the
 speed, so a freshly initialised model is used unless ``--checkpoint`` is given.
 
+Probe cost (``--probe-repeats N``): one attention/normalization health probe (the guard's
+``probes.probe`` over the trainer's own probe forward: micro-batch 0 of the step, no grad,
+attention written out in fp32) against one guarded training step, interleaved step, probe,
+step, probe, ...; the median of each and the per-step overhead at a few cadences
+(``guard.probe_every``).
+
     python bench/throughput.py                    # full run (~6 minutes on 2 cores)
+    python bench/throughput.py --variants '' --samplers '' --probe-repeats 20   # probe only
     python bench/throughput.py --steps 2 --repeats 1 --warmup 1 --sample-steps-scale 0.02 --json
 """
 
@@ -252,6 +259,44 @@ def bench_training(cfg, *, steps: int, repeats: int, warmup: int, variants: list
     return out
 
 
+# --------------------------------------------------------------------------- probe cost
+
+
+def bench_probe(cfg, *, repeats: int, warmup: int, device: torch.device) -> dict[str, Any]:
+    """Median seconds of one health probe and of one guarded training step, interleaved."""
+    from steadydiff.config import replace
+    from steadydiff.data import build_dataset, make_loader
+    from steadydiff.guard import probes
+    from steadydiff.trainer import loop
+
+    # the probe forward is exposed on layer-statistics steps: make every step one; the
+    # guard's own schedule is off so that only the timed probe runs
+    cfg = replace(cfg, {"logging.layer_stats_every": 1, "guard.probe_every": 0})
+    data = build_dataset(cfg.data)
+    loader = iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed))
+    torch.manual_seed(cfg.train.seed)
+    state = loop.build_state(cfg, cfg.model.num_classes, device)
+    loop.attach_guard(state, None)
+    step_s, probe_s = [], []
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        out = loop.train_step(state, next(loader))
+        loop.handle_decision(state, out.decision, say=lambda _m: None)
+        t1 = time.perf_counter()
+        stats = probes.probe(state.model, out.probe_forward)
+        t2 = time.perf_counter()
+        if i >= warmup:
+            step_s.append(t1 - t0)
+            probe_s.append(t2 - t1)
+    step, probe = statistics.median(step_s), statistics.median(probe_s)
+    attn = stats["attn"].values()
+    return {"sec_per_step": step, "sec_per_probe": probe, "probe_vs_step": probe / step,
+            "overhead_at_every": {n: probe / (n * step) for n in (1, 10, 50, 100, 250)},
+            "repeats": repeats, "warmup": warmup, "attention_layers": len(stats["attn"]),
+            "last_max_logit": max((a["max_logit"] for a in attn), default=None),
+            "last_min_entropy": min((a["entropy"] for a in attn), default=None)}
+
+
 # --------------------------------------------------------------------------- sampling
 
 
@@ -322,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="multiply every sampler's step count (smoke tests)")
     p.add_argument("--checkpoint", default=None,
                    help="sample from this checkpoint/run dir instead of a fresh model")
+    p.add_argument("--probe-repeats", type=int, default=0,
+                   help="time one health probe against one training step this many times "
+                        "(0 skips it)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     a = p.parse_args(argv)
@@ -356,6 +404,16 @@ def main(argv: list[str] | None = None) -> int:
                   f"(paired median {tr['guard_overhead_paired_median']:+.1%}; aim <= 3%)")
         print(f"data loading (excluded above): {tr['data_loading_sec_per_batch'] * 1000:.1f} "
               "ms/batch")
+
+    if a.probe_repeats:
+        pr = bench_probe(cfg, repeats=a.probe_repeats, warmup=a.warmup, device=device)
+        result["probe"] = pr
+        print(f"\nhealth probe ({pr['attention_layers']} attention layers) vs one guarded "
+              f"training step, median of {pr['repeats']}: probe "
+              f"{pr['sec_per_probe'] * 1000:.1f} ms, step {pr['sec_per_step'] * 1000:.1f} ms "
+              f"({pr['probe_vs_step']:.1%} of a step)")
+        print("per-step overhead at guard.probe_every = " + ", ".join(
+            f"{n}: {v:.2%}" for n, v in pr["overhead_at_every"].items()))
 
     samplers = {s: max(1, round(SAMPLER_STEPS[s] * a.sample_steps_scale))
                 for s in a.samplers.split(",") if s}

@@ -252,6 +252,20 @@ def test_recommendations():
     assert "schedule" in F.finding_from_row({"kind": "lr_spike"}).recommendation()
 
 
+def test_attention_upcast_says_what_changed_and_what_to_set():
+    f = F.AttentionUpcast.new(module="mid.attn.attn", loss=float("nan"), loss_scale=65536.0,
+                              provenance={"first_nonfinite_module": "mid.attn.attn.proj"})
+    row = {"step": 2, "kind": f.kind, "severity": f.severity, "evidence": f.evidence,
+           "action": "attention_upcast"}
+    g = F.finding_from_row(json.loads(json.dumps(row, default=str)))
+    assert type(g) is F.AttentionUpcast and g.where() == "mid.attn.attn"
+    assert g.summary().startswith("fp16 overflow in the attention of mid.attn.attn: its q kᵀ "
+                                  "and softmax now run in fp32")
+    rec = g.recommendation()
+    assert "set model.upcast_attention=true from the start" in rec and "mid.attn.attn" in rec
+    assert "qk_norm" in rec and "qk_norm" not in g.recommendation(F.RunContext(qk_norm=True))
+
+
 # --------------------------------------------------------------------------- rows as written
 
 

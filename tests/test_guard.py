@@ -400,16 +400,20 @@ def test_fp16_overflow_names_module():
 
 
 def test_fp16_persistent_overflow_falls_back(tmp_path):
-    """Overflow in three steps in a row with overflow_limit=2: the guard leaves fp16 (for
+    """An activation overflow in the attention block's output (its residual add, which an
+    fp32 attention cannot fix) in three steps in a row: the first remedy, upcasting the
+    block's attention, does not help, so at the next overflow the guard leaves fp16 (for
     bf16 where the device runs it natively, else fp32) and the metrics rows show it."""
     run = tmp_path / "run"
     faults = [{"kind": "fp16_overflow", "step": s, "target": "mid.attn"} for s in (1, 2, 3)]
-    res = steadydiff.train(tiny(*FP16, "train.steps=5", "guard.overflow_limit=2",
+    res = steadydiff.train(tiny(*FP16, "train.steps=5", "guard.overflow_limit=8",
                                 faults=faults), out_dir=run)
     assert res.steps == 5
     rows = incidents(run)
-    assert [(r["step"], r["action"]) for r in rows][:2] == [(1, "skip"),
-                                                            (2, "precision_fallback")]
+    assert [(r["step"], r["kind"], r["action"]) for r in rows][:2] == [
+        (1, "attention_upcast", "attention_upcast"), (2, "fp16_overflow", "precision_fallback")]
+    assert rows[0]["evidence"]["module"] == "mid.attn.attn"
+    assert "persists after its attention upcast" in rows[1]["diagnosis"]["reason"]
     new = rows[1]["diagnosis"]["new_precision"]
     assert new in ("bf16", "fp32")
     assert rows[1]["evidence"]["provenance"]["first_overflow_module"] == "mid.attn"
@@ -419,6 +423,96 @@ def test_fp16_persistent_overflow_falls_back(tmp_path):
     assert_checkpoints_finite(run)
     c = ckpt.load_checkpoint(res.checkpoint)
     assert c.state["precision"] == new and c.state["scaler"] is None
+
+
+ATTN = "mid.attn.attn"  # the tiny UNet's middle attention layer
+
+
+def test_attention_overflow_is_upcast_and_training_stays_fp16():
+    """q and k grown until the logits pass 65504 (attn_logit_overflow, in force for steps
+    2-6): the replay traces the NaN to the attention layer, the guard skips that one step and
+    upcasts that layer's attention; the following steps, with the fault still in force, train
+    in fp16 and stay finite; no global fallback. A rollback later (a NaN weight at step 7)
+    restores weights, not the upcast."""
+    r = Run(tiny(*FP16, "train.steps=9", faults=[
+        {"kind": "attn_logit_overflow", "step": 2, "steps": 5, "target": ATTN},
+        {"kind": "param_nan", "step": 7, "target": VICTIM}]))
+    layer = r.state.model.mid.attn.attn
+    assert layer.upcast_attention is False
+    r.until(9)
+    kinds = [(i.step, i.kind, i.action) for i in r.guard.incidents]
+    assert kinds == [(2, "attention_upcast", "attention_upcast"),
+                     (7, "nonfinite_params", "rollback")]
+    inc = r.guard.incidents[0]
+    assert inc.evidence["module"] == ATTN
+    assert inc.evidence["provenance"]["first_nonfinite_module"].startswith(ATTN + ".")
+    # the fault really was in force after the upcast, and those steps trained in fp16
+    assert [f["step"] for f in r.state.faults.fired if f["kind"] == "attn_logit_overflow"] \
+        == [2, 3, 4, 5, 6]
+    assert [(s, a) for s, a in r.decisions if a != "step"] == [(2, "skip"), (6, "rollback")]
+    assert r.state.precision == "fp16" and r.state.scaler is not None
+    assert layer.upcast_attention is True and r.guard.upcast == [ATTN]
+    assert r.state.ema.module.mid.attn.attn.upcast_attention is True  # the EMA samples
+    assert finite(r.state.model.parameters()) and finite(r.state.ema.module.parameters())
+    # the set of upcast layers is guard state: a resumed guard re-applies it to a fresh model
+    s = json.loads(json.dumps(r.guard.state_dict()))
+    fresh = Run(tiny(*FP16, "train.steps=9"))
+    assert fresh.state.model.mid.attn.attn.upcast_attention is False
+    fresh.guard.load_state_dict(s)
+    assert fresh.state.model.mid.attn.attn.upcast_attention is True
+    assert fresh.state.ema.module.mid.attn.attn.upcast_attention is True
+    assert fresh.guard.upcast == [ATTN]
+
+
+def test_overflow_elsewhere_after_an_upcast_still_falls_back():
+    """After the attention layer was upcast (step 1), an overflow in a residual block (no
+    attention to upcast) repeats: the scaler's rules, then the global fallback."""
+    r = Run(tiny(*FP16, "train.steps=5", "guard.overflow_limit=3", faults=[
+        {"kind": "attn_logit_overflow", "step": 1, "steps": 4, "target": ATTN},
+        *({"kind": "fp16_overflow", "step": s, "target": "down.1.res.0"} for s in (2, 3))]))
+    r.until(5)
+    kinds = [(i.step, i.kind, i.action) for i in r.guard.incidents]
+    assert kinds == [(1, "attention_upcast", "attention_upcast"), (2, "fp16_overflow", "skip"),
+                     (3, "fp16_overflow", "precision_fallback")]
+    assert "attention_module" not in r.guard.incidents[1].evidence
+    assert r.state.precision in ("bf16", "fp32") and r.guard.upcast == [ATTN]
+    assert finite(r.state.model.parameters())
+
+
+def test_model_upcast_attention_sets_every_layer():
+    r = Run(tiny(*FP16, "train.steps=3", "model.upcast_attention=true", faults=[
+        {"kind": "attn_logit_overflow", "step": 1, "steps": 2, "target": ATTN}]))
+    layers = [m for m in r.state.model.modules() if hasattr(m, "upcast_attention")]
+    assert layers and all(m.upcast_attention for m in layers)
+    r.until(3)  # upcast from the start: the grown logits never overflow
+    assert r.guard.incidents == [] and r.state.precision == "fp16"
+    from steadydiff.config import ModelConfig
+    dit = build_model(ModelConfig(kind="dit", upcast_attention=True), image_size=8, channels=1)
+    layers = [m for m in dit.modules() if hasattr(m, "upcast_attention")]
+    assert layers and all(m.upcast_attention for m in layers)
+
+
+def test_unfused_fp16_attention_overflows_and_upcast_does_not():
+    """The mechanism the fault reproduces, on the layer alone: q kᵀ past 65504 is inf in an
+    unfused fp16 attention (NaN after the softmax), finite with upcast_attention, and the
+    upcast output equals the fp32 attention (to fp16 rounding)."""
+    from steadydiff.models.layers import Attention
+    torch.manual_seed(0)
+    layer = Attention(16, 2)
+    x = torch.randn(2, 6, 16)
+    with torch.no_grad():
+        layer.qkv.weight[:32] *= 300  # W_q, W_k grown
+        want = layer(x)  # fp32
+        assert want.isfinite().all()
+        with torch.autocast("cpu", dtype=torch.float16):
+            layer.fused = False
+            assert not layer(x).isfinite().all()
+            layer.upcast_attention = True
+            for fused in (False, True):
+                layer.fused = fused
+                got = layer(x)
+                assert got.dtype == torch.float16 and got.isfinite().all()
+                assert torch.allclose(got.float(), want, rtol=2e-2, atol=2e-2 * want.abs().max())
 
 
 def test_oom_halves_micro_batch_keeps_global_batch(tmp_path):
@@ -742,6 +836,25 @@ def test_guard_probe_every_records_warnings(tmp_path):
     assert "attention_logit_growth" in kinds and len(kinds) == len(set(kinds))  # said once
     assert r.guard.counts["warnings"] == len(warns)
     assert {i["action"] for i in incidents(tmp_path)} == {"warn"}
+
+
+def test_grown_qk_is_seen_by_the_default_probe_cadence():
+    """Attention health is on by default: q and k grown (attn_logit_overflow, in fp32 where
+    it overflows nothing) from the start give no finding of any other kind, and the guard's
+    own probe at step 100 (guard.probe_every's default; the layer statistics, which also
+    probe, are off here) reports attention_logit_growth for the layer (and the entropy
+    collapse that logits this large cause), once each."""
+    assert GuardConfig().probe_every == 100
+    r = Run(tiny("train.steps=100", "logging.layer_stats_every=0", faults=[
+        {"kind": "attn_logit_overflow", "step": 0, "steps": 100, "target": ATTN}]))
+    r.until(99)
+    assert r.guard.incidents == []  # nothing sees it between probes
+    r.until(100)
+    assert [(i.step, i.kind, i.action, i.evidence["module"]) for i in r.guard.incidents] == [
+        (100, "attention_logit_growth", "warn", ATTN),
+        (100, "attention_entropy_collapse", "warn", ATTN)]
+    assert r.guard.incidents[0].evidence["max_logit"] > 1e5 > r.guard.incidents[0].evidence[
+        "limit"]
 
 
 def test_provenance_names_first_nonfinite_module():

@@ -444,3 +444,89 @@ def test_plain_loop_rerun_tells_a_transient_fault_from_a_persistent_one(tmp_path
     (row,) = rows(tmp_path)
     assert (row["step"], row["kind"], row["action"]) == (12, "transient_fault", "rerun")
     assert finite_module(model) and guard.transient == {"0": 1}
+# ---------------------------------------------------------------------- (c) attention upcast
+
+
+class ClassicAttention(nn.Module):
+    """The shape of diffusers' ``Attention`` with its classic (unfused) processor: to_q,
+    to_k, to_v, to_out, scores by a batched matmul in the compute dtype, in fp32 when its
+    ``upcast_attention`` attribute is set (diffusers' name, which the guard flips)."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.heads, self.scale = heads, (dim // heads) ** -0.5
+        self.to_q, self.to_k, self.to_v = (nn.Linear(dim, dim, bias=False) for _ in range(3))
+        self.to_out = nn.ModuleList([nn.Linear(dim, dim)])
+        self.upcast_attention = False
+
+    def forward(self, x):  # (N, L, D) -> (N, L, D)
+        n, length, d = x.shape
+        h = self.heads
+
+        def split(a):  # (N, L, D) -> (N*h, L, D/h)
+            return a.reshape(n, length, h, d // h).transpose(1, 2).reshape(n * h, length, -1)
+
+        q, k, v = split(self.to_q(x)), split(self.to_k(x)), split(self.to_v(x))
+        if self.upcast_attention:
+            with torch.autocast(x.device.type, enabled=False):
+                scores = torch.bmm(q.float(), k.float().transpose(1, 2)) * self.scale
+        else:
+            scores = torch.bmm(q, k.transpose(1, 2)) * self.scale  # fp16 under autocast
+        probs = scores.float().softmax(-1).to(v.dtype)
+        out = torch.bmm(probs, v).reshape(n, h, length, -1).transpose(1, 2).reshape(n, length, d)
+        return self.to_out[0](out)
+
+
+class AttnDenoiser(Denoiser):
+    """The conv denoiser with a self-attention layer over its 64 positions."""
+
+    def __init__(self, ch=16):
+        super().__init__(ch)
+        self.attn = ClassicAttention(ch)
+
+    def forward(self, x, t):
+        tt = (t.float() / T).view(-1, 1, 1, 1).expand_as(x)
+        h = F.silu(self.norm(self.inp(torch.cat([x, tt], 1))))  # (N, C, H, W)
+        n, c, hh, ww = h.shape
+        tokens = h.reshape(n, c, hh * ww).transpose(1, 2)  # (N, HW, C)
+        h = h + self.attn(tokens).transpose(1, 2).reshape(n, c, hh, ww)
+        return self.out(h)
+
+
+def test_plain_fp16_loop_upcasts_a_diffusers_style_attention(tmp_path):
+    """A plain fp16 loop (autocast + GradScaler) whose attention's q and k grow 1000x from
+    step 6 on (as grown W_q, W_k would make them): q kᵀ overflows fp16. With ``replay=`` the
+    guard names the attention module, sets its ``upcast_attention`` and the loop trains on in
+    fp16 with the growth still there; no precision fallback."""
+    torch.manual_seed(0)
+    model = AttnDenoiser()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    guard = Guard(model, opt, scaler=scaler, run_dir=tmp_path, config=CFG)
+    for proj in (model.attn.to_q, model.attn.to_k):
+        proj.register_forward_hook(lambda _m, _i, out: out * 1000.0
+                                   if guard.progress.step >= 6 else out)
+    decisions = []
+    while guard.progress.step < 14:
+        x0 = batch_at(guard.progress.batches_consumed)
+        xt, t, noise = noisy(x0)
+
+        def loss_of(_i=0):
+            with torch.autocast("cpu", dtype=torch.float16):
+                return F.mse_loss(model(xt, t).float(), noise)
+
+        loss = loss_of()
+        scaler.scale(loss).backward()
+        d = guard.step(loss, replay=lambda i: scaler.scale(loss_of(i)))
+        decisions.append(d)
+    # the one incident; the growth also overflows some scaled gradients while the scale
+    # recalibrates: silent scaler skips, as for any fp16 loop
+    assert [a for a in acted(decisions) if a[2]] == [(6, "skip", "attention_upcast")]
+    assert guard.scaler_skips == len(acted(decisions))
+    (row,) = rows(tmp_path)
+    assert (row["kind"], row["action"], row["evidence"]["module"]) == \
+        ("attention_upcast", "attention_upcast", "attn")
+    assert row["evidence"]["provenance"]["first_nonfinite_module"] == "attn.to_out.0"
+    assert model.attn.upcast_attention and guard.upcast == ["attn"]
+    assert guard.precision == "fp16" and guard.scaler is not None
+    assert finite_module(model)

@@ -73,6 +73,13 @@ def test_check_fires_on_its_trigger_only(name):
     assert BY_NAME[name].fn(load_config(None, off), None) is None
 
 
+def test_fp16_attention_is_also_answered_by_upcast_attention():
+    msg = BY_NAME["fp16_attention"].fn(load_config(None, ["train.precision=fp16"]), None)
+    assert "model.upcast_attention=true" in msg
+    assert BY_NAME["fp16_attention"].fn(load_config(None, [
+        "train.precision=fp16", "model.upcast_attention=true"]), None) is None
+
+
 def test_lr_ceiling_depends_on_the_family():
     dit = load_config(None, ["model.kind=dit", "optim.lr=2e-3"])
     assert any("usual ceiling for AdamW on a dit" in m for m in lint(dit))

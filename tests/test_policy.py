@@ -114,6 +114,36 @@ def test_fp16_overflow_is_the_scalers_until_it_repeats():
                                                       supported=ALL), off).precision is None
 
 
+def test_attention_overflow_upcasts_that_layer_first():
+    """An fp16 forward overflow that began in an attention layer: the first remedy is that
+    layer's attention in fp32 (a scaler skip, no precision change), even when the overflows
+    already repeat; the global fallback waits."""
+    h = History(step=3, precision="fp16", supported=ALL)
+    for sev in ("spike", "trend"):
+        a = decide(f("fp16_overflow", sev, attention_module="mid.attn.attn"), h, CFG)
+        assert (a.kind, a.scaler, a.upcast, a.precision) == \
+            ("skip", True, "mid.attn.attn", None)
+    # another layer is upcast already: this one still gets its own upcast
+    other = History(step=3, precision="fp16", supported=ALL, upcast=frozenset({"down.1.attn"}))
+    assert decide(f("fp16_overflow", attention_module="mid.attn.attn"), other,
+                  CFG).upcast == "mid.attn.attn"
+
+
+def test_overflow_after_the_upcast_falls_back_at_once():
+    """The upcast layer overflows again: upcasting did not help, so the precision falls back
+    on this first recurrence (not after overflow_limit more); without a fallback, a skip."""
+    h = History(step=9, precision="fp16", supported=ALL, upcast=frozenset({"mid.attn.attn"}))
+    a = decide(f("fp16_overflow", attention_module="mid.attn.attn"), h, CFG)
+    assert (a.kind, a.scaler, a.upcast, a.precision) == ("skip", True, None, "bf16")
+    assert "persists after its attention upcast" in a.reason
+    off = GuardConfig(precision_fallback=False)
+    a = decide(f("fp16_overflow", attention_module="mid.attn.attn"), h, off)
+    assert (a.kind, a.scaler, a.precision, a.record) == ("skip", True, None, True)
+    # an overflow outside attention keeps the scaler's rules: one is a recorded skip
+    a = decide(f("fp16_overflow"), h, CFG)
+    assert (a.upcast, a.precision, a.record) == (None, None, True)
+
+
 def test_bf16_rollback_naming_a_module_falls_back_to_fp32():
     named = f("nonfinite_loss", provenance={"first_nonfinite_module": "mid.attn"})
     h = History(step=30, skips=(20, 25), precision="bf16", supported=ALL)

@@ -156,6 +156,10 @@ class ModelConfig(Section):
     num_classes: Int = Field(0, ge=0, le=100_000,
                              description="0: unconditional; >0 adds a null class for CFG")
     qk_norm: Bool = False
+    upcast_attention: Bool = Field(
+        False, description="compute every attention layer's q kᵀ and softmax in fp32 under "
+        "fp16/bf16 autocast (the 'upcast attention' fix for fp16 overflow; the guard turns it "
+        "on per layer when one overflows)")
     unet: UNetConfig = UNetConfig()
     dit: DiTConfig = DiTConfig()
 
@@ -353,8 +357,9 @@ class GuardConfig(Section):
     overflow_limit: Int = Field(8, ge=1, description="fp16 overflow skips within "
                                 "overflow_window before falling back in precision")
     overflow_window: Int = Field(100, ge=1)
-    probe_every: Int = Field(0, ge=0, description="attention/normalization probes every N "
-                             "steps; 0: only on incidents")
+    probe_every: Int = Field(100, ge=0, description="attention/normalization probes every N "
+                             "steps (one extra forward: ~0.4% per step at 100 on the "
+                             "quick-start model, docs/BENCHMARKS.md); 0: only on incidents")
     attn_logit_limit: float = Field(50.0, gt=0.0, description="max attention logit")
     attn_entropy_min: float = Field(0.05, ge=0.0, description="nats; below: collapsed")
     norm_var_ratio: float = Field(1.0, gt=0.0, description="norm input variance below this "
@@ -437,17 +442,21 @@ class FaultConfig(Section):
     kind: FaultKind
     step: Int = Field(ge=0, description="optimizer step at which it fires")
     factor: float | None = Field(None, description="outlier/loss/lr/huge multiplier (default "
-                                 "1e4; fp16_overflow 1e5); oom: the largest micro-batch that "
+                                 "1e4; fp16_overflow 1e5; attn_logit_overflow: the max logit "
+                                 "as a multiple of 65504, default 8); oom: the largest micro-batch that "
                                  "fits (default: half the current one); hang: seconds "
                                  "(default: forever); bad_sample: the sample x factor (default: "
                                  "one NaN pixel); lr_ramp: the LR's growth per step (default "
                                  "1.05); weight_corrupt: the value one element becomes "
-                                 "(default 1e36)")
-    steps: Int = Field(1, ge=1, description="lr_scale, lr_ramp: for how many steps")
+                                 "(default 1e36); attn_logit_overflow: the largest logit x "
+                                 "65504 (default 8)")
+    steps: Int = Field(1, ge=1, description="lr_scale, lr_ramp, attn_logit_overflow: for how "
+                       "many steps")
     index: Int | None = Field(None, ge=0, description="bad_sample: the dataset index that is "
                               "corrupt every time it is drawn")
     target: str | None = Field(None, description="parameter (param_*, grad_nan) or module "
-                               "(fp16_overflow) name; None: a default one")
+                               "(fp16_overflow, attn_logit_overflow) name; None: a default "
+                               "one")
     where: FaultWhere = Field(
         "in_step", description="kill, hang: where in the step the process is killed / "
         "stops responding")

@@ -99,7 +99,8 @@ ADAPTER_KINDS: tuple[AdapterKind, ...] = get_args(AdapterKind)
 
 FaultKind = Literal["nan_batch", "outlier_batch", "loss_scale", "lr_scale", "param_nan",
                     "param_huge", "bitflip", "grad_nan", "fp16_overflow", "oom", "kill",
-                    "hang", "bad_sample", "lr_ramp", "weight_corrupt", "transient_nan"]
+                    "hang", "bad_sample", "lr_ramp", "weight_corrupt", "transient_nan",
+                    "attn_logit_overflow"]
 FAULT_KINDS: tuple[FaultKind, ...] = get_args(FaultKind)
 
 FaultWhere = Literal["before_step", "in_step", "in_checkpoint"]

@@ -107,13 +107,14 @@ def _fp16_unguarded(cfg: Config, _dev) -> str | None:
 
 
 def _fp16_attention(cfg: Config, _dev) -> str | None:
-    if cfg.train.precision != "fp16" or cfg.model.qk_norm:
+    if cfg.train.precision != "fp16" or cfg.model.qk_norm or cfg.model.upcast_attention:
         return None
     if cfg.model.kind == "unet" and not cfg.model.unet.attention_resolutions:
         return None  # no attention layers
     return ("train.precision=fp16 with model.qk_norm=false: attention logits grow during "
             "training and q·k overflows fp16's range of 65504 (Dehghani et al. 2023, sec. "
-            "3.1); set model.qk_norm=true, or use bf16")
+            "3.1); set model.qk_norm=true or model.upcast_attention=true (q·k and softmax "
+            "in fp32; the guard does it per layer after an overflow), or use bf16")
 
 
 def _norm_eps_low(cfg: Config, _dev) -> str | None:
@@ -237,7 +238,8 @@ CHECKS: tuple[LintCheck, ...] = (
     LintCheck("clip_high", "optim.grad_clip, optim.clip_mode", _clip_high),
     LintCheck("clip_off", "optim.grad_clip", _clip_off),
     LintCheck("fp16_unguarded", "train.precision, guard.enabled", _fp16_unguarded),
-    LintCheck("fp16_attention", "train.precision, model.qk_norm", _fp16_attention),
+    LintCheck("fp16_attention", "train.precision, model.qk_norm, model.upcast_attention",
+              _fp16_attention),
     LintCheck("norm_eps_low", "model.unet.norm_eps / model.dit.norm_eps, train.precision",
               _norm_eps_low),
     LintCheck("ema_too_slow", "train.ema_decay, train.steps, train.ema_start", _ema_too_slow),

@@ -37,10 +37,11 @@ FP16_MAX = 65504.0
 DEFAULT_FACTOR: dict[FaultKind, float] = {"outlier_batch": 1e4, "loss_scale": 1e4,
                                           "lr_scale": 1e4, "param_huge": 1e4,
                                           "fp16_overflow": 1e5, "lr_ramp": 1.05,
-                                          "weight_corrupt": 1e36}
+                                          "weight_corrupt": 1e36, "attn_logit_overflow": 8.0}
 # conditions that last: a rollback does not spend them (module doc)
 LASTING: frozenset[FaultKind] = frozenset({"oom", "bad_sample", "lr_ramp"})
-SPANNED: frozenset[FaultKind] = frozenset({"lr_scale", "lr_ramp"})  # fire for ``steps`` steps
+# kinds that stay in force for ``steps`` steps
+SPANNED: frozenset[FaultKind] = frozenset({"lr_scale", "lr_ramp", "attn_logit_overflow"})
 
 
 class SimulatedOOM(torch.OutOfMemoryError):
@@ -50,6 +51,14 @@ class SimulatedOOM(torch.OutOfMemoryError):
 def _default_param(model: nn.Module) -> str:
     # the largest weight matrix in the middle of the network: a plausible victim
     names = [n for n, p in model.named_parameters() if p.ndim > 1]
+    return names[len(names) // 2]
+
+
+def _default_attention(model: nn.Module) -> str:
+    # the middle one of the attention layers (modules with a fused q/k/v projection)
+    names = [n for n, m in model.named_modules() if hasattr(m, "upcast_attention")]
+    if not names:
+        raise ValueError("fault attn_logit_overflow: the model has no attention layer")
     return names[len(names) // 2]
 
 
@@ -178,8 +187,12 @@ class FaultInjector(StepHooks):
         """During the forward pass: ``fp16_overflow`` scales one module's output past the
         fp16 range (x 1e5 beyond its max), as an overflowing activation would;
         ``transient_nan`` makes one module's output NaN the first time it runs in the step,
-        and never again (a flaky device: the same computation run again is clean)."""
-        handles = []
+        and never again (a flaky device: the same computation run again is clean);
+        ``attn_logit_overflow`` grows one attention layer's q and k until its largest logit
+        is ``factor`` x 65504, and has it compute its attention unfused (the logits in the
+        compute dtype, as an unfused fp16 kernel does): under fp16 they overflow, in fp32
+        (or with the layer's ``upcast_attention`` on) the softmax stays finite."""
+        handles, unfused = [], []
         for i, f in self._active(step, ("transient_nan",)):
             name = f.target or _default_module(model)
             module = dict(model.named_modules()).get(name)
@@ -207,11 +220,24 @@ class FaultInjector(StepHooks):
 
             # prepend: run before any other hook (the provenance trace must see the result)
             handles.append(module.register_forward_hook(hook, prepend=True))
+        for _, f in self._active(step, ("attn_logit_overflow",)):
+            name = f.target or _default_attention(model)
+            module = dict(model.named_modules()).get(name)
+            if module is None or not isinstance(getattr(module, "qkv", None), nn.Module):
+                raise ValueError(f"fault attn_logit_overflow: no attention module named "
+                                 f"{name!r} (with a fused qkv projection)")
+            self._record(f, step, module=name)
+            handles.append(module.qkv.register_forward_hook(
+                _grow_qk(module.num_heads, FP16_MAX * f.factor)))
+            unfused.append((module, module.fused))
+            module.fused = False
         try:
             yield
         finally:
             for h in handles:
                 h.remove()
+            for module, fused in unfused:
+                module.fused = fused
 
     def grads(self, step: int, model: nn.Module) -> None:
         for _, f in self._active(step, ("grad_nan",)):
@@ -241,6 +267,24 @@ class FaultInjector(StepHooks):
             else:
                 p.mul_(f.factor)
             self._record(f, step, param=name, factor=f.factor)
+
+
+def _grow_qk(heads: int, target: float):
+    """A forward hook for an attention layer's fused qkv projection (N, L, 3D): scale q and
+    k by one factor s so that the largest logit q·k/√d of the batch becomes ``target``, as
+    Q/K weights grown s-fold would make it (s is computed in fp32 from this batch)."""
+
+    def hook(_m, _inp, out):
+        n, length, d3 = out.shape
+        with torch.autocast(out.device.type, enabled=False):  # fp32 arithmetic here
+            qkv = out.detach().float().reshape(n, length, 3, heads, d3 // (3 * heads))
+            q, k = qkv[:, :, 0].transpose(1, 2), qkv[:, :, 1].transpose(1, 2)  # (N, h, L, Dh)
+            logit = (q @ k.transpose(-2, -1)).abs().amax() / q.shape[-1] ** 0.5
+            scale = torch.ones(d3, device=out.device)
+            scale[: 2 * d3 // 3] = (target / logit.clamp_min(1e-6)).sqrt()  # q, k; not v
+            return (out.float() * scale).to(out.dtype)
+
+    return hook
 
 
 def make_injector(faults: Sequence[FaultConfig], rank: int = 0) -> StepHooks:

@@ -28,16 +28,17 @@ from ..values import finite, fmt, module_of, num
 
 IncidentKind = Literal[
     "nonfinite_loss", "nonfinite_grad", "lr_spike", "loss_spike", "grad_spike", "divergence",
-    "bad_batch", "fp16_overflow", "nonfinite_params", "weight_jump", "skip_budget",
-    "out_of_memory", "rank_mismatch", "lr_too_high", "sample_quarantined", "transient_fault",
+    "bad_batch", "fp16_overflow", "attention_upcast", "nonfinite_params", "weight_jump",
+    "skip_budget", "out_of_memory", "rank_mismatch", "lr_too_high", "sample_quarantined",
+    "transient_fault",
     "attention_logit_growth", "attention_entropy_collapse", "norm_eps_dominated",
     "norm_affine_exploded",
     "adapter_base_modified", "adapter_delta_clamp",
 ]
 # What the guard did about an incident (the row's ``action``; a healthy step writes no row).
-IncidentAction = Literal["skip", "rollback", "abort", "warn", "precision_fallback",
-                         "microbatch_backoff", "resync", "rescale_delta", "drop_samples",
-                         "quarantine", "rerun"]
+IncidentAction = Literal["skip", "rollback", "abort", "warn", "attention_upcast",
+                         "precision_fallback", "microbatch_backoff", "resync", "rescale_delta",
+                         "drop_samples", "quarantine", "rerun"]
 # fatal: state or batch unusable; spike: this update is suspect; trend: a slow problem;
 # warn: a health warning only.
 FindingSeverity = Literal["fatal", "spike", "trend", "warn"]
@@ -589,11 +590,14 @@ class Fp16Overflow(Finding):
     serious = True
 
     @classmethod
-    def forward(cls, *, loss: float, loss_scale: float,
-                provenance: dict[str, Any] | None) -> Fp16Overflow:
+    def forward(cls, *, loss: float, loss_scale: float, provenance: dict[str, Any] | None,
+                attention_module: str | None = None) -> Fp16Overflow:
+        """``attention_module``: the attention layer the overflowing module belongs to
+        (provenance.attention_owner), whose attention the policy may upcast first."""
         return cls(cls.KIND, "spike", {
             "loss": loss, "loss_scale": loss_scale, "provenance": provenance,
-            "note": "an activation exceeded the fp16 range in the forward pass"})
+            "note": "an activation exceeded the fp16 range in the forward pass",
+            **({"attention_module": attention_module} if attention_module else {})})
 
     @classmethod
     def repeated(cls, *, overflows_in_window: int, window: int, limit: int,
@@ -614,6 +618,36 @@ class Fp16Overflow(Finding):
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
         return USE_BF16
+
+
+class AttentionUpcast(Finding):
+    """fp16: a forward overflow that began in an attention layer; the step was skipped and
+    that layer's q kᵀ and softmax run in fp32 from then on (action ``attention_upcast``, the
+    first precision remedy; the global fallback comes only if it overflows again)."""
+
+    KIND = "attention_upcast"
+    serious = True
+    NOTE: ClassVar[str] = ("the attention logits of this layer exceeded the fp16 range: its "
+                           "q kᵀ and softmax now run in fp32, the rest of the model stays fp16")
+
+    @classmethod
+    def new(cls, *, module: str, loss: float, loss_scale: float,
+            provenance: dict[str, Any] | None) -> AttentionUpcast:
+        return cls(cls.KIND, "spike", {"module": module, "loss": loss,
+                                       "loss_scale": loss_scale, "provenance": provenance,
+                                       "note": cls.NOTE})
+
+    def _facts(self) -> list[str]:
+        return [f"fp16 overflow in the attention of {self.module}: its q kᵀ and softmax now "
+                "run in fp32"]
+
+    def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
+        mods = sorted({str(g.module) for g in group if g.module})
+        return (f"set model.upcast_attention=true from the start (the guard upcast "
+                f"{', '.join(mods[:3]) or 'an attention layer'} after an overflow; with a "
+                "diffusers UNet: upcast_attention=True in its config)"
+                + ("; QK-norm (model.qk_norm=true) keeps the logits small in the first place"
+                   if not ctx.qk_norm else ""))
 
 
 class NonfiniteParams(Finding):

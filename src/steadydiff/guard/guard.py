@@ -256,6 +256,9 @@ class Guard:
         self.same_rollbacks = 0
         self.transient: dict[str, int] = {}  # rank -> transient faults (re-run was finite)
         self._warned: dict[tuple[str, str], int] = {}
+        self.upcast: list[str] = []  # attention layers the guard switched to fp32 attention
+        self.last_probe: dict | None = None
+        self.last_probe_step: int | None = None  # the step the probes last ran at
         self._names, self._params = self.update.names, self.update.params
         # weights with RMS below 0.05 count as 0.05, so zero-initialised layers moving off
         # zero are not "jumps"
@@ -640,16 +643,22 @@ class Guard:
         if self.progress.scaler is not None:
             forward = not math.isfinite(seen.loss)
             prov = (self._provenance(replay, num_micro, after_backward)
-                    if forward and self.cfg.provenance else None)
-            if not forward or (prov or {}).get("first_overflow_module"):
-                return self._overflow_finding(seen, prov, forward)
+                    if forward and self.cfg.provenance else None) or {}
+            # where it began: in fp16 the first inf is the first non-finite output; an
+            # attention layer's softmax turns its inf logits into NaN before any output
+            attn = provenance.attention_owner(self.net, prov.get("first_nonfinite_module")
+                                              or prov.get("first_overflow_module"))
+            if not forward or prov.get("first_overflow_module") or attn:
+                return self._overflow_finding(seen, prov or None, forward, attn)
         if not math.isfinite(seen.loss):
             return findings.NonfiniteLoss.new(loss=seen.loss, grad_norm=seen.grad_norm)
         return findings.NonfiniteGrad.new(loss=seen.loss, grad_norm=seen.grad_norm)
 
-    def _overflow_finding(self, seen: _Seen, prov: dict | None, forward: bool) -> Finding:
+    def _overflow_finding(self, seen: _Seen, prov: dict | None, forward: bool,
+                          attn: str | None = None) -> Finding:
         """An fp16 overflow: ``routine`` (gradients, while the scale calibrates), ``spike``
-        (an activation in the forward pass) or ``trend`` (repeated within the window)."""
+        (an activation in the forward pass) or ``trend`` (repeated within the window).
+        ``attn``: the attention layer where the forward overflow began, if any."""
         scale = self.progress.scaler.get_scale()
         trend = self.overflow.record(self.progress.step, scale)
         if trend is not None:
@@ -657,8 +666,11 @@ class Guard:
             trend.evidence["precision"] = self.progress.precision
             if prov:
                 trend.evidence["provenance"] = prov
+            if attn:
+                trend.evidence["attention_module"] = attn
             return trend
-        f = findings.Fp16Overflow.forward(loss=seen.loss, loss_scale=scale, provenance=prov)
+        f = findings.Fp16Overflow.forward(loss=seen.loss, loss_scale=scale, provenance=prov,
+                                          attention_module=attn)
         if not forward:
             f.severity = "routine"  # gradients overflowed: the scaler's calibration, silent
         return f
@@ -799,7 +811,8 @@ class Guard:
                        precision=prog.precision, supported=self._supported,
                        has_snapshot=len(self.ring) > 0,
                        snapshots=tuple(sn.step for sn in self.ring.ring),
-                       last_rollback=self.last_rollback, same_rollbacks=self.same_rollbacks)
+                       last_rollback=self.last_rollback, same_rollbacks=self.same_rollbacks,
+                       upcast=frozenset(self.upcast))
 
     def _act(self, f: Finding, seen: _Seen) -> Decision:
         """Carry out the policy's action for finding ``f``."""
@@ -820,10 +833,23 @@ class Guard:
         inc = None
         if a.scaler:
             self.scaler_skips += 1
-            if f.severity == "trend":
+            if a.upcast:
+                self.upcast_attention(a.upcast)
+                inc = self._record(
+                    findings.AttentionUpcast.new(module=a.upcast, loss=seen.loss,
+                                                 loss_scale=f.evidence.get("loss_scale"),
+                                                 provenance=f.provenance or None),
+                    "attention_upcast",
+                    cost={"steps_redone": 0, "batches_skipped": 1,
+                          "batch_position": prog.batches_consumed},
+                    diagnosis={"reason": a.reason,
+                               "note": f"q kᵀ and softmax of {a.upcast} in fp32 from now on"})
+            elif f.severity == "trend" or a.precision:
                 inc = self._record(f, "precision_fallback" if a.precision else "skip",
-                                   diagnosis={"new_precision": a.precision} if a.precision else
-                                   {"note": "precision fallback disabled or not available"})
+                                   diagnosis={"reason": a.reason, **(
+                                       {"new_precision": a.precision} if a.precision else
+                                       {"note": "precision fallback disabled or not "
+                                                "available"})})
                 if a.precision:
                     prog.precision, prog.scaler = a.precision, None
             elif a.record:
@@ -867,6 +893,7 @@ class Guard:
         self._jump_skipped()
         self.skipped_positions = deque(p for p in self.skipped_positions if p < start)
         self.ring.drop_after(snap.step)
+        self.last_probe_step = None  # that step is redone; its probe is stale
         diagnosis: dict[str, Any] = {"reason": a.reason}
         if a.lr_cap_fraction is not None:  # the cause is the LR: cap it for good
             stable = num(f.evidence.get("lr_start")) or max(
@@ -986,9 +1013,26 @@ class Guard:
                                                    for r, n in ratios[:3]]
         return out
 
+    def upcast_attention(self, name: str) -> None:
+        """Compute attention layer ``name``'s q kᵀ and softmax in fp32 from now on (its
+        ``upcast_attention`` attribute: steadydiff's and diffusers' attention modules), in
+        the model and in the EMA's copy of it (which samples), and remember it: it survives
+        rollbacks (an attribute, not a weight) and resumes (:meth:`state_dict`)."""
+        module = dict(self.net.named_modules()).get(name)
+        if module is None or not hasattr(module, "upcast_attention"):
+            raise ValueError(f"no attention module {name!r} with an upcast_attention attribute")
+        module.upcast_attention = True
+        copy = self.ema.module() if self.ema is not None else None
+        twin = dict(copy.named_modules()).get(name) if copy is not None else None
+        if twin is not None and hasattr(twin, "upcast_attention"):
+            twin.upcast_attention = True
+        if name not in self.upcast:
+            self.upcast.append(name)
+
     def _probe(self, forward: Callable[[], object]) -> None:
         c = self.cfg
         stats = probes.probe(self.net, forward)
+        self.last_probe_step = self.progress.step
         for f in probes.findings(stats, logit_limit=c.attn_logit_limit,
                                  entropy_min=c.attn_entropy_min, var_ratio=c.norm_var_ratio,
                                  affine_limit=c.norm_affine_limit):
@@ -1145,6 +1189,7 @@ class Guard:
             "skipped_positions": list(self.skipped_positions),
             "last_rollback": list(self.last_rollback) if self.last_rollback else None,
             "same_rollbacks": self.same_rollbacks, "transient": dict(self.transient),
+            "upcast_attention": list(self.upcast),
             "counts": dict(self.counts),
             "scaler_skips": self.scaler_skips, "incidents": self.num_incidents,
         }
@@ -1170,6 +1215,8 @@ class Guard:
         self.last_rollback = (int(last[0]), str(last[1])) if last else None
         self.same_rollbacks = int(s.get("same_rollbacks", 0))
         self.transient = {str(k): int(v) for k, v in s.get("transient", {}).items()}
+        for name in s.get("upcast_attention", []):  # re-applied to the freshly built model
+            self.upcast_attention(name)
         if isinstance(self.progress, Progress) and s.get("precision"):
             self.progress.precision = s["precision"]
             if s["precision"] != "fp16":

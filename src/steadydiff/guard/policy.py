@@ -14,15 +14,19 @@ The rules (docs/guard.md):
 - fp16 overflow is first the grad scaler's business (lower the scale, skip the step); one
   that repeats ``overflow_limit`` times within ``overflow_window`` steps is a precision
   problem: fall back fp16 -> bf16 -> fp32 (the first one the device runs natively);
+- a forward overflow that began in an attention layer is first that layer's: upcast its
+  attention to fp32 (skip the step); if an upcast layer overflows again, the upcast did not
+  help: fall back in precision at once;
 - the weights themselves went bad (``nonfinite_params``, ``weight_jump``): roll back at once,
   the state is unusable. Found *before* the forward pass (the weights changed between two
   steps) no data is to blame and none is skipped; found right after an update, the batch
   that made the update is;
 - sustained growth of the gradient norm and the loss while the LR rose, or spikes that keep
-  coming (they would escalate) while it rose (``lr_too_high``): roll back to the newest snapshot from before the growth began and cap the LR at
-  ``lr_cap_fraction`` x the LR at which training was last stable; the same rollback again
-  halves the cap once more; a slow divergence at a steady LR (``divergence``) rolls back to
-  before it began too, with the usual LR backoff. Neither skips data;
+  coming (they would escalate) while it rose (``lr_too_high``): roll back to the newest
+  snapshot from before the growth began and cap the LR at ``lr_cap_fraction`` x the LR at
+  which training was last stable; the same rollback again halves the cap once more; a slow
+  divergence at a steady LR (``divergence``) rolls back to before it began too, with the
+  usual LR backoff. Neither skips data;
 - anything else (a non-finite loss or gradient, a loss or grad-norm spike, an LR jump) is
   skipped, and rolled back once ``skips_before_rollback`` incidents arrive within
   ``skip_window`` steps (skipping only the batches that were implicated);
@@ -65,6 +69,8 @@ class History:
         is used).
     last_rollback: (restored step, reason) of the latest rollback, or None.
     same_rollbacks: how many rollbacks in a row restored that step for that reason.
+    upcast: attention layers whose attention already runs in fp32 (an earlier
+        ``attention_upcast``).
     """
 
     step: int
@@ -76,6 +82,7 @@ class History:
     snapshots: tuple[int, ...] = ()
     last_rollback: tuple[int, str] | None = None
     same_rollbacks: int = 0
+    upcast: frozenset[str] = frozenset()
 
     def snapshot_before(self, step: int | None) -> int | None:
         """The step of the newest snapshot at or before ``step`` (None: the newest), or of
@@ -103,6 +110,8 @@ class Action:
     lr_cap_fraction: cap the LR at this fraction of the last stable LR (``lr_too_high``),
         instead of the temporary backoff; None: the backoff.
     precision: switch to this precision (a fallback), or None.
+    upcast: compute this attention layer's attention in fp32 from now on (with a scaler
+        skip), or None.
     scaler: an fp16 overflow skip: the grad scaler lowers its scale.
     record: write an incident (routine fp16 calibration skips are silent).
     budget_abort: after recording the skip, abort: the skip budget is spent (the text says
@@ -116,6 +125,7 @@ class Action:
     skip_data: SkipData = "implicated"
     lr_cap_fraction: float | None = None
     precision: Precision | None = None
+    upcast: str | None = None
     scaler: bool = False
     record: bool = True
     budget_abort: str | None = None
@@ -169,13 +179,18 @@ def _rollback(f: Finding, h: History, c: GuardConfig, reason: str, *,
 def decide(f: Finding, h: History, c: GuardConfig) -> Action:
     """The action for finding ``f`` given the history ``h`` (pure; see the module doc)."""
     if f.kind == "fp16_overflow":
-        if f.severity == "trend":  # repeated: a precision problem
+        attn = f.evidence.get("attention_module")
+        if attn and attn not in h.upcast:  # the first remedy: this layer's attention in fp32
+            return Action("skip", scaler=True, upcast=attn,
+                          reason=f"fp16 overflow in the attention of {attn}")
+        if attn or f.severity == "trend":  # repeated, or upcast did not help: precision
             new = fallback(h.precision, h.supported, c.precision_fallback)
             n = recent(h.skips, h.step, c.budget_window)
             over = (f"more than {c.max_skips} skipped steps within {c.budget_window}"
                     if n > c.max_skips else None)
             return Action("skip", scaler=True, precision=new, budget_abort=over,
-                          reason="repeated fp16 overflow")
+                          reason=(f"fp16 overflow in {attn} persists after its attention "
+                                  "upcast") if attn else "repeated fp16 overflow")
         # one overflow: the scaler calibrates; an overflow in the forward pass is recorded
         return Action("skip", scaler=True, record=f.severity != "routine",
                       reason="fp16 overflow")

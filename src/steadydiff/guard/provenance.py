@@ -11,6 +11,10 @@ step) with forward hooks on every module, and names
   first is closest to the loss), and how many.
 
 Only on incidents: a replay costs one forward and backward pass.
+
+:func:`attention_owner` maps the module a replay named to the attention layer it belongs
+to (any module with an ``upcast_attention`` attribute: steadydiff's and diffusers'), for the
+guard's first fp16 remedy, upcasting that layer's attention.
 """
 
 from __future__ import annotations
@@ -32,6 +36,24 @@ def tensors_in(out: object) -> list[torch.Tensor]:
     if isinstance(out, dict):
         return [t for o in out.values() for t in tensors_in(o)]
     return []
+
+
+def attention_owner(model: nn.Module, name: str | None) -> str | None:
+    """The attention layer behind module ``name``: the module itself or its nearest
+    ancestor with an ``upcast_attention`` attribute (``mid.attn.attn.proj`` ->
+    ``mid.attn.attn``; diffusers' ``...attn1.to_out.0`` -> ``...attn1``), else its first
+    descendant with one (an overflow in a block's own residual add, after its attention).
+    None when there is none (a convolution, a norm, an MLP) or ``name`` is None."""
+    if not name:
+        return None
+    mods = dict(model.named_modules())
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        m = mods.get(".".join(parts[:i]))
+        if m is not None and hasattr(m, "upcast_attention"):
+            return ".".join(parts[:i])
+    return next((n for n, m in mods.items()
+                 if n.startswith(name + ".") and hasattr(m, "upcast_attention")), None)
 
 
 def nonfinite_grads(model: nn.Module) -> list[str]:

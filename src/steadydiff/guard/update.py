@@ -60,6 +60,12 @@ class EMAHandle:
             raise TypeError(f"unsupported EMA object {type(e).__name__}: expected steadydiff's "
                             "EMA, torch.optim.swa_utils.AveragedModel or diffusers' EMAModel")
 
+    def module(self) -> nn.Module | None:
+        """The EMA's copy of the model (ours and ``AveragedModel`` keep one; diffusers'
+        ``EMAModel`` keeps only tensors: None)."""
+        m = getattr(self.ema, "module", None)
+        return m if isinstance(m, nn.Module) else None
+
     def tensors(self) -> list[torch.Tensor]:
         e = self.ema
         if hasattr(e, "shadow_params"):

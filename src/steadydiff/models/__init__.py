@@ -43,7 +43,8 @@ def build_model(cfg: ModelConfig, *, image_size: int, channels: int) -> nn.Modul
     """Build the denoiser described by ``cfg``.
 
     Args:
-        cfg: the ``model`` config section (kind, num_classes, qk_norm, unet/dit sub-sections).
+        cfg: the ``model`` config section (kind, num_classes, qk_norm, upcast_attention,
+            unet/dit sub-sections).
         image_size: H = W of the training images (``data.image_size``).
         channels: image channels C (``data.channels``).
 
@@ -54,9 +55,15 @@ def build_model(cfg: ModelConfig, *, image_size: int, channels: int) -> nn.Modul
         ValueError: a shape that cannot work (e.g. image size vs. down-samplings or patch).
     """
     if cfg.kind == "unet":
-        return UNet(channels, image_size, cfg.unet, num_classes=cfg.num_classes,
+        model: nn.Module = UNet(channels, image_size, cfg.unet, num_classes=cfg.num_classes,
+                                qk_norm=cfg.qk_norm)
+    elif cfg.kind == "dit":
+        model = DiT(channels, image_size, cfg.dit, num_classes=cfg.num_classes,
                     qk_norm=cfg.qk_norm)
-    if cfg.kind == "dit":
-        return DiT(channels, image_size, cfg.dit, num_classes=cfg.num_classes,
-                   qk_norm=cfg.qk_norm)
-    raise ValueError(f"model.kind must be one of {', '.join(MODEL_KINDS)}, got {cfg.kind!r}")
+    else:
+        raise ValueError(f"model.kind must be one of {', '.join(MODEL_KINDS)}, "
+                         f"got {cfg.kind!r}")
+    for m in model.modules():  # model.upcast_attention: fp32 logits in every layer
+        if isinstance(m, Attention):
+            m.upcast_attention = cfg.upcast_attention
+    return model

@@ -136,6 +136,19 @@ class Attention(nn.Module):
     probe materialises the (N, heads, L, L) logits, so the guard should turn it on only on
     probe steps.
 
+    ``self.upcast_attention = True`` computes q kᵀ and the softmax in float32 with autocast
+    off (inputs cast up, the output cast back to the compute dtype): the "upcast attention"
+    fix for fp16 overflow of the logits (Stable Diffusion 2.x; diffusers' ``Attention`` has
+    an attribute of the same name and meaning, which is what lets the guard flip it on either
+    kind of module). ``model.upcast_attention`` sets it on every layer at build; the guard
+    sets it on one layer whose attention overflowed fp16.
+
+    ``self.fused = False`` writes the attention out instead of calling the fused kernel, in
+    the compute dtype: under fp16 the (N, heads, L, L) logits are fp16 and overflow past
+    65504, as in an unfused kernel (diffusers' classic ``AttnProcessor``, SD 2.x's original
+    attention). The fused kernels accumulate q kᵀ in float32 and hide that overflow; the
+    ``attn_logit_overflow`` fault (guard/faults.py) turns ``fused`` off to reproduce it.
+
     Args:
         dim: token width D.
         num_heads: number of heads; must divide ``dim``.
@@ -157,6 +170,8 @@ class Attention(nn.Module):
                                   if qk_norm else nn.Identity())
         self.proj = nn.Linear(dim, dim)
         self.probe = False
+        self.upcast_attention = False
+        self.fused = True
         self.last_stats: dict[str, Tensor] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
@@ -168,25 +183,34 @@ class Attention(nn.Module):
         # gets one dtype.
         q = self.q_norm(q).to(v.dtype)
         k = self.k_norm(k).to(v.dtype)
-        if self.probe:
-            out = self._probe_attention(q, k, v)
+        if self.probe or not self.fused:
+            out = self._explicit_attention(q, k, v, fp32=self.probe or self.upcast_attention)
+        elif self.upcast_attention:
+            # the same fused kernel on float32 inputs: q kᵀ and softmax in fp32
+            with torch.autocast(device_type=q.device.type, enabled=False):
+                out = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+            out = out.to(v.dtype)
         else:
             out = F.scaled_dot_product_attention(q, k, v)  # (N, heads, L, Dh)
         out = out.transpose(1, 2).reshape(n, length, d)  # (N, L, D)
         return self.proj(out)
 
-    def _probe_attention(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        # Explicit attention in float32, autocast off: the statistics should describe the
-        # logits, not bf16 rounding of them.
+    def _explicit_attention(self, q: Tensor, k: Tensor, v: Tensor, fp32: bool) -> Tensor:
+        # softmax(q kᵀ/√d) v written out, autocast off. fp32 (the probe, upcast_attention):
+        # the statistics describe the logits, not bf16 rounding of them, and logits past
+        # 65504 stay finite. Otherwise the logits are in the compute dtype, as an unfused
+        # kernel leaves them; the softmax runs in fp32 as autocast would run it.
+        dt = torch.float32 if fp32 else v.dtype
         with torch.autocast(device_type=q.device.type, enabled=False):
-            logits = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.head_dim)
-            logp = torch.log_softmax(logits, dim=-1)  # (N, heads, L, L)
+            logits = (q.to(dt) @ k.to(dt).transpose(-2, -1)) / math.sqrt(self.head_dim)
+            logp = torch.log_softmax(logits.float(), dim=-1)  # (N, heads, L, L)
             p = logp.exp()
-            # Entropy in nats per query row; log(L) means uniform, 0 means one-hot collapse.
-            entropy = -(p * logp).sum(-1).mean()
-            self.last_stats = {"max_logit": logits.detach().amax(),
-                               "entropy": entropy.detach()}
-            out = p @ v.float()
+            if self.probe:
+                # Entropy in nats per query row; log(L) is uniform, 0 is one-hot collapse.
+                entropy = -(p * logp).sum(-1).mean()
+                self.last_stats = {"max_logit": logits.detach().float().amax(),
+                                   "entropy": entropy.detach()}
+            out = p.to(dt) @ v.to(dt)
         return out.to(v.dtype)
 
 

@@ -66,7 +66,8 @@ __all__ = ["RunResult", "StepOutput", "TrainState", "attach_guard", "build_state
 RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
                "data.path", "train.on_save_error", "sample.", "logging.", "faults", "eval.",
-               "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every")
+               "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every",
+               "guard.probe_every")  # the probes read the model (no grad, no RNG draw)
 
 
 @dataclass

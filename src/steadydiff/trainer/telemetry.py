@@ -120,8 +120,12 @@ def layer_stats(state: TrainState, out: StepOutput) -> dict[str, Any]:
     if out.layer_grad_norms is not None:
         row["grad_norm"] = dict(zip(names, out.layer_grad_norms.float().cpu().tolist()))
     if out.probe_forward is not None:
-        stats = (state.guard.probe_now(out.probe_forward) if state.guard is not None
-                 else probes.probe(state.model, out.probe_forward))
+        g = state.guard
+        if g is not None and g.last_probe_step == state.step and g.last_probe is not None:
+            stats = g.last_probe  # the guard's own probe (guard.probe_every) ran this step
+        else:
+            stats = (g.probe_now(out.probe_forward) if g is not None
+                     else probes.probe(state.model, out.probe_forward))
         row["attn"], row["norm"] = stats["attn"], stats["norm"]
     return row
 
