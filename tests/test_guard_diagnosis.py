@@ -316,3 +316,18 @@ def test_many_transient_faults_on_one_rank_are_a_hardware_finding():
     assert "3 transient faults on rank 1's device" in advice and "hardware" in advice
     one = group[0].recommendation(F.RunContext(), group[:1])
     assert one.startswith("a one-off")
+
+
+def test_spikes_that_keep_coming_are_not_pinned_on_samples():
+    """Right after a spike was skipped (or pinned on samples), a new loss spike is the
+    model's: an unstable model spikes on many samples, and dropping them would hide it."""
+    guard = _spiky_guard()
+    t = torch.tensor([5, 30, 55, 80] * 4)
+    ps = torch.ones(16)
+    ps[6] = 400.0
+    f = guard.loss.check(_buckets(ps, t))
+    guard.progress.step = 40
+    guard.skips.append(35)  # a grad spike was skipped 5 steps ago
+    assert guard._attribute(f, t, ps, None, torch.arange(16), 1, 1) is None
+    guard.skips.clear()
+    assert guard._attribute(f, t, ps, None, torch.arange(16), 1, 1) is not None

@@ -255,6 +255,7 @@ class Guard:
         self.last_rollback: tuple[int, str] | None = None  # (restored step, reason)
         self.same_rollbacks = 0
         self.transient: dict[str, int] = {}  # rank -> transient faults (re-run was finite)
+        self.spike_drops: deque[int] = deque()  # steps of loss spikes pinned on samples
         self._warned: dict[tuple[str, str], int] = {}
         self.upcast: list[str] = []  # attention layers the guard switched to fp32 attention
         self.last_probe: dict | None = None
@@ -499,7 +500,12 @@ class Guard:
         if f.kind == "nonfinite_loss":
             return ([s for s in samples if not (s.finite_input and math.isfinite(s.loss))],
                     "non-finite loss")
-        # a loss spike: drop the worst samples until the bucket detector would stay quiet
+        # a loss spike: drop the worst samples until the bucket detector would stay quiet;
+        # not while spikes keep coming (a skip or a sample drop for a spike within
+        # skip_window): an unstable model spikes on many samples, the data is not at fault
+        now, window = self.progress.step, self.cfg.skip_window
+        if any(e >= now - window for e in (*self.skips, *self.spike_drops)):
+            return [], ""
         nb, stats = self.cfg.t_buckets, self.loss.stats
 
         def bucket(s: _Sample) -> int:
@@ -547,6 +553,8 @@ class Guard:
                                                      "steps_redone": 0, "batches_skipped": 0,
                                                      "batch_position": prog.batches_consumed})
         quarantined = self._implicate(samples)
+        if f.kind == "loss_spike":
+            self.spike_drops.append(prog.step)
         keep_dev = keep.to(inputs.device if inputs is not None else self.device)
         loss, ps, t = rerun(keep_dev, seen.n_global - len(samples))
         kept_idx = (None if indices is None else
@@ -940,7 +948,7 @@ class Guard:
         """Forget skips and rollbacks older than every window that counts them."""
         c, now = self.cfg, self.progress.step
         horizon = now - max(c.skip_window, c.budget_window)
-        for events in (self.skips, self.rollbacks):
+        for events in (self.skips, self.rollbacks, self.spike_drops):
             while events and events[0] < horizon:
                 events.popleft()
         oldest = self.ring.oldest()  # a skipped batch matters while a rollback can reach it
@@ -1189,6 +1197,7 @@ class Guard:
             "skipped_positions": list(self.skipped_positions),
             "last_rollback": list(self.last_rollback) if self.last_rollback else None,
             "same_rollbacks": self.same_rollbacks, "transient": dict(self.transient),
+            "spike_drops": list(self.spike_drops),
             "upcast_attention": list(self.upcast),
             "counts": dict(self.counts),
             "scaler_skips": self.scaler_skips, "incidents": self.num_incidents,
@@ -1215,6 +1224,7 @@ class Guard:
         self.last_rollback = (int(last[0]), str(last[1])) if last else None
         self.same_rollbacks = int(s.get("same_rollbacks", 0))
         self.transient = {str(k): int(v) for k, v in s.get("transient", {}).items()}
+        self.spike_drops = deque(int(x) for x in s.get("spike_drops", ()))
         for name in s.get("upcast_attention", []):  # re-applied to the freshly built model
             self.upcast_attention(name)
         if isinstance(self.progress, Progress) and s.get("precision"):
