@@ -493,8 +493,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown scenario(s) {unknown}; valid: {', '.join(SCENARIOS)}")
     if any(n not in FP16 and n != "clean" for n in names) and "clean" not in names:
         names.insert(0, "clean")
-    if "fp16_overflow" in names and "clean_fp16" not in names:
-        names.insert(names.index("fp16_overflow"), "clean_fp16")
+    fp16 = [n for n in names if n in FP16 and n != "clean_fp16"]
+    if fp16 and "clean_fp16" not in names:  # their reference
+        names.insert(names.index(fp16[0]), "clean_fp16")
     modes = [m for m in a.modes.split(",") if m]
     cases = [(n, m) for n in names for m in modes]
     if a.fault_step is None:

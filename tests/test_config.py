@@ -165,5 +165,6 @@ def test_round_trip_keeps_types_and_the_printed_config(tmp_path):
     raw = yaml.safe_load(text)
     assert raw["diffusion"]["piecewise"] == [[0.0, 10.0], [1.0, -10.0]]
     assert raw["faults"] == [{"kind": "oom", "step": 3, "factor": None, "steps": 1,
+                              "index": None,
                               "target": None, "where": "in_step", "rank": None}]
     assert isinstance(again.data.classes, tuple) and again.faults[0].kind == "oom"

@@ -146,6 +146,12 @@ def _cards(log: RunLog, ser: MetricSeries) -> str:
     for a in ("skip", "rollback", "precision_fallback", "warn"):
         if acts.get(a):
             cards.append((a + "s", str(acts[a])))
+    quarantined = [i for i in log.incidents if i.get("kind") == "sample_quarantined"]
+    if quarantined:  # the files to fix, where a person looks first
+        names = [str((i.get("evidence") or {}).get("source")
+                     or f"index {(i.get('evidence') or {}).get('index')}") for i in quarantined]
+        cards.append(("quarantined", ", ".join(names[:3])
+                      + (f" (+{len(names) - 3})" if len(names) > 3 else "")))
     return '<div class="cards">' + "".join(
         f'<div class="card"><div class="k">{esc(k)}</div><div class="v">{esc(v)}</div></div>'
         for k, v in cards) + "</div>"

@@ -23,7 +23,8 @@ from .read import MetricSeries, RunLog
 # Colours per guard action (the incident markers, the legend and the page's badges).
 ACTION_COLORS = {
     "skip": "#e69f00", "rollback": "#d62728", "attention_upcast": "#c5b0d5",
-    "precision_fallback": "#9467bd",
+    "precision_fallback": "#9467bd", "drop_samples": "#f7b6d2", "quarantine": "#e377c2",
+    "rerun": "#aec7e8",
     "microbatch_backoff": "#8c564b", "warn": "#7f7f7f", "abort": "#000000",
 }
 OTHER_ACTION_COLOR = "#17becf"
