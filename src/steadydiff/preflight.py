@@ -88,6 +88,10 @@ def check_data(cfg: Config, dataset: Dataset | None = None) -> tuple[Dataset, in
     k = cfg.model.num_classes
     data = as_pairs(dataset, k) if dataset is not None else build_dataset(cfg.data)
     declared = int(getattr(data, "num_classes", 0) or 0)
+    # our own datasets always declare their classes: 0 means unlabeled (a folder without
+    # data.class_labels), whatever placeholder labels its items carry
+    if k and not declared and not getattr(data, "labeled", False):
+        check_classes(cfg, 0)
     labels = labels_of(data) if k else None
     if labels is None and not declared and k and getattr(data, "labeled", False):
         num_classes = k  # (image, label) items, no count declared: each label is checked
