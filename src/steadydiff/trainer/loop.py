@@ -822,6 +822,15 @@ class _Outputs:
             self.samples.append(write_sample_grid(state, self.run.sample_grid(step)))
             if self.tb:
                 self.tb.image(self.samples[-1], step)
+        if main and state.ema.posthoc is not None and (
+                step % tcfg.ema_posthoc_every == 0 or done and not interrupted):
+            # before the checkpoint, whose state lists it; not at an interrupt (the run that
+            # was never interrupted has none there: resume gives the same snapshots)
+            try:
+                state.ema.posthoc.store(self.run.posthoc, step)
+            except OSError as err:  # not listed, so never used; training goes on
+                log.error("could not store the post-hoc EMA snapshot at step %d: %s", step, err)
+                print(f"warning: could not store the post-hoc EMA snapshot at step {step}: {err}")
         if (tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 or done) \
                 and step != self.saved:
             self.watchdog.beat(f"checkpoint at step {step}")
