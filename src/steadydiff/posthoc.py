@@ -237,6 +237,47 @@ def reconstruct_to(run_dir: str | Path, sigma_rel: float, out: str | Path | None
 # --------------------------------------------------------------------------- sweep
 
 
+class Measure:
+    """Sample from checkpoint ``c`` with its EMA replaced, and evaluate the samples with the
+    project's offline metric (:func:`~steadydiff.eval.evaluate.evaluate_samples`): the same
+    noise, labels and real subset for every EMA measured, so their FDs compare."""
+
+    def __init__(self, c: ckpt.Checkpoint, *, num: int = 500, sampler: str | None = None,
+                 steps: int | None = None, seed: int = 0, device: str | None = None,
+                 verbose: bool = True):
+        from .devices import resolve_device
+        from .diffusion import make_schedule
+        from .eval.evaluate import extractor_for
+        from .kinds import LABELLED_DATASETS
+        from .loading import checkpoint_config
+
+        self.c, self.cfg = c, checkpoint_config(c)
+        self.num, self.sampler, self.steps, self.seed = num, sampler, steps, seed
+        self.device = resolve_device(device, what="device")
+        if self.cfg.data.dataset not in LABELLED_DATASETS:
+            raise PosthocError(
+                f"--sweep evaluates with the offline FD of a labelled dataset "
+                f"({' or '.join(LABELLED_DATASETS)}); this run trained on "
+                f"{self.cfg.data.dataset}: reconstruct single values with --sigma-rel and "
+                "evaluate them with `steadydiff eval --inception-weights`")
+        self.fx = extractor_for(self.cfg, verbose=verbose)
+        self.schedule = make_schedule(self.cfg.diffusion)
+
+    def __call__(self, ema: dict[str, torch.Tensor], floor: bool = False) -> dict[str, Any]:
+        """The figures of the EMA ``ema`` (trainable tensors; ``{}``: the checkpoint's own);
+        ``floor`` adds the real-vs-real FD at the same N (``real_floor_fd``)."""
+        from .eval.evaluate import evaluate_samples
+        from .loading import Pipeline, build_from_checkpoint
+
+        c = dataclasses.replace(self.c, ema=_with_ema(self.c, ema))
+        model = build_from_checkpoint(c, self.cfg).to(self.device)
+        pipe = Pipeline(model, self.schedule, self.cfg, self.device, c.path, c.step)
+        x, y = pipe.sample(self.num, sampler=self.sampler, steps=self.steps, seed=self.seed,
+                           allow_nonfinite=True)
+        return _figures(evaluate_samples(self.fx, x, y, seed=self.seed, real_floor=floor))
+
+
+
 def sweep(run_dir: str | Path, sigma_rels: Sequence[float] = DEFAULT_SWEEP, *, num: int = 500,
           sampler: str | None = None, steps: int | None = None, seed: int = 0,
           device: str | None = None, force: bool = False, verbose: bool = True
@@ -249,12 +290,6 @@ def sweep(run_dir: str | Path, sigma_rels: Sequence[float] = DEFAULT_SWEEP, *, n
         ``{metric, rows: [{sigma_rel, fd, kid, precision, recall, residual, ...}], fixed:
         {ema_decay, fd, ...}, real_floor_fd, best: {sigma_rel, fd, checkpoint}, files}``.
     """
-    from .devices import resolve_device
-    from .diffusion import make_schedule
-    from .eval.evaluate import evaluate_samples, extractor_for
-    from .kinds import LABELLED_DATASETS
-    from .loading import Pipeline, build_from_checkpoint, checkpoint_config
-
     rels = [check_sigma_rel(s) for s in sigma_rels]
     if not rels:
         raise PosthocError("--sweep needs at least one sigma_rel")
@@ -268,30 +303,15 @@ def sweep(run_dir: str | Path, sigma_rels: Sequence[float] = DEFAULT_SWEEP, *, n
                                "--force to replace it (nothing was written)")
     elif run.posthoc_best.exists():
         _check_out(run.posthoc_best, force=True)
-    dev = resolve_device(device, what="device")
     c = ckpt.load_checkpoint(snaps.checkpoint)
-    cfg = checkpoint_config(c)
-    if cfg.data.dataset not in LABELLED_DATASETS:
-        raise PosthocError(f"--sweep evaluates with the offline FD of a labelled dataset "
-                           f"({' or '.join(LABELLED_DATASETS)}); this run trained on "
-                           f"{cfg.data.dataset}: reconstruct single values with --sigma-rel "
-                           "and evaluate them with `steadydiff eval --inception-weights`")
-    fx = extractor_for(cfg, verbose=verbose)
-    schedule = make_schedule(cfg.diffusion)
-
-    def measure(ema: dict[str, torch.Tensor]) -> dict[str, Any]:
-        cc = dataclasses.replace(c, ema=_with_ema(c, ema))
-        model = build_from_checkpoint(cc, cfg).to(dev)
-        pipe = Pipeline(model, schedule, cfg, dev, c.path, c.step)
-        x, y = pipe.sample(num, sampler=sampler, steps=steps, seed=seed, allow_nonfinite=True)
-        return evaluate_samples(fx, x, y, seed=seed)
-
-    fixed = measure({})
-    fixed = {"ema_decay": cfg.train.ema_decay, **_figures(fixed)}
+    measure = Measure(c, num=num, sampler=sampler, steps=steps, seed=seed, device=device,
+                      verbose=verbose)
+    cfg = measure.cfg
+    fixed = {"ema_decay": cfg.train.ema_decay, **measure({}, floor=True)}
     real_floor = fixed.pop("real_floor_fd", None)
     rows, recons = [], reconstruct(snaps, rels)
     for ema, fit in recons:
-        res = _figures(measure(ema))
+        res = measure(ema)
         res.pop("real_floor_fd", None)
         rows.append({"sigma_rel": fit["sigma_rel"], **res, "residual": fit["residual"]})
         if verbose:
@@ -304,7 +324,7 @@ def sweep(run_dir: str | Path, sigma_rels: Sequence[float] = DEFAULT_SWEEP, *, n
     best_ema, best_fit = recons[ib]
     best_path = write(c, best_ema, {**_record(best_fit, snaps), "chosen_by": "sweep",
                                     "fd": rows[ib]["fd"]}, run.posthoc_best)
-    result = {"metric": fx_metric(cfg), "num": num, "step": c.step, "sampler":
+    result = {"metric": f"FD-{cfg.data.dataset}", "num": num, "step": c.step, "sampler":
               sampler or cfg.sample.sampler, "steps": steps or cfg.sample.steps, "seed": seed,
               "rows": rows, "fixed": fixed, "real_floor_fd": real_floor,
               "best": {"sigma_rel": rows[ib]["sigma_rel"], "fd": rows[ib]["fd"],
@@ -316,10 +336,6 @@ def sweep(run_dir: str | Path, sigma_rels: Sequence[float] = DEFAULT_SWEEP, *, n
     files["md"].write_text(sweep_markdown(result))
     plot_sweep(result, files["png"])
     return result
-
-
-def fx_metric(cfg) -> str:
-    return f"FD-{cfg.data.dataset}"
 
 
 def _figures(res: dict[str, Any]) -> dict[str, Any]:
