@@ -60,7 +60,6 @@ def train(cfg, run_dir: Path, decays: list[float], warmups: tuple[bool, ...]) ->
 
     t0 = time.perf_counter()
     batches, pos, interventions = batches_from(0), 0, 0
-    every = cfg.train.ema_posthoc_every
     while state.step < cfg.train.steps:
         out = loop.train_step(state, next(batches))
         pos += 1
@@ -68,10 +67,11 @@ def train(cfg, run_dir: Path, decays: list[float], warmups: tuple[bool, ...]) ->
         if how == "stepped":
             for e in extra.values():  # the trainer's EMA rule, on the trainer's steps
                 e.update(state.model, state.step - 1)
-            if state.step % every == 0 or state.step == cfg.train.steps:
-                state.ema.posthoc.store(run.posthoc, state.step)
+            loop.store_posthoc(state, run, force=state.step == cfg.train.steps)
         else:
             interventions += 1
+            if how == "rolled_back":
+                raise SystemExit("the guard rolled back: the fixed EMAs here would not follow")
         if state.batches_consumed != pos or out.decision.quarantined:
             batches, pos = batches_from(state.batches_consumed), state.batches_consumed
     train_s = time.perf_counter() - t0

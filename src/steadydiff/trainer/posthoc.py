@@ -25,6 +25,7 @@ reconstruction (:mod:`steadydiff.posthoc`) may use. The snapshot folder lives ou
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any, Sequence
@@ -158,9 +159,11 @@ class PowerProfiles:
         (atomically: a temporary file, fsync, rename) and record it. A snapshot of the same
         step is replaced (a rerun after a rollback or a resume writes the same step again)."""
         name = f"{ckpt.checkpoint_name(step)}.safetensors"
-        meta = {"format": str(SNAPSHOT_FORMAT), "step": str(step),
-                "num_updates": str(self.num_updates),
-                "sigma_rels": ",".join(repr(s) for s in self.sigma_rels)}
+        # one metadata key: safetensors writes its metadata map in an order that changes
+        # between processes, and a resumed run must write the same bytes
+        meta = {"posthoc": json.dumps({"format": SNAPSHOT_FORMAT, "step": step,
+                                       "num_updates": self.num_updates,
+                                       "sigma_rels": list(self.sigma_rels)}, sort_keys=True)}
         path = ckpt.save_tensors_atomic(folder / name, self.tensor_dict(), meta)
         entry = {"step": step, "num_updates": self.num_updates, "file": name,
                  "size": path.stat().st_size, "sha256": ckpt.sha256_of(path)}
