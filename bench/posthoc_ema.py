@@ -92,6 +92,7 @@ def bench_one(config: Path, args, out_root: Path) -> dict:
             "logging.progress=false", "eval.every=0", "train.checkpoint_every=0"]
     if "fashion" in config.name and args.fashion_path:
         sets.append(f"data.path={args.fashion_path}")
+    sets += args.overrides
     cfg = load_config(config, sets)
     run_dir = out_root / config.stem
     if run_dir.exists():
@@ -149,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sigma-rels", type=lambda s: [float(v) for v in s.split(",")],
                    default=[0.03, 0.05, 0.08, 0.13, 0.2])
     p.add_argument("--fashion-path", default=None, help="Fashion-MNIST's idx.gz folder")
+    p.add_argument("--set", dest="overrides", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="more config overrides, for every config (e.g. a smaller model)")
     p.add_argument("--out", type=Path, default=Path("runs/bench_posthoc"))
     p.add_argument("--json", action="store_true", help="end with one JSON line")
     a = p.parse_args(argv)

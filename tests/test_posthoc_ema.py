@@ -4,7 +4,10 @@ skips and rollbacks, the CLI's refusals, and the checkpoint `steadydiff sample R
 
 import json
 import math
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ import torch
 import steadydiff
 from steadydiff import posthoc
 from steadydiff.cli import main
-from steadydiff.config import ConfigError, load_config
+from steadydiff.config import ConfigError, apply_overrides, load_config
 from steadydiff.data import build_dataset, make_loader
 from steadydiff.loading import sampling_checkpoint
 from steadydiff.trainer import checkpoint as ckpt
@@ -159,6 +162,33 @@ def test_resume_gives_the_same_snapshots(run_a, tmp_path):
     [(ea, _)] = posthoc.reconstruct(posthoc.find_snapshots(run_a), [0.07])
     [(eb, _)] = posthoc.reconstruct(posthoc.find_snapshots(out), [0.07])
     assert all(torch.equal(ea[k], eb[k]) for k in ea)
+
+
+@pytest.mark.slow  # two `steadydiff train` processes: ~25 s on an idle 2-core machine
+def test_sigkill_then_rerun_gives_the_same_snapshots(run_a, tmp_path):
+    """A SIGKILL at step 27 (after the step-20 checkpoint and the step-25 snapshot), then
+    the same command again: every snapshot file and the final profiles equal the
+    uninterrupted run's bit for bit."""
+    import yaml
+
+    raw = apply_overrides({}, list(POSTHOC))
+    raw["faults"] = [{"kind": "kill", "step": 27}]
+    conf, out = tmp_path / "c.yaml", tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "steadydiff.cli", "train", str(conf), "--out", str(out)]
+    for rc_want in (-9, 0):
+        conf.write_text(yaml.safe_dump(raw))
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == rc_want, r.stdout[-2000:] + r.stderr[-2000:]
+        raw.pop("faults", None)  # the same command, the fault removed
+        if rc_want == -9:
+            assert (out / "posthoc" / "step_00000025.safetensors").is_file()
+    for f in sorted((run_a / "posthoc").glob("step_*.safetensors")):
+        assert (out / "posthoc" / f.name).read_bytes() == f.read_bytes(), f.name
+    a, b = newest(run_a), newest(out)
+    assert a.state["ema"]["posthoc"] == b.state["ema"]["posthoc"]
+    assert all(torch.equal(v, b.extra["posthoc.safetensors"][k])
+               for k, v in a.extra["posthoc.safetensors"].items())
 
 
 def test_a_damaged_snapshot_is_skipped_and_named(run_a, tmp_path):
