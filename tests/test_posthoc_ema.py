@@ -275,9 +275,11 @@ def test_cli_reconstructs_and_refuses_to_overwrite(run_a, tmp_path, capsys):
     assert main(["ema", str(run_a), "--sigma-rel", "0.07", "--out", str(mine), "--force"]) == 2
     assert "not a post-hoc EMA checkpoint" in capsys.readouterr().err
     assert (mine / "notes.txt").read_text() == "keep"
-    # the written checkpoint samples like any other
+    # the written checkpoint samples like any other, and is refused for resuming
     assert main(["sample", str(out), "--num", "2", "--steps", "2",
                  "--out", str(tmp_path / "s.png")]) == 0
+    with pytest.raises(ckpt.CheckpointError, match="post-hoc EMA checkpoint"):
+        steadydiff.train(cfg(), out_dir=tmp_path / "new", resume=out)
 
 
 @pytest.mark.parametrize("args, says", [

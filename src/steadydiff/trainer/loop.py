@@ -629,6 +629,10 @@ def _resume(state: TrainState, source: Path, allow_config_change: bool,
     """Restore ``state`` from the checkpoint at ``source``; say what changed."""
     cfg, world = state.cfg, state.world_size
     c = ckpt.load_checkpoint(source, state.device)
+    if "posthoc_ema" in c.state:  # its EMA is a reconstruction: resuming would average on it
+        raise ckpt.CheckpointError(
+            f"{source} is a post-hoc EMA checkpoint (`steadydiff ema`), for sampling and "
+            "evaluation; resume from the run's checkpoints/step_* (rerun without --resume)")
     saved_cfg = validate(c.state["config"], f"{source}/state.json config")
     # a finished run trains no further step: its config changes cannot break anything
     done = c.step >= cfg.train.steps
