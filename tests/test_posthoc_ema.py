@@ -239,15 +239,16 @@ def test_guard_rollback_restores_the_profiles(tmp_path):
 
 
 def test_skips_and_rollbacks_in_a_run_never_reach_the_profiles(tmp_path):
-    """A NaN batch (its samples dropped, the step rerun without them) and a NaN weight (rolled back to the step-4 snapshot) in a real
-    run: the profiles count exactly the applied steps of the final trajectory, stay finite,
+    """A NaN batch (its samples dropped, the step rerun without them) and a NaN weight
+    (rolled back to the step-4 snapshot) in a real run: the profiles count exactly the applied steps of the final trajectory, stay finite,
     and every listed snapshot is the file on disk (the ones rewritten after the rollback)."""
     out = tmp_path / "f"
     steadydiff.train(load_config(None, TINY_MODEL + QUIET + [
         "train.steps=10", "train.checkpoint_every=0", "train.ema_posthoc=true",
         "train.ema_posthoc_every=2", "guard.snapshot_every=4",
         "faults=[{kind: nan_batch, step: 3}, {kind: param_nan, step: 7}]"]), out_dir=out)
-    kinds = [json.loads(r)["action"] for r in (out / "incidents.jsonl").read_text().splitlines()]
+    rows = (out / "incidents.jsonl").read_text().splitlines()
+    kinds = [json.loads(r)["action"] for r in rows]
     assert "rollback" in kinds and {"skip", "drop_samples"} & set(kinds), kinds
     c = newest(out)
     meta = c.state["ema"]["posthoc"]
