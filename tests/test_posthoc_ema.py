@@ -240,8 +240,9 @@ def test_guard_rollback_restores_the_profiles(tmp_path):
 
 def test_skips_and_rollbacks_in_a_run_never_reach_the_profiles(tmp_path):
     """A NaN batch (its samples dropped, the step rerun without them) and a NaN weight
-    (rolled back to the step-4 snapshot) in a real run: the profiles count exactly the applied steps of the final trajectory, stay finite,
-    and every listed snapshot is the file on disk (the ones rewritten after the rollback)."""
+    (rolled back to the step-4 snapshot) in a real run: the profiles count exactly the
+    applied steps of the final trajectory, stay finite, and every listed snapshot is the file
+    on disk (the ones rewritten after the rollback; the step-4 one listed again)."""
     out = tmp_path / "f"
     steadydiff.train(load_config(None, TINY_MODEL + QUIET + [
         "train.steps=10", "train.checkpoint_every=0", "train.ema_posthoc=true",
