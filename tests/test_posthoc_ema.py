@@ -157,6 +157,8 @@ def test_resume_gives_the_same_snapshots(run_a, tmp_path):
         assert (out / "posthoc" / f.name).read_bytes() == f.read_bytes(), f.name
     a, b = newest(run_a), newest(out)
     assert a.state["ema"]["posthoc"] == b.state["ema"]["posthoc"]
+    assert all(torch.equal(a.model[k], b.model[k]) and torch.equal(a.ema[k], b.ema[k])
+               for k in a.model)
     for k in a.extra["posthoc.safetensors"]:
         assert torch.equal(a.extra["posthoc.safetensors"][k], b.extra["posthoc.safetensors"][k])
     [(ea, _)] = posthoc.reconstruct(posthoc.find_snapshots(run_a), [0.07])
