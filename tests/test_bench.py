@@ -41,7 +41,7 @@ def _last_json(stdout: str) -> dict:
 
 @pytest.mark.parametrize("script", ["throughput.py", "samplers.py", "stability.py",
                                     "logging_overhead.py", "eval_samplers.py",
-                                    "eval_sanity.py", "eval_curves.py"])
+                                    "eval_sanity.py", "eval_curves.py", "posthoc_ema.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -183,6 +183,20 @@ def test_eval_sanity_smoke():
     fd = {r["case"]: r["fd"] for r in out["rows"]}
     assert fd["real vs real (disjoint)"] < fd["real vs uniform noise"]
     assert out["feature_net"]["test_accuracy"] > 0.9
+
+
+@pytest.mark.slow  # trains, then samples and evaluates 4 EMAs: ~40 s
+def test_posthoc_ema_smoke(tmp_path):
+    out = _last_json(_run(
+        "posthoc_ema.py", "--configs", str(REPO / "configs/digits_cond.yaml"), "--steps", "6",
+        "--every", "2", "--num", "16", "--sample-steps", "2", "--decays", "0.9,0.99",
+        "--sigma-rels", "0.05,0.1", "--out", str(tmp_path / "b"), "--json", "--set",
+        "model.unet.channels=8", "model.unet.head_channels=8", "model.unet.norm_groups=4",
+        "train.batch_size=8", "sample.cfg_scale=1.0").stdout)
+    (r,) = out["results"]
+    assert r["snapshots"] == 3 and len(r["rows"]) == 4 and r["real_floor_fd"] > 0
+    assert r["best_posthoc_fd"] == min(x["fd"] for x in r["rows"] if "sigma_rel" in x)
+    assert r["best_fixed_fd"] == min(x["fd"] for x in r["rows"] if "decay" in x)
 
 
 def test_eval_curves_reads_eval_jsonl(tmp_path):

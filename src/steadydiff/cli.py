@@ -1,4 +1,4 @@
-"""The command line: ``steadydiff train | sample | eval | report | doctor | merge``.
+"""The command line: ``steadydiff train | sample | eval | ema | report | doctor | merge``.
 
 Thin by design: parse arguments, build a config, call a library function. Exit codes:
 0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments, a
@@ -131,6 +131,38 @@ def _parser() -> argparse.ArgumentParser:
     from .eval.evaluate import add_arguments
     add_arguments(e)
 
+    x = sub.add_parser("ema", formatter_class=_Formatter,
+                       help="post-hoc EMA: reconstruct the EMA of any length after training",
+                       description="Reconstruct, by least squares over the power-function EMA "
+                                   "snapshots a run stored (train.ema_posthoc=true), the EMA "
+                                   "of relative width --sigma-rel (Karras et al. 2024, EDM2), "
+                                   "and write it as a checkpoint that `steadydiff sample` and "
+                                   "`steadydiff eval` read. --sweep evaluates a range of "
+                                   "sigma_rel, writes RUN/posthoc/sweep.{json,md,png} and the "
+                                   "best as RUN/checkpoints/posthoc_best, which `steadydiff "
+                                   "sample RUN` then prefers. See docs/ema.md.")
+    x.add_argument("run_dir", help="run directory trained with train.ema_posthoc=true")
+    x.add_argument("--sigma-rel", type=float, default=None,
+                   help="the EMA's relative width, in (0, 0.2886); EDM2's best are ~0.05-0.2")
+    x.add_argument("--out", default=None,
+                   help="checkpoint directory to write (default: "
+                        "RUN/checkpoints/posthoc_<sigma_rel>); an existing one is refused "
+                        "without --force")
+    x.add_argument("--sweep", action="store_true",
+                   help="evaluate several sigma_rel (--sigma-rels) and mark the best")
+    x.add_argument("--sigma-rels", default=None, metavar="S1,S2,...",
+                   help="--sweep: the values to evaluate (default: 0.02,0.03,0.04,0.05,0.065,"
+                        "0.08,0.1,0.13,0.16,0.2,0.25)")
+    x.add_argument("--num", type=int, default=500, help="--sweep: samples per evaluation")
+    x.add_argument("--sampler", choices=SAMPLER_NAMES, default=None,
+                   help="--sweep: default: the checkpoint config's sample.sampler")
+    x.add_argument("--steps", type=int, default=None,
+                   help="--sweep: sampling steps (default: sample.steps)")
+    x.add_argument("--seed", type=int, default=0, help="--sweep: sampling and subset seed")
+    x.add_argument("--device", default=None, help="--sweep: cpu, cuda, ... (default: auto)")
+    x.add_argument("--force", action="store_true",
+                   help="replace an existing post-hoc checkpoint / sweep (never anything else)")
+
     r = sub.add_parser("report", formatter_class=_Formatter,
                        help="write a run's self-contained HTML health report",
                        description="Write RUN_DIR/report.html: verdict, loss/gradient/LR "
@@ -238,6 +270,40 @@ def cmd_sample(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_ema(a: argparse.Namespace) -> int:
+    from . import posthoc
+
+    if a.sweep == (a.sigma_rel is not None):
+        raise ValueError("pass --sigma-rel S (reconstruct one EMA) or --sweep (evaluate "
+                         "several and mark the best), not " + ("both" if a.sweep else "neither"))
+    if not a.sweep:
+        if a.sigma_rels is not None:
+            raise ValueError("--sigma-rels goes with --sweep; for one EMA pass --sigma-rel")
+        path, rec = posthoc.reconstruct_to(a.run_dir, a.sigma_rel, a.out, force=a.force)
+        print(f"wrote the post-hoc EMA sigma_rel={a.sigma_rel:g} (gamma {rec['gamma']:.2f}, "
+              f"{rec['snapshots']} snapshots, kernel fit residual {rec['residual']:.2g}) to "
+              f"{path}")
+        for why in rec["skipped"]:
+            print(f"  skipped {why}")
+        return EXIT_OK
+    if a.out is not None:
+        raise ValueError("--sweep writes RUN/checkpoints/posthoc_best; --out goes with "
+                         "--sigma-rel")
+    if a.num < 8:
+        raise ValueError(f"--num must be at least 8, got {a.num}")
+    try:
+        rels = (posthoc.DEFAULT_SWEEP if a.sigma_rels is None
+                else [float(v) for v in a.sigma_rels.split(",") if v.strip()])
+    except ValueError:
+        raise ValueError(f"--sigma-rels must be comma-separated numbers, got "
+                         f"{a.sigma_rels!r}") from None
+    res = posthoc.sweep(a.run_dir, rels, num=a.num, sampler=a.sampler, steps=a.steps,
+                        seed=a.seed, device=a.device, force=a.force)
+    print(posthoc.sweep_markdown(res), end="")
+    print(f"wrote {', '.join(res['files'].values())}")
+    return EXIT_OK
+
+
 def cmd_merge(a: argparse.Namespace) -> int:
     from .adapters import merge_checkpoint
 
@@ -277,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
-    handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval,
+    handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "ema": cmd_ema,
                 "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge}
     try:
         return handlers[args.command](args)

@@ -37,6 +37,11 @@ from .kinds import (LABELLED_DATASETS, AdapterKind, Channels, ClipMode, DatasetN
 Int = StrictInt
 Bool = StrictBool
 
+# sigma_rel of the power-function EMA with gamma = 0 (a uniform average over the whole run):
+# sigma_rel^2 = (gamma+1) / ((gamma+2)^2 (gamma+3)) = 1/12 there, and below it for gamma > 0
+# (EDM2 eq. 3 and its appendix). A post-hoc EMA's sigma_rel must lie in (0, SIGMA_REL_MAX).
+SIGMA_REL_MAX = (1.0 / 12.0) ** 0.5
+
 
 class ConfigError(ValueError):
     """A config that cannot be used. The message names the key and what would be valid."""
@@ -240,6 +245,17 @@ class TrainConfig(Section):
     ema_decay: float = Field(0.999, ge=0.0, lt=1.0)
     ema_warmup: Bool = Field(True, description="decay ramps as min(decay, (1+n)/(10+n))")
     ema_start: Int = Field(0, ge=0, description="first optimizer step that updates EMA")
+    ema_posthoc: Bool = Field(
+        False, description="post-hoc EMA (Karras et al. 2024, EDM2): also keep power-function "
+        "EMA profiles of the weights and store their snapshots in RUN/posthoc/, so "
+        "`steadydiff ema RUN --sigma-rel S` can reconstruct the EMA of any length after "
+        "training (docs/ema.md)")
+    ema_posthoc_every: Int = Field(
+        100, ge=1, description="steps between stored post-hoc EMA snapshots (and one at the "
+        "last step); reconstruction needs a few per profile, EDM2 stores ~100-200 per run")
+    ema_posthoc_sigma_rels: tuple[float, ...] = Field(
+        (0.05, 0.10), description="relative standard deviations of the stored power-function "
+        "EMA profiles (EDM2's two defaults); each in (0, 0.2886), distinct")
     dist_timeout: float = Field(
         600.0, gt=0.0, le=86400.0, description="torchrun: seconds a collective may wait for "
         "the other ranks before failing (a peer died or hung); longer than the slowest "
@@ -257,6 +273,17 @@ class TrainConfig(Section):
             raise ValueError(
                 f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "
                 f"({self.grad_accum}); valid grad_accum values divide the batch size")
+        rels = self.ema_posthoc_sigma_rels
+        if self.ema_posthoc and not rels:
+            raise ValueError("train.ema_posthoc_sigma_rels is empty; list at least one "
+                             "sigma_rel in (0, 0.2886), e.g. [0.05, 0.10]")
+        for r in rels:
+            if not 0.0 < r < SIGMA_REL_MAX:
+                raise ValueError(f"train.ema_posthoc_sigma_rels: {r} is out of range; each "
+                                 f"must be in (0, {SIGMA_REL_MAX:.4f}) (a power-function EMA "
+                                 "with exponent gamma > 0), e.g. [0.05, 0.10]")
+        if len(set(rels)) != len(rels):
+            raise ValueError(f"train.ema_posthoc_sigma_rels must be distinct, got {list(rels)}")
         return self
 
 
@@ -497,6 +524,9 @@ class Config(Section):
             raise ValueError("optim.clip_mode=zclip takes its threshold from the guard's "
                              "grad-norm statistics; set guard.enabled=true or choose "
                              "optim.clip_mode global, per_layer or agc")
+        if self.train.ema_posthoc and a.kind != "none":
+            raise ValueError(f"train.ema_posthoc is not supported with adapter.kind={a.kind} "
+                             "yet; set train.ema_posthoc=false, or adapter.kind=none")
         if self.eval.every and self.data.dataset not in LABELLED_DATASETS:
             raise ValueError("eval.every needs a labelled dataset for its feature network "
                              f"(data.dataset {' or '.join(LABELLED_DATASETS)}); an image "

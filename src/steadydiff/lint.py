@@ -147,7 +147,9 @@ def _ema_too_slow(cfg: Config, _dev) -> str | None:
             f"more than the {max(updates, 0)} EMA updates this run makes (train.steps - "
             f"train.ema_start): the EMA weights, which are what gets sampled, will still be "
             f"mostly early weights at the end; use ema_decay <= {1 - 1 / max(updates, 2):.4g} "
-            f"or train longer")
+            f"or train longer"
+            + ("" if t.ema_posthoc else ", or set train.ema_posthoc=true and choose the EMA "
+               "length after training (`steadydiff ema`, docs/ema.md)"))
 
 
 def _warmup_too_long(cfg: Config, _dev) -> str | None:

@@ -7,6 +7,7 @@ sample``, ``steadydiff eval``, ``steadydiff doctor`` and the Python API all load
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +52,22 @@ def build_from_checkpoint(c: ckpt.Checkpoint, cfg: Config, *, use_ema: bool = Tr
         raise ckpt.CheckpointError(f"{c.path}: weights do not match the model its config "
                                    f"describes: {e}") from None
     return model.eval().requires_grad_(False)
+
+
+def sampling_checkpoint(path: str | Path) -> Path:
+    """The checkpoint to sample from: ``path`` itself when it is a checkpoint; for a run
+    directory its post-hoc EMA choice (``checkpoints/posthoc_best``, written by ``steadydiff
+    ema --sweep``) when that is intact and not older than the newest intact checkpoint
+    (training went on after the sweep: the newest wins), else the newest intact checkpoint."""
+    p = Path(path)
+    newest = ckpt.resolve_checkpoint(p)
+    best = p / "checkpoints" / "posthoc_best"
+    if newest.parent != p / "checkpoints" or not (best / "manifest.json").is_file():
+        return newest
+    if ckpt.verify_checkpoint(best):
+        return newest  # damaged: resolve_checkpoint's rule, skip it
+    step = json.loads((best / "manifest.json").read_text()).get("step", -1)
+    return best if step >= (ckpt.step_of(newest) or 0) else newest
 
 
 class NonFiniteSamples(ValueError):
@@ -172,7 +189,7 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
         A :class:`Pipeline` with the model in eval mode.
     """
     dev = resolve_device(device, what="device")  # before any file: a missing GPU is not a bad file
-    path = ckpt.resolve_checkpoint(checkpoint)
+    path = sampling_checkpoint(checkpoint)
     c = ckpt.load_checkpoint(path, dev, weights_only=True, allow_nonfinite=allow_nonfinite)
     cfg = checkpoint_config(c)
     model = build_from_checkpoint(c, cfg, use_ema=use_ema, base=base).to(dev)

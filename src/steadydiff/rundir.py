@@ -11,6 +11,11 @@
       samples/step_00001234.png
       checkpoints/step_00001234/ ... latest    (trainer/checkpoint.py owns the format)
       checkpoints/best/step_00001234/          the best evaluation's checkpoint
+      checkpoints/posthoc_best/                the best post-hoc EMA (`steadydiff ema --sweep`):
+                                               what `steadydiff sample RUN` samples from
+      posthoc/step_00001234.safetensors        post-hoc EMA profile snapshots (train.ema_posthoc;
+                                               outside checkpoints/: never rotated away)
+      posthoc/sweep.json, sweep.md, sweep.png  `steadydiff ema --sweep`'s table and plot
       checkpoints/corrupt/step_00001234/       checkpoints that failed verification on resume,
                                                moved aside (never deleted; rotation skips them)
       run.lock            pid, host and start time of the process training into the run
@@ -109,6 +114,17 @@ class RunDir:
     def best(self) -> Path:
         """The best evaluation's checkpoint root (one checkpoint; rotation never touches it)."""
         return self.checkpoints / "best"
+
+    @property
+    def posthoc(self) -> Path:
+        """Post-hoc EMA snapshots and sweep results (docs/ema.md); rotation never touches it."""
+        return self.root / "posthoc"
+
+    @property
+    def posthoc_best(self) -> Path:
+        """The post-hoc EMA checkpoint ``steadydiff ema --sweep`` chose (one checkpoint
+        directory, not a root); ``steadydiff sample RUN`` and ``steadydiff eval RUN`` prefer it."""
+        return self.checkpoints / "posthoc_best"
 
     @property
     def corrupt(self) -> Path:

@@ -67,18 +67,24 @@ class EMAHandle:
         return m if isinstance(m, nn.Module) else None
 
     def tensors(self) -> list[torch.Tensor]:
+        """Every averaged tensor (checked finite before a snapshot; rank fingerprints),
+        steadydiff's post-hoc EMA profiles included."""
         e = self.ema
         if hasattr(e, "shadow_params"):
             return list(e.shadow_params)
         module = e.module if hasattr(e, "num_updates") else e
-        return [p for p in module.parameters()]
+        posthoc = getattr(e, "posthoc", None)
+        return [p for p in module.parameters()] + (posthoc.tensors() if posthoc else [])
 
     def state(self) -> dict[str, Any]:
         e = self.ema
         if hasattr(e, "num_updates") and hasattr(e, "module"):
             shared = getattr(e, "shared", ())  # frozen parameters shared with the model
-            return {"module": {k: v for k, v in e.module.state_dict().items()
-                               if k not in shared}, "num_updates": e.num_updates}
+            out = {"module": {k: v for k, v in e.module.state_dict().items()
+                              if k not in shared}, "num_updates": e.num_updates}
+            if getattr(e, "posthoc", None) is not None:  # a rollback restores the profiles
+                out["posthoc"] = e.posthoc.state()
+            return out
         return e.state_dict()
 
     def load(self, state: dict[str, Any]) -> None:
@@ -86,6 +92,8 @@ class EMAHandle:
         if hasattr(e, "num_updates") and hasattr(e, "module"):
             e.module.load_state_dict(state["module"], strict=not getattr(e, "shared", ()))
             e.num_updates = state["num_updates"]
+            if getattr(e, "posthoc", None) is not None and "posthoc" in state:
+                e.posthoc.load_state(state["posthoc"])
         else:
             e.load_state_dict(state)
 

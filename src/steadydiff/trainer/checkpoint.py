@@ -7,6 +7,7 @@ A checkpoint is a directory ``checkpoints/step_00001234/``:
     optimizer.pt        optimizer state (tensors, numbers, strings: loads with weights_only=True)
     rng.pt              every RNG the run uses (python, numpy, torch CPU/CUDA)
     state.json          step counters, data position, EMA/scaler state, the resolved config
+    posthoc.safetensors (train.ema_posthoc only) the post-hoc EMA profiles' running averages
     manifest.json       size and sha256 of every file above; written last
 
 It is written to a hidden temporary directory, every file fsynced, then renamed into place,
@@ -44,6 +45,9 @@ log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 FILES = ("model.safetensors", "ema.safetensors", "optimizer.pt", "rng.pt", "state.json")
+# optional tensor files a checkpoint may hold besides FILES (verified when its manifest lists
+# them, and then required): the post-hoc EMA profiles
+EXTRA_FILES = ("posthoc.safetensors",)
 _NAME = re.compile(r"^step_(\d{8,})$")  # the one definition of a checkpoint's name
 
 
@@ -60,6 +64,11 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def sha256_of(path: Path) -> str:
+    """The sha256 of a file, hex (what manifests record)."""
+    return _sha256(path)
 
 
 def _fsync_file(path: Path) -> None:
@@ -103,6 +112,26 @@ def _follow_umask(path: Path) -> None:
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=1, sort_keys=True))
+
+
+def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor],
+                        metadata: dict[str, str] | None = None) -> Path:
+    """Write ``tensors`` to the safetensors file ``path`` atomically: a temporary file in the
+    same folder, fsynced, renamed over ``path``, the folder fsynced. A kill leaves the old file
+    or the new one, never half of one. Returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
+    try:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
+                  metadata=metadata)
+        _follow_umask(tmp)
+        _fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
 
 
 def nonfinite_tensors(state_dict: dict[str, torch.Tensor]) -> list[str]:
@@ -161,6 +190,7 @@ class Checkpoint:
     rng: dict[str, Any] | None
     state: dict[str, Any]
     nonfinite: list[str] = field(default_factory=list)  # loaded with allow_nonfinite only
+    extra: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # EXTRA_FILES
 
     @property
     def step(self) -> int:
@@ -187,24 +217,50 @@ def is_checkpoint_dir(path: Path) -> bool:
 def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module | dict[str, torch.Tensor],
                     ema: torch.nn.Module | dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer, state: dict[str, Any],
-                    keep: int = 3, on_file: Callable[[str], None] | None = None) -> Path:
+                    keep: int = 3, on_file: Callable[[str], None] | None = None,
+                    extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     """Write a verified checkpoint for ``step`` under ``root`` and point ``latest`` at it.
 
     Raises :class:`CheckpointError` (and writes nothing) if the model or EMA holds a
     non-finite value: a diverged state must never replace the last good checkpoint.
     ``on_file(name)`` is called once the model weights are written, mid-save (fault
-    injection kills the process there). Returns the checkpoint directory.
+    injection kills the process there). ``extra`` maps a name of :data:`EXTRA_FILES` to
+    more tensors (checked finite, listed in the manifest). Returns the checkpoint directory.
     """
+    root.mkdir(parents=True, exist_ok=True)
+    name = checkpoint_name(step)
+    final = write_checkpoint_dir(root / name, step, model=model, ema=ema, optimizer=optimizer,
+                                 state=state, on_file=on_file, extra=extra)
+    _set_latest(root, name)
+    _rotate(root, keep, protect=name)
+    return final
+
+
+def write_checkpoint_dir(final: Path, step: int, *,
+                         model: torch.nn.Module | dict[str, torch.Tensor],
+                         ema: torch.nn.Module | dict[str, torch.Tensor],
+                         optimizer: torch.optim.Optimizer | dict[str, Any],
+                         state: dict[str, Any], on_file: Callable[[str], None] | None = None,
+                         extra: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
+    """Write one verified checkpoint directory at ``final`` (any name: ``steadydiff ema``
+    writes ``checkpoints/posthoc_best``), atomically, replacing one already there; no
+    ``latest`` pointer, no rotation (:func:`save_checkpoint` adds them). ``optimizer`` may be
+    its state dict. Raises :class:`CheckpointError` on non-finite tensors (nothing written)."""
     model_sd, ema_sd = _tensor_dict(model), _tensor_dict(ema)
+    extra = {k: _tensor_dict(v) for k, v in (extra or {}).items()}
+    unknown = sorted(set(extra) - set(EXTRA_FILES))
+    if unknown:
+        raise ValueError(f"unknown checkpoint files {unknown}; known: {list(EXTRA_FILES)}")
     bad = nonfinite_tensors(model_sd) + [f"ema:{k}" for k in nonfinite_tensors(ema_sd)]
+    for f, sd in extra.items():
+        bad += [f"{f.split('.')[0]}:{k}" for k in nonfinite_tensors(sd)]
     if bad:
         raise CheckpointError(
             f"refusing to write checkpoint at step {step}: non-finite values in "
             f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
 
+    root, name = final.parent, final.name
     root.mkdir(parents=True, exist_ok=True)
-    name = checkpoint_name(step)
-    final = root / name
     tmp = root / f".tmp-{name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -214,11 +270,14 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module | dict[str,
         if on_file:
             on_file("model.safetensors")
         save_file({k: v.cpu() for k, v in ema_sd.items()}, str(tmp / "ema.safetensors"))
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        for f, sd in extra.items():
+            save_file({k: v.cpu() for k, v in sd.items()}, str(tmp / f))
+        opt_sd = optimizer if isinstance(optimizer, dict) else optimizer.state_dict()
+        torch.save(opt_sd, tmp / "optimizer.pt")
         torch.save(capture_rng(), tmp / "rng.pt")
         _write_json(tmp / "state.json", {**state, "step": step, "format": FORMAT_VERSION})
         manifest = {"format": FORMAT_VERSION, "step": step, "finite": True, "files": {}}
-        for f in FILES:
+        for f in FILES + tuple(extra):
             _follow_umask(tmp / f)  # the run's other files' permissions, not 0600
             _fsync_file(tmp / f)
             manifest["files"][f] = {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
@@ -236,8 +295,6 @@ def save_checkpoint(root: Path, step: int, *, model: torch.nn.Module | dict[str,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _set_latest(root, name)
-    _rotate(root, keep, protect=name)
     return final
 
 
@@ -296,7 +353,7 @@ def verify_checkpoint(path: Path) -> list[str]:
     except (ValueError, KeyError, TypeError) as e:
         return [f"{mf}: unreadable manifest ({e})"]
     problems = []
-    for f in FILES:
+    for f in FILES + tuple(f for f in EXTRA_FILES if f in files):
         entry = files.get(f)
         p = path / f
         if entry is None:
@@ -388,6 +445,9 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", *,
     state = safely("state.json", lambda p: json.loads(p.read_text()))
     model = safely("model.safetensors", lambda p: load_file(str(p), device=dev))
     ema = safely("ema.safetensors", lambda p: load_file(str(p), device=dev))
+    listed = json.loads((path / "manifest.json").read_text())["files"]
+    extra = {f: safely(f, lambda p: load_file(str(p), device=dev))
+             for f in EXTRA_FILES if f in listed}
     opt = rng = None
     if not weights_only:
         opt = safely("optimizer.pt", lambda p: torch.load(p, map_location=dev, weights_only=True))
@@ -396,7 +456,7 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", *,
     bad = nonfinite_tensors(model) + [f"ema:{k}" for k in nonfinite_tensors(ema)]
     if bad and not allow_nonfinite:
         raise CheckpointError(f"{path}: {nonfinite_message(bad)}")
-    return Checkpoint(path, model, ema, opt, rng, state, nonfinite=bad)
+    return Checkpoint(path, model, ema, opt, rng, state, nonfinite=bad, extra=extra)
 
 
 def nonfinite_message(names: list[str]) -> str:

@@ -57,9 +57,12 @@ class CheckpointIO:
         model, ema = s.weights.tensors(s)
         step = s.step
         parts = {**self.parts(), **({"abort": abort} if abort else {})}
+        posthoc = s.ema.posthoc
         return ckpt.save_checkpoint(root, step, model=model, ema=ema, optimizer=s.optimizer,
                                     state=parts, keep=keep,
-                                    on_file=lambda _name: s.faults.kill(step, "in_checkpoint"))
+                                    on_file=lambda _name: s.faults.kill(step, "in_checkpoint"),
+                                    extra={"posthoc.safetensors": posthoc.tensor_dict()}
+                                    if posthoc is not None else None)
 
     def restore(self, c: ckpt.Checkpoint) -> None:
         """Load checkpoint ``c`` into a freshly built state (weights, optimizer, RNG,
@@ -68,6 +71,8 @@ class CheckpointIO:
         s.weights.restore(s, c)
         s.optimizer.load_state_dict(c.optimizer)
         s.ema.load_state(c.state["ema"])
+        if s.ema.posthoc is not None and "posthoc.safetensors" in c.extra:
+            s.ema.posthoc.load_tensor_dict(c.extra["posthoc.safetensors"])
         if s.scaler and c.state.get("scaler"):
             s.scaler.load_state_dict(c.state["scaler"])
         s.step = int(c.state["step"])

@@ -2,6 +2,11 @@
 
 Updated only after a real optimizer step (a step skipped by the fp16 grad scaler or by the
 guard must not pull the average toward unchanged, or worse, non-finite weights).
+
+With ``train.ema_posthoc`` the EMA also carries the post-hoc EMA's power-function profiles
+(:class:`~steadydiff.trainer.posthoc.PowerProfiles`, EDM2): they are updated in
+:meth:`EMA.update`, so they follow the same path as the EMA (``Update.commit``, only after the
+guard verified the step), and their state is part of the EMA's everywhere it is kept.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
+from .posthoc import PowerProfiles
 
 
 class EMA:
@@ -22,7 +28,8 @@ class EMA:
     codebases). Buffers (e.g. fixed position embeddings) are copied, not averaged.
     """
 
-    def __init__(self, model: nn.Module, decay: float, warmup: bool = True, start: int = 0):
+    def __init__(self, model: nn.Module, decay: float, warmup: bool = True, start: int = 0,
+                 posthoc_sigma_rels: tuple[float, ...] = ()):
         # Frozen parameters (an adapter run's base) are shared, not copied: the EMA of an
         # adapter run costs the adapter's size, not a second base model.
         frozen = {id(p): p for p in model.parameters() if not p.requires_grad}
@@ -34,10 +41,15 @@ class EMA:
         self.num_updates = 0
         self._src: list[torch.Tensor] | None = None
         self._dst: list[torch.Tensor] | None = None
+        # post-hoc EMA profiles (every update from the first, whatever ``start`` says)
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.posthoc = PowerProfiles(trainable, posthoc_sigma_rels) if posthoc_sigma_rels \
+            else None
 
     @classmethod
     def from_config(cls, model: nn.Module, cfg: TrainConfig) -> "EMA":
-        return cls(model, cfg.ema_decay, cfg.ema_warmup, cfg.ema_start)
+        rels = cfg.ema_posthoc_sigma_rels if cfg.ema_posthoc else ()
+        return cls(model, cfg.ema_decay, cfg.ema_warmup, cfg.ema_start, rels)
 
     def current_decay(self) -> float:
         if not self.warmup:
@@ -53,6 +65,8 @@ class EMA:
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             self._src = [p for _, p in named]
             self._dst = [dst[n] for n, _ in named]
+        if self.posthoc is not None:
+            self.posthoc.update(self._src)
         if step < self.start:
             torch._foreach_copy_(self._dst, self._src)
             return
@@ -64,7 +78,15 @@ class EMA:
         self.num_updates += 1
 
     def state(self) -> dict:
-        return {"num_updates": self.num_updates}
+        """The JSON-able counters (a checkpoint's state.json; tensors are saved apart)."""
+        out: dict = {"num_updates": self.num_updates}
+        if self.posthoc is not None:
+            out["posthoc"] = self.posthoc.meta()
+        return out
 
     def load_state(self, state: dict) -> None:
+        """Restore the counters; a post-hoc profile's tensors come with
+        ``posthoc.load_tensor_dict`` (a checkpoint's posthoc.safetensors)."""
         self.num_updates = int(state["num_updates"])
+        if self.posthoc is not None and state.get("posthoc"):
+            self.posthoc.load_meta(state["posthoc"])

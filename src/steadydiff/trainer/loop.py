@@ -432,6 +432,7 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
     if snap is not None and (newest is None or snap.step > newest):
         guard.restore_verified()
         guard.reset_budget()  # the suggested optim.lr carries the backoff
+        store_posthoc(state, run)  # as after a rollback: the restored step's snapshot
         complete = [c for c in on_disk if (c / "manifest.json").is_file()]
         try:
             path = CheckpointIO(state).save(run.checkpoints, keep=len(complete) + 1,
@@ -446,6 +447,22 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
             f"guard's last verified state (step {snap.step}); nothing new written")
         info["checkpoint_step"] = newest
     return info
+
+
+def store_posthoc(state: TrainState, run: RunDir, force: bool = False) -> Path | None:
+    """Store the post-hoc EMA profiles' snapshot of this step in ``RUN/posthoc/`` when one is
+    due (every ``train.ema_posthoc_every`` steps, or ``force``: the run's last step), listing
+    it in the profiles' state (rank 0). A disk error is reported; the snapshot is then not
+    listed, so never used, and training goes on."""
+    ph, every = state.ema.posthoc, state.cfg.train.ema_posthoc_every
+    if ph is None or state.step == 0 or not (force or state.step % every == 0):
+        return None
+    try:
+        return ph.store(run.posthoc, state.step)
+    except OSError as err:
+        log.error("could not store the post-hoc EMA snapshot at step %d: %s", state.step, err)
+        print(f"warning: could not store the post-hoc EMA snapshot at step {state.step}: {err}")
+        return None
 
 
 def save_best(state: TrainState, run: RunDir) -> Path | None:
@@ -614,6 +631,10 @@ def _resume(state: TrainState, source: Path, allow_config_change: bool,
     """Restore ``state`` from the checkpoint at ``source``; say what changed."""
     cfg, world = state.cfg, state.world_size
     c = ckpt.load_checkpoint(source, state.device)
+    if "posthoc_ema" in c.state:  # its EMA is a reconstruction: resuming would average on it
+        raise ckpt.CheckpointError(
+            f"{source} is a post-hoc EMA checkpoint (`steadydiff ema`), for sampling and "
+            "evaluation; resume from the run's checkpoints/step_* (rerun without --resume)")
     saved_cfg = validate(c.state["config"], f"{source}/state.json config")
     # a finished run trains no further step: its config changes cannot break anything
     done = c.step >= cfg.train.steps
@@ -782,6 +803,10 @@ class _Outputs:
         """The guard moved the run back: the window's steps are undone."""
         self.bar.n = self.state.step
         self.window, self.saved = [], min(self.saved, self.state.step)
+        if self.main:
+            # the ring's state was taken before that step's post-hoc snapshot was listed;
+            # the restored profiles are that state again: list it again (same bytes)
+            store_posthoc(self.state, self.run)
 
     def report(self, done: bool, interrupted: bool = False) -> bool:
         """Everything due at this step (``done``: the run ends here, so all of it). Returns
@@ -824,6 +849,10 @@ class _Outputs:
             self.samples.append(write_sample_grid(state, self.run.sample_grid(step)))
             if self.tb:
                 self.tb.image(self.samples[-1], step)
+        if main:
+            # before the checkpoint, whose state lists it; not at an interrupt (the run that
+            # was never interrupted has none there: resume gives the same snapshots)
+            store_posthoc(state, self.run, force=done and not interrupted)
         if (tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0 or done) \
                 and step != self.saved:
             self.watchdog.beat(f"checkpoint at step {step}")
