@@ -87,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
                         "OUT/previous-<time>/ first (nothing is deleted)")
     t.add_argument("--allow-config-change", action="store_true",
                    help="accept config changes on resume that break exactness")
+    t.add_argument("--grow-resolution", action="store_true",
+                   help="continue a run at a larger data.image_size (give it with --set "
+                        "data.image_size=N): weights, EMA and optimizer carry over, the "
+                        "guard's statistics restart (docs/resolution.md)")
 
     s = sub.add_parser("sample", formatter_class=_Formatter,
                        help="sample from a checkpoint into a PNG grid or an .npz array",
@@ -203,7 +207,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.print_config:
         say(cfg.to_yaml(), end="")
     res = run(cfg, run_dir=out, resume=resume, allow_config_change=a.allow_config_change,
-              restart=a.restart)
+              restart=a.restart, grow_resolution=a.grow_resolution)
     if say is not print:  # torchrun: rank 0 reports for the group
         return EXIT_OK
     print(f"\nfinished {res.steps} steps in {res.seconds:.0f}s"
