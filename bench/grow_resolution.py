@@ -40,11 +40,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+sys.path.insert(0, str(ROOT / "bench"))
+
 import steadydiff  # noqa: E402
 from steadydiff.config import load_config  # noqa: E402
 from steadydiff.data import FASHION_MNIST_DIR  # noqa: E402
 from steadydiff.eval import features  # noqa: E402
 from steadydiff.eval.evaluate import evaluate_samples  # noqa: E402
+from throughput import env_info  # noqa: E402
 
 
 def base_overrides(a: argparse.Namespace) -> list[str]:
@@ -54,7 +57,8 @@ def base_overrides(a: argparse.Namespace) -> list[str]:
         "model.unet.num_res_blocks=1", "model.unet.head_channels=16", "model.unet.norm_groups=8",
         "diffusion.timesteps=1000", "diffusion.schedule=cosine", "diffusion.prediction=v",
         "diffusion.loss_weighting=min_snr",
-        "optim.lr=1e-3", "optim.warmup_steps=50", "optim.schedule=constant", "optim.grad_clip=1.0",
+        "optim.lr=1e-3", f"optim.warmup_steps={a.warmup}", "optim.schedule=constant",
+        "optim.grad_clip=1.0",
         "train.batch_size=32", "train.seed=0", "train.checkpoint_every=0", "train.sample_every=0",
         "train.ema_decay=0.99", "train.num_threads=1",
         "sample.num=16", "sample.sampler=ddim", "sample.steps=10", "sample.cfg_scale=1.0",
@@ -91,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num", type=int, default=500, help="samples per model (and real images)")
     p.add_argument("--sample-steps", type=int, default=20)
     p.add_argument("--featnet-steps", type=int, default=600)
+    p.add_argument("--warmup", type=int, default=50, help="optim.warmup_steps (constant LR after)")
     p.add_argument("--shift", action="store_true",
                    help="the grown run sets diffusion.resolution_shift_base=16")
     p.add_argument("--json", action="store_true")
@@ -104,9 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     px16, px32 = 16 * 16, 32 * 32
     grown_px = a.small_steps * px16 + a.grown_steps * px32
     full_px = a.full_steps * px32
-    result: dict = {"command": " ".join(["python", "bench/grow_resolution.py", *(argv or
-                                                                                  sys.argv[1:])]),
-                    "compute_image_pixels": {"grown": grown_px * 32, "full": full_px * 32}}
+    result: dict = {"compute_image_pixels": {"grown": grown_px * 32, "full": full_px * 32}}
 
     # grown: 16 px, then --grow-resolution to 32 px (the same run directory)
     small = load_config(None, base + ["data.image_size=16", "model.unet.attention_resolutions=[4]",
@@ -136,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("grown", "full"):
         result[name]["eval"] = score(out / name, fx, a)
     result["total_s"] = round(time.perf_counter() - t_all, 1)
+    result.update(env_info())
     (out / "results.json").write_text(json.dumps(result, indent=1))
+    print(table(result))
     if a.json:
-        print(json.dumps(result, indent=1))
-    else:
-        print(table(result))
+        print(json.dumps(result))  # the last line: one JSON object
     return 0
 
 
