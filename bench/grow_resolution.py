@@ -75,6 +75,28 @@ def timed_train(cfg, out: Path, **kw) -> dict:
             "incidents": res.incidents}
 
 
+def metered_seconds(run: Path) -> dict:
+    """Training wall seconds as the trainer measured them (metrics.jsonl: each row's
+    ``sec_per_step`` averages the steps since the row before), per resolution."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    hist = json.loads((ckpt_dir(run) / "state.json").read_text()).get("resolution_history", [])
+    change = hist[0]["step"] if hist else None
+    out: dict[str, float] = {}
+    prev = 0
+    for r in rows:
+        key = "16px" if change is not None and r["step"] <= change else "32px"
+        out[key] = out.get(key, 0.0) + r["sec_per_step"] * (r["step"] - prev)
+        prev = r["step"]
+    out = {k: round(v, 1) for k, v in out.items()}
+    out["total"] = round(sum(out.values()), 1)
+    return out
+
+
+def ckpt_dir(run: Path) -> Path:
+    from steadydiff.trainer import checkpoint as ckpt
+    return ckpt.latest_good(run / "checkpoints")
+
+
 def score(run: Path, fx, a: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     pipe = steadydiff.load(run)
@@ -98,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=50, help="optim.warmup_steps (constant LR after)")
     p.add_argument("--shift", action="store_true",
                    help="the grown run sets diffusion.resolution_shift_base=16")
+    p.add_argument("--stage", choices=["all", "grown", "full", "score"], default="all",
+                   help="run one part (the two trainings may run in parallel, then score)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -111,23 +135,35 @@ def main(argv: list[str] | None = None) -> int:
     full_px = a.full_steps * px32
     result: dict = {"compute_image_pixels": {"grown": grown_px * 32, "full": full_px * 32}}
 
-    # grown: 16 px, then --grow-resolution to 32 px (the same run directory)
-    small = load_config(None, base + ["data.image_size=16", "model.unet.attention_resolutions=[4]",
-                                      f"train.steps={a.small_steps}"])
-    r16 = timed_train(small, out / "grown")
-    big = load_config(None, base + ["data.image_size=32", "model.unet.attention_resolutions=[4]",
-                                    f"train.steps={a.small_steps + a.grown_steps}"])
-    r32 = timed_train(big, out / "grown", grow_resolution=True)
-    result["grown"] = {"stage16": r16, "stage32": r32,
-                       "wall_s": round(r16["wall_s"] + r32["wall_s"], 1),
-                       "cpu_s": round(r16["cpu_s"] + r32["cpu_s"], 1)}
+    if a.stage in ("all", "grown"):
+        # grown: 16 px, then --grow-resolution to 32 px (the same run directory)
+        small = load_config(None, base + ["data.image_size=16",
+                                          "model.unet.attention_resolutions=[4]",
+                                          f"train.steps={a.small_steps}"])
+        r16 = timed_train(small, out / "grown")
+        big = load_config(None, base + ["data.image_size=32",
+                                        "model.unet.attention_resolutions=[4]",
+                                        f"train.steps={a.small_steps + a.grown_steps}"])
+        r32 = timed_train(big, out / "grown", grow_resolution=True)
+        stage = {"stage16": r16, "stage32": r32, "wall_s": round(r16["wall_s"] + r32["wall_s"], 1),
+                 "cpu_s": round(r16["cpu_s"] + r32["cpu_s"], 1)}
+        (out / "grown.json").write_text(json.dumps(stage))
+    if a.stage in ("all", "full"):
+        full = load_config(None, base + ["data.image_size=32",
+                                         "model.unet.attention_resolutions=[8]",
+                                         f"train.steps={a.full_steps}"])
+        (out / "full.json").write_text(json.dumps(timed_train(full, out / "full")))
+    if a.stage in ("grown", "full"):
+        return 0
+    for name in ("grown", "full"):
+        f = out / f"{name}.json"
+        result[name] = json.loads(f.read_text()) if f.is_file() else {}
+        result[name]["metered_train_s"] = metered_seconds(out / name)
+        c = json.loads((ckpt_dir(out / name) / "state.json").read_text())
+        result[name]["final_step"] = c["step"]
     rows = [json.loads(line) for line in (out / "grown" / "incidents.jsonl").read_text()
             .splitlines()]
     result["grown"]["incident_kinds"] = [r["kind"] for r in rows]
-
-    full = load_config(None, base + ["data.image_size=32", "model.unet.attention_resolutions=[8]",
-                                     f"train.steps={a.full_steps}"])
-    result["full"] = timed_train(full, out / "full")
 
     # the project's feature network at 32 px, padded framing, shortened recipe, own cache
     features.RECIPE["fashion_mnist"] = (a.featnet_steps, features.RECIPE["fashion_mnist"][1])
@@ -148,17 +184,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(r: dict) -> str:
-    lines = ["| run | compute (image-pixels) | train wall s | train CPU s | final loss | "
-             "FD-fashion_mnist | KID | precision | recall |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| run | compute (image-pixels) | train wall s (metered) | train CPU s | "
+             "FD-fashion_mnist | KID | precision | recall |", "|---|---|---|---|---|---|---|---|"]
     for name in ("grown", "full"):
-        e = r[name]["eval"]
-        loss = r[name]["stage32"]["final_loss"] if name == "grown" else r[name]["final_loss"]
+        e, m = r[name]["eval"], r[name]["metered_train_s"]
         lines.append(f"| {name} | {r['compute_image_pixels'][name] / 1e6:.1f} M | "
-                     f"{r[name]['wall_s']} | {r[name]['cpu_s']} | {loss:.4f} | {e['fd']:.3f} | "
+                     f"{m['total']} ({', '.join(f'{k} {v}' for k, v in m.items() if k != 'total')})"
+                     f" | {r[name].get('cpu_s', '-')} | {e['fd']:.3f} | "
                      f"{e['kid']:.4f} | {e['precision']:.3f} | {e['recall']:.3f} |")
     f = r["grown"]["eval"].get("real_floor", {})
     if f:
-        lines.append(f"| real vs real (N={r['grown']['eval']['num']}) | | | | | {f['fd']:.3f} | "
+        lines.append(f"| real vs real (N={r['grown']['eval']['num']}) | | | | {f['fd']:.3f} | "
                      f"{f['kid']:.4f} | {f['precision']:.3f} | {f['recall']:.3f} |")
     lines.append(f"feature net: {r['feature_net']['steps']} steps, test accuracy "
                  f"{r['feature_net']['test_accuracy']:.1%}; total {r['total_s']} s")
