@@ -155,15 +155,24 @@ def main(argv: list[str] | None = None) -> int:
         (out / "full.json").write_text(json.dumps(timed_train(full, out / "full")))
     if a.stage in ("grown", "full"):
         return 0
+    planned = {"grown": a.small_steps + a.grown_steps, "full": a.full_steps}
+    ready = []
     for name in ("grown", "full"):
+        run = out / name
+        c = ckpt_dir(run) if (run / "checkpoints").is_dir() else None
+        step = json.loads((c / "state.json").read_text())["step"] if c else None
+        if step != planned[name]:  # still training (--stage in parallel): scored later
+            print(f"{name}: not finished (checkpoint step {step} of {planned[name]})")
+            continue
         f = out / f"{name}.json"
         result[name] = json.loads(f.read_text()) if f.is_file() else {}
-        result[name]["metered_train_s"] = metered_seconds(out / name)
-        c = json.loads((ckpt_dir(out / name) / "state.json").read_text())
-        result[name]["final_step"] = c["step"]
-    rows = [json.loads(line) for line in (out / "grown" / "incidents.jsonl").read_text()
-            .splitlines()]
-    result["grown"]["incident_kinds"] = [r["kind"] for r in rows]
+        result[name]["metered_train_s"] = metered_seconds(run)
+        result[name]["final_step"] = step
+        ready.append(name)
+    if "grown" in ready:
+        rows = [json.loads(line) for line in (out / "grown" / "incidents.jsonl").read_text()
+                .splitlines()]
+        result["grown"]["incident_kinds"] = [r["kind"] for r in rows]
 
     # the project's feature network at 32 px, padded framing, shortened recipe, own cache
     features.RECIPE["fashion_mnist"] = (a.featnet_steps, features.RECIPE["fashion_mnist"][1])
@@ -172,8 +181,19 @@ def main(argv: list[str] | None = None) -> int:
                                     cache=out / "featcache")
     result["feature_net"] = {"steps": a.featnet_steps, "test_accuracy": fx.meta["test_accuracy"],
                              "seconds": round(time.perf_counter() - t0, 1)}
-    for name in ("grown", "full"):
-        result[name]["eval"] = score(out / name, fx, a)
+    for name in ready:
+        # a run scored by an earlier --stage score (same checkpoint, N, steps) is reused
+        cached, key = out / f"eval_{name}.json", [result[name]["final_step"], a.num,
+                                                  a.sample_steps, a.featnet_steps]
+        old = json.loads(cached.read_text()) if cached.is_file() else {}
+        if old.get("key") == key:
+            result[name]["eval"] = old["eval"]
+        else:
+            result[name]["eval"] = score(out / name, fx, a)
+            cached.write_text(json.dumps({"key": key, "eval": result[name]["eval"]}))
+    if len(ready) < 2:
+        print(f"scored {ready}; run --stage score again when both runs are finished")
+        return 0
     result["total_s"] = round(time.perf_counter() - t_all, 1)
     result.update(env_info())
     (out / "results.json").write_text(json.dumps(result, indent=1))
