@@ -223,6 +223,10 @@ def test_what_cannot_grow_is_refused_with_what_would_be_valid(tmp_path):
         grow_config(dit, tiny(*DIT, "model.dit.patch_size=4", "data.image_size=14"))
     with pytest.raises(ConfigError, match="model.kind unet -> dit"):
         grow_config(saved, tiny(*DIT, "data.image_size=16"))
+    lora = ["adapter.kind=lora", "adapter.base=/a/base/run"]
+    with pytest.raises(ConfigError, match="adapter run .*frozen base built at "
+                                          "data.image_size=8; its size cannot change"):
+        grow_config(tiny(*lora), tiny(*lora, "data.image_size=16"))
     assert grow_config(saved, saved) == (saved, [])  # the same size: a plain resume
     # no checkpoint to grow from
     with pytest.raises(ConfigError, match="no checkpoint to continue"):
