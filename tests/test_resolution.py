@@ -168,6 +168,12 @@ def test_cli_refuses_without_the_flag_and_grows_with_it(tmp_path, capsys):
     assert _cli(run, "data.image_size=16", grow=False) == 2  # a config error
     err = capsys.readouterr().err
     assert "data.image_size: 8 -> 16" in err and "pass --grow-resolution" in err
+    # --dry-run checks the grown config (attention by depth) without training
+    args = ["train", "configs/digits_cond.yaml", "--out", str(run), "--dry-run",
+            "--grow-resolution"]
+    assert main(args + sum((["--set", o] for o in TINY + ["data.image_size=16"]), [])) == 0
+    dry = capsys.readouterr()
+    assert "attention_resolutions:\n    - 8" in dry.out and "[4] -> [8]" in dry.err
     assert _cli(run, "data.image_size=16", "logging.report=true") == 0
     out = capsys.readouterr().out
     assert "grow resolution: 8x8 -> 16x16 at step 3" in out

@@ -194,6 +194,9 @@ def cmd_train(a: argparse.Namespace) -> int:
         from .lint import lint_report
         from .preflight import check
 
+        if a.grow_resolution:  # the config the grown run would train with
+            cfg = _grown_config(cfg, a)
+
         pre = check(cfg)  # what a run checks before its first step: fails the same way
         print(cfg.to_yaml(), end="")
         # stdout stays valid YAML: the summary is a comment
@@ -217,6 +220,25 @@ def cmd_train(a: argparse.Namespace) -> int:
         print(f"  samples:    {res.samples[-1]}")
     print(f"  metrics:    {out / 'metrics.jsonl'}")
     return EXIT_OK
+
+
+def _grown_config(cfg, a: argparse.Namespace):
+    """--dry-run --grow-resolution: the config at the new size against the checkpoint the
+    run would continue (its attention levels by depth, or the error the run would give)."""
+    from .config import ConfigError
+    from .rundir import RunDir
+    from .trainer import checkpoint as ckpt
+    from .trainer.resolution import grow_from_checkpoint
+
+    out = Path(a.out) if a.out else Path("runs") / Path(a.config).stem
+    source = ckpt.resolve_checkpoint(a.resume) if a.resume else RunDir(out).latest_good()
+    if source is None:
+        raise ConfigError(f"--grow-resolution continues a run at a larger data.image_size, "
+                          f"but {out} has no checkpoint to continue")
+    cfg, notes = grow_from_checkpoint(cfg, source)
+    for note in notes:
+        print(f"# grow resolution: {note}", file=sys.stderr)
+    return cfg
 
 
 def cmd_sample(a: argparse.Namespace) -> int:

@@ -54,7 +54,7 @@ from .ema import EMA
 from .hooks import FULL_WEIGHTS
 from .optim import build_optimizer, lr_at, set_lr
 from .preempt import StopSignals, TrainingInterrupted, signal_name
-from .resolution import GROW_KEYS, Growth, apply_growth, grow_config
+from .resolution import GROW_KEYS, Growth, apply_growth, grow_from_checkpoint
 from .state import StepOutput, TrainState
 
 log = logging.getLogger(__name__)
@@ -678,8 +678,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         state_json = json.loads((source / "state.json").read_text())
         saved = validate(state_json["config"], f"{source}/state.json config")
         if grow:
-            history = state_json.get("resolution_history") or []
-            cfg, notes = grow_config(saved, cfg, history[0]["from"] if history else None)
+            cfg, notes = grow_from_checkpoint(cfg, source)
             for note in notes:
                 say(f"grow resolution: {note}")
         elif saved.data.image_size != cfg.data.image_size:

@@ -32,12 +32,15 @@ The noise-schedule shift for the larger size is ``diffusion.resolution_shift_bas
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
-from ..config import Config, ConfigError, replace
+from ..config import Config, ConfigError, replace, validate
 
-__all__ = ["GROW_KEYS", "Growth", "apply_growth", "grow_config", "valid_sizes"]
+__all__ = ["GROW_KEYS", "Growth", "apply_growth", "grow_config", "grow_from_checkpoint",
+           "valid_sizes"]
 
 # The fields --grow-resolution accepts changing on resume (everything else still follows
 # check_resume_config's rules): the size itself, the attention list that follows it, the
@@ -149,6 +152,15 @@ def grow_config(saved: Config, cfg: Config, origin: int | None = None
             f" at {old} px (levels {sorted(was)}), so its attention weights cannot carry over; "
             f"use {list(keep)} (the same levels at {new} px), or leave the field as it was")
     return cfg, notes
+
+
+def grow_from_checkpoint(cfg: Config, source: Path) -> tuple[Config, list[str]]:
+    """:func:`grow_config` against the checkpoint at ``source`` (its state.json: the config
+    and the run's resolution history); the trainer and ``--dry-run`` both call it."""
+    state = json.loads((Path(source) / "state.json").read_text())
+    saved = validate(state["config"], f"{source}/state.json config")
+    history = state.get("resolution_history") or []
+    return grow_config(saved, cfg, history[0]["from"] if history else None)
 
 
 def apply_growth(state, growth: Growth, say: Callable[[str], None] = print) -> None:
