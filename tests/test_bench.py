@@ -41,7 +41,8 @@ def _last_json(stdout: str) -> dict:
 
 @pytest.mark.parametrize("script", ["throughput.py", "samplers.py", "stability.py",
                                     "logging_overhead.py", "eval_samplers.py",
-                                    "eval_sanity.py", "eval_curves.py", "posthoc_ema.py"])
+                                    "eval_sanity.py", "eval_curves.py", "posthoc_ema.py",
+                                    "grow_resolution.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -210,3 +211,21 @@ def test_eval_curves_reads_eval_jsonl(tmp_path):
     assert "FD-digits" in p.stdout and (tmp_path / "c.png").stat().st_size > 0
     assert [r["step"] for r in _last_json(p.stdout)["runs"][str(run)]] == [10, 20]
     assert _run("eval_curves.py", str(tmp_path), check=False).returncode != 0
+
+
+def test_grow_resolution_smoke(tmp_path):
+    """Both runs (grown 16 -> 32 and 32 throughout), the feature network and the scores, on
+    a 40-image stand-in for Fashion-MNIST."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_eval import make_fashion
+
+    root = make_fashion(tmp_path / "fm")
+    out = _last_json(_run("grow_resolution.py", "--out", str(tmp_path / "b"), "--path",
+                          str(root), "--small-steps", "2", "--grown-steps", "1",
+                          "--full-steps", "2", "--warmup", "0", "--num", "12",
+                          "--featnet-steps", "2", "--sample-steps", "2", "--json").stdout)
+    assert out["compute_image_pixels"] == {"grown": (2 * 256 + 1024) * 32, "full": 2 * 1024 * 32}
+    assert out["grown"]["incident_kinds"][-1] == "resolution_change"
+    for name in ("grown", "full"):
+        assert out[name]["eval"]["num"] == 12 and out[name]["eval"]["fd"] is not None
+    assert out["grown"]["eval"]["real_floor"]["fd"] is not None

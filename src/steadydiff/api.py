@@ -27,7 +27,8 @@ def _as_config(config: Config | dict[str, Any] | str | Path) -> Config:
 def train(config: Config | dict[str, Any] | str | Path,
           dataset: torch.utils.data.Dataset | None = None, *,
           out_dir: str | Path = "runs/train", resume: bool | str | Path = True,
-          allow_config_change: bool = False, restart: bool = False) -> RunResult:
+          allow_config_change: bool = False, restart: bool = False,
+          grow_resolution: bool = False) -> RunResult:
     """Train a diffusion model.
 
     Args:
@@ -49,6 +50,8 @@ def train(config: Config | dict[str, Any] | str | Path,
         allow_config_change: accept config changes on resume that break exactness.
         restart: start over at step 0 on purpose: the run's existing files are moved to
             ``out_dir/previous-<time>/`` first (nothing is deleted).
+        grow_resolution: continue the run's checkpoint, trained at a smaller
+            ``data.image_size``, at the config's larger one (docs/resolution.md).
 
     Returns:
         A :class:`RunResult` (run directory, final step and loss, checkpoint, sample grids).
@@ -65,4 +68,5 @@ def train(config: Config | dict[str, Any] | str | Path,
             restored afterwards.
     """
     return run(_as_config(config), run_dir=out_dir, dataset=dataset, resume=resume,
-               allow_config_change=allow_config_change, restart=restart)
+               allow_config_change=allow_config_change, restart=restart,
+               grow_resolution=grow_resolution)

@@ -87,6 +87,10 @@ def _parser() -> argparse.ArgumentParser:
                         "OUT/previous-<time>/ first (nothing is deleted)")
     t.add_argument("--allow-config-change", action="store_true",
                    help="accept config changes on resume that break exactness")
+    t.add_argument("--grow-resolution", action="store_true",
+                   help="continue a run at a larger data.image_size (give it with --set "
+                        "data.image_size=N): weights, EMA and optimizer carry over, the "
+                        "guard's statistics restart (docs/resolution.md)")
 
     s = sub.add_parser("sample", formatter_class=_Formatter,
                        help="sample from a checkpoint into a PNG grid or an .npz array",
@@ -222,6 +226,9 @@ def cmd_train(a: argparse.Namespace) -> int:
         from .lint import lint_report
         from .preflight import check
 
+        if a.grow_resolution:  # the config the grown run would train with
+            cfg = _grown_config(cfg, a)
+
         pre = check(cfg)  # what a run checks before its first step: fails the same way
         print(cfg.to_yaml(), end="")
         # stdout stays valid YAML: the summary is a comment
@@ -235,7 +242,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.print_config:
         say(cfg.to_yaml(), end="")
     res = run(cfg, run_dir=out, resume=resume, allow_config_change=a.allow_config_change,
-              restart=a.restart)
+              restart=a.restart, grow_resolution=a.grow_resolution)
     if say is not print:  # torchrun: rank 0 reports for the group
         return EXIT_OK
     print(f"\nfinished {res.steps} steps in {res.seconds:.0f}s"
@@ -245,6 +252,25 @@ def cmd_train(a: argparse.Namespace) -> int:
         print(f"  samples:    {res.samples[-1]}")
     print(f"  metrics:    {out / 'metrics.jsonl'}")
     return EXIT_OK
+
+
+def _grown_config(cfg, a: argparse.Namespace):
+    """--dry-run --grow-resolution: the config at the new size against the checkpoint the
+    run would continue (its attention levels by depth, or the error the run would give)."""
+    from .config import ConfigError
+    from .rundir import RunDir
+    from .trainer import checkpoint as ckpt
+    from .trainer.resolution import grow_from_checkpoint
+
+    out = Path(a.out) if a.out else Path("runs") / Path(a.config).stem
+    source = ckpt.resolve_checkpoint(a.resume) if a.resume else RunDir(out).latest_good()
+    if source is None:
+        raise ConfigError(f"--grow-resolution continues a run at a larger data.image_size, "
+                          f"but {out} has no checkpoint to continue")
+    cfg, notes = grow_from_checkpoint(cfg, source)
+    for note in notes:
+        print(f"# grow resolution: {note}", file=sys.stderr)
+    return cfg
 
 
 def cmd_sample(a: argparse.Namespace) -> int:

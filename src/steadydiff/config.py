@@ -113,6 +113,11 @@ class DataConfig(Section):
     classes: tuple[Int, ...] | None = Field(
         None, description="train on these class ids only (labels keep their ids); "
         "None: all classes")
+    pad_to: Int | None = Field(
+        None, ge=28, le=1024, description="fashion_mnist: pad the 28x28 images (centered, "
+        "background -1) to this side first, then resize to image_size; None: resize 28 -> "
+        "image_size directly. 32 keeps one framing across a run grown 16 -> 32 (docs/"
+        "resolution.md)")
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
@@ -128,6 +133,9 @@ class DataConfig(Section):
             if self.dataset == "folder" and not self.class_labels:
                 raise ValueError("data.classes needs labels: set data.class_labels=true "
                                  "(one sub-folder per class) or remove data.classes")
+        if self.pad_to is not None and self.dataset != "fashion_mnist":
+            raise ValueError(f"data.pad_to pads Fashion-MNIST's 28x28 images; data.dataset="
+                             f"{self.dataset} has no fixed native size: remove data.pad_to")
         return self
 
 
@@ -188,6 +196,10 @@ class DiffusionConfig(Section):
     logit_std: float = Field(1.0, gt=0.0, le=10.0)
     cfg_dropout: float = Field(0.1, ge=0.0, le=1.0,
                                description="label dropout for classifier-free guidance")
+    resolution_shift_base: Int | None = Field(
+        None, ge=4, le=1024, description="shift the log-SNR by 2*log(base/data.image_size) "
+        "(Hoogeboom et al. 2023, simple diffusion): a larger image gets more noise at the same "
+        "t; None: no shift (docs/resolution.md)")
 
     @model_validator(mode="after")
     def _check(self) -> "DiffusionConfig":

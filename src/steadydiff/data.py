@@ -278,15 +278,23 @@ class FashionMNISTDataset(Dataset):
         channels: 1 (gray) or 3 (repeated).
         root: folder holding the four ``*-ubyte.gz`` files (default: the Debian location).
         split: ``train`` (60k) or ``test`` (10k).
+        pad_to: pad the 28×28 image, centered, with the background value (0, i.e. -1 after
+            scaling) to ``pad_to``×``pad_to`` first, then resize that to S (``data.pad_to``).
+            32 is the usual choice: 28 padded to 32 is exactly 32 px, and 16 px is the same
+            framing averaged down 2×, so a run grown 16 -> 32 sees one picture at two
+            resolutions (docs/resolution.md). None resizes 28 -> S directly.
     """
 
     num_classes: int = 10
 
     def __init__(self, image_size: int = 28, channels: Channels = 1,
                  root: str | os.PathLike[str] | None = None,
-                 split: Split = "train") -> None:
+                 split: Split = "train", pad_to: int | None = None) -> None:
         if channels not in CHANNELS:
             raise DataError(f"fashion_mnist: channels must be 1 or 3, got {channels!r}")
+        if pad_to is not None and pad_to < 28:
+            raise DataError(f"fashion_mnist: pad_to must be at least the native 28, got "
+                            f"{pad_to!r}")
         if image_size < 1:
             raise DataError(f"fashion_mnist: image_size must be >= 1, got {image_size!r}")
         if split not in _FASHION_FILES:
@@ -307,6 +315,7 @@ class FashionMNISTDataset(Dataset):
         self._base = torch.from_numpy(images.copy())  # (N, 28, 28) uint8
         self.labels = torch.from_numpy(labels.astype(np.int64))
         self.image_size, self.channels, self.split = image_size, channels, split
+        self.pad_to = pad_to
 
     def __len__(self) -> int:
         return self._base.shape[0]
@@ -314,6 +323,10 @@ class FashionMNISTDataset(Dataset):
     def images_at(self, idx: torch.Tensor | slice) -> torch.Tensor:
         """A batch of images (n, C, S, S) in [-1, 1]."""
         x = self._base[idx].unsqueeze(1).float().div_(255.0)  # (n, 1, 28, 28)
+        if self.pad_to is not None and self.pad_to != x.shape[-1]:
+            lo = (self.pad_to - x.shape[-1]) // 2
+            hi = self.pad_to - x.shape[-1] - lo
+            x = F.pad(x, (lo, hi, lo, hi), value=0.0)  # (n, 1, P, P), background 0 -> -1
         s = self.image_size
         if x.shape[-1] != s:
             x = F.interpolate(x, size=(s, s), mode="bilinear", align_corners=False,
@@ -326,8 +339,9 @@ class FashionMNISTDataset(Dataset):
 
     def describe(self) -> str:
         s = self.image_size
-        return (f"fashion_mnist ({self.split}): {len(self)} images {self.channels}×{s}×{s}, "
-                f"{self.num_classes} classes")
+        pad = f" (28 padded to {self.pad_to})" if self.pad_to else ""
+        return (f"fashion_mnist ({self.split}): {len(self)} images {self.channels}×{s}×{s}"
+                f"{pad}, {self.num_classes} classes")
 
 
 # --------------------------------------------------------------------------- image folder
@@ -1064,7 +1078,8 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     if cfg.dataset == "digits":
         data: Dataset = DigitsDataset(cfg.image_size, cfg.channels)
     elif cfg.dataset == "fashion_mnist":
-        data = FashionMNISTDataset(cfg.image_size, cfg.channels, root=cfg.path)
+        data = FashionMNISTDataset(cfg.image_size, cfg.channels, root=cfg.path,
+                                   pad_to=cfg.pad_to)
     elif cfg.dataset == "folder":
         if not cfg.path:
             raise DataError("data.path is required when data.dataset is 'folder'")

@@ -193,7 +193,8 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
     c = ckpt.load_checkpoint(path, dev, weights_only=True, allow_nonfinite=allow_nonfinite)
     cfg = checkpoint_config(c)
     model = build_from_checkpoint(c, cfg, use_ema=use_ema, base=base).to(dev)
-    pipe = Pipeline(model, make_schedule(cfg.diffusion), cfg, dev, path, c.step,
+    schedule = make_schedule(cfg.diffusion, cfg.data.image_size)
+    pipe = Pipeline(model, schedule, cfg, dev, path, c.step,
                     adapter=None if cfg.adapter.kind == "none" else cfg.adapter.kind,
                     nonfinite=c.nonfinite)
     if adapter_scale is not None:

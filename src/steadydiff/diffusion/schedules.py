@@ -21,7 +21,7 @@ from torch import Tensor
 from ..config import DiffusionConfig
 from ..kinds import SCHEDULES, ScheduleName
 
-__all__ = ["Schedule", "make_schedule"]
+__all__ = ["Schedule", "make_schedule", "resolution_shift"]
 
 # Piecewise log-SNR points are kept inside this range so that ᾱ = sigmoid(λ) stays strictly
 # inside (0, 1) in float64 (sigmoid(37) already rounds to 1.0). SNR = 0 at the end is what
@@ -261,7 +261,27 @@ def _check(ab: Tensor, T: int, zero_terminal: bool, kind: ScheduleName) -> None:
                          "diffusion.zero_terminal_snr: true if that is intended")
 
 
-def make_schedule(cfg: DiffusionConfig) -> Schedule:
+def resolution_shift(base: int, image_size: int) -> float:
+    """The log-SNR shift of "simple diffusion" (Hoogeboom et al. 2023, shifted schedules):
+    a schedule tuned for ``base`` x ``base`` images, used at ``image_size``, becomes
+    logsnr_shifted(t) = logsnr(t) + 2·log(base / image_size).
+
+    Averaging an image down by a factor s in each direction keeps the signal and divides the
+    noise variance by s², so the same SNR destroys less of a larger image's content: a
+    larger image needs a lower SNR at the same t (the shift is negative for image_size >
+    base, zero at the base, positive below it).
+    """
+    return 2.0 * math.log(base / image_size)
+
+
+def _shift_log_snr(ab: Tensor, shift: float) -> Tensor:
+    """ᾱ after adding ``shift`` to λ = log(ᾱ/(1-ᾱ)) at every step: ᾱ' = sigmoid(λ + shift).
+    ᾱ = 0 (zero terminal SNR, λ = -inf) and ᾱ = 1 (λ = +inf) stay exactly where they are."""
+    lam = torch.log(ab) - torch.log1p(-ab)
+    return torch.sigmoid(lam + shift)
+
+
+def make_schedule(cfg: DiffusionConfig, image_size: int | None = None) -> Schedule:
     """Build the schedule described by ``cfg`` (``diffusion`` section).
 
     Kinds:
@@ -270,7 +290,13 @@ def make_schedule(cfg: DiffusionConfig) -> Schedule:
         sigmoid: Chen 2023, Algorithm 1 (start -3, end 3, tau 1), β clipped at 0.999.
         piecewise: λ piecewise linear in t/(T-1) through ``cfg.piecewise``.
     With ``cfg.zero_terminal_snr`` the result is rescaled (Lin et al. 2024, Alg. 1) so that
-    ᾱ[T-1] = 0 exactly.
+    ᾱ[T-1] = 0 exactly. With ``cfg.resolution_shift_base`` the log-SNR of every step is then
+    shifted by :func:`resolution_shift` for ``image_size`` (``data.image_size``).
+
+    Args:
+        cfg: the ``diffusion`` section.
+        image_size: the training resolution; required when ``cfg.resolution_shift_base``
+            is set (a shift silently dropped would train a different model).
 
     Returns:
         Schedule with float64 (T,) betas and alphas_cumprod.
@@ -292,6 +318,13 @@ def make_schedule(cfg: DiffusionConfig) -> Schedule:
                          f"valid: {', '.join(SCHEDULES)}")
     if cfg.zero_terminal_snr:
         ab = _rescale_zero_terminal_snr(ab)
+    base = cfg.resolution_shift_base
+    if base is not None:
+        if image_size is None:
+            raise ValueError("diffusion.resolution_shift_base is set: make_schedule needs the "
+                             "training resolution (image_size=cfg.data.image_size)")
+        if base != image_size:  # at the base resolution the shift is 0: the table is unchanged
+            ab = _shift_log_snr(ab, resolution_shift(base, image_size))
     _check(ab, T, cfg.zero_terminal_snr, cfg.schedule)
     # β_t = 1 - ᾱ_t/ᾱ_{t-1} with ᾱ_{-1} = 1 (exactly 1 at the zero-SNR end).
     prev = torch.cat([ab.new_ones(1), ab[:-1]])

@@ -140,7 +140,7 @@ def extractor_for(cfg, *, cache: Path | None = None, verbose: bool = True) -> Fe
     """The feature network for a run config (its dataset and resolution)."""
     d = cfg.data
     return feature_extractor(d.dataset, d.image_size, path=d.path, cache=cache,
-                             verbose=verbose)
+                             verbose=verbose, pad_to=d.pad_to)
 
 
 def evaluate_checkpoint(checkpoint: str | Path, *, num: int = 500,

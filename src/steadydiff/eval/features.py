@@ -91,8 +91,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("STEADYDIFF_CACHE") or Path.home() / ".cache" / "steadydiff")
 
 
-def labelled_splits(dataset: DatasetName, image_size: int, path: str | None = None
-                    ) -> tuple[torch.Tensor, ...]:
+def labelled_splits(dataset: DatasetName, image_size: int, path: str | None = None,
+                    pad_to: int | None = None) -> tuple[torch.Tensor, ...]:
     """``(x_train, y_train, x_test, y_test, x_reference, y_reference)``; images gray
     (N, 1, S, S) in [-1, 1], labels (N,) int64.
 
@@ -109,8 +109,9 @@ def labelled_splits(dataset: DatasetName, image_size: int, path: str | None = No
         itr, ite = torch.from_numpy(np.sort(itr)), torch.from_numpy(np.sort(ite))
         return x[itr], y[itr], x[ite], y[ite], x, y
     if dataset == "fashion_mnist":
-        tr = FashionMNISTDataset(image_size, 1, root=path, split="train")
-        te = FashionMNISTDataset(image_size, 1, root=path, split="test")
+        # the run's own framing (data.pad_to): real and generated images compared alike
+        tr = FashionMNISTDataset(image_size, 1, root=path, split="train", pad_to=pad_to)
+        te = FashionMNISTDataset(image_size, 1, root=path, split="test", pad_to=pad_to)
         xtr = tr.images_at(slice(None)).contiguous()
         return xtr, tr.labels, te.images_at(slice(None)).contiguous(), te.labels, xtr, tr.labels
     raise ValueError(
@@ -225,7 +226,7 @@ def _try_load(folder: Path, num_classes: int) -> FeatureExtractor | None:
 
 def feature_extractor(dataset: DatasetName, image_size: int, *, path: str | None = None,
                       cache: Path | None = None, rebuild: bool = False,
-                      verbose: bool = True) -> FeatureExtractor:
+                      verbose: bool = True, pad_to: int | None = None) -> FeatureExtractor:
     """The cached feature network for ``dataset`` at ``image_size`` (trained on first use).
 
     Args:
@@ -234,17 +235,20 @@ def feature_extractor(dataset: DatasetName, image_size: int, *, path: str | None
         path: the dataset's files (``data.path``), for fashion_mnist.
         cache: the cache root (default :func:`cache_dir`).
         rebuild: ignore an existing cache entry.
+        pad_to: fashion_mnist's ``data.pad_to`` (the real images framed as the run's are;
+            a cache entry of its own).
     """
     if dataset not in LABELLED_DATASETS:
         labelled_splits(dataset, image_size, path)  # raises the explanatory ValueError
-    folder = (cache or cache_dir()) / f"featnet-{dataset}-v{VERSION}-{image_size}px"
+    pad = f"-pad{pad_to}" if pad_to else ""
+    folder = (cache or cache_dir()) / f"featnet-{dataset}-v{VERSION}-{image_size}px{pad}"
     if not rebuild:
         found = _try_load(folder, 10)
         if found is not None:
             return found
 
     t0 = time.perf_counter()
-    xtr, ytr, xte, yte, xref, yref = labelled_splits(dataset, image_size, path)
+    xtr, ytr, xte, yte, xref, yref = labelled_splits(dataset, image_size, path, pad_to)
     steps, bs = RECIPE[dataset]
     if verbose:
         print(f"training the {dataset} feature network ({image_size}px, {steps} steps, "
@@ -253,7 +257,7 @@ def feature_extractor(dataset: DatasetName, image_size: int, *, path: str | None
     _, p_te = embed(net, xte)
     _, p_tr = embed(net, xtr)
     real, _ = embed(net, xref)
-    meta = {"name": dataset, "version": VERSION, "image_size": image_size,
+    meta = {"name": dataset, "version": VERSION, "image_size": image_size, "pad_to": pad_to,
             "feature_dim": FEATURE_DIM, "train_steps": steps, "batch_size": bs, "seed": 0,
             "num_train": len(ytr), "num_test": len(yte), "num_reference": int(real.shape[0]),
             "train_accuracy": float((p_tr.argmax(1) == ytr.numpy()).mean()),

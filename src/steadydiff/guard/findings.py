@@ -33,15 +33,15 @@ IncidentKind = Literal[
     "transient_fault",
     "attention_logit_growth", "attention_entropy_collapse", "norm_eps_dominated",
     "norm_affine_exploded",
-    "adapter_base_modified", "adapter_delta_clamp",
+    "adapter_base_modified", "adapter_delta_clamp", "resolution_change",
 ]
 # What the guard did about an incident (the row's ``action``; a healthy step writes no row).
 IncidentAction = Literal["skip", "rollback", "abort", "warn", "attention_upcast",
                          "precision_fallback", "microbatch_backoff", "resync", "rescale_delta",
-                         "drop_samples", "quarantine", "rerun"]
+                         "drop_samples", "quarantine", "rerun", "restart_statistics"]
 # fatal: state or batch unusable; spike: this update is suspect; trend: a slow problem;
-# warn: a health warning only.
-FindingSeverity = Literal["fatal", "spike", "trend", "warn"]
+# warn: a health warning only; info: a deliberate change, recorded (resolution_change).
+FindingSeverity = Literal["fatal", "spike", "trend", "warn", "info"]
 
 USE_BF16 = "use bf16 instead of fp16 (train.precision=bf16): fp32's range, no scaler"
 
@@ -974,3 +974,34 @@ class AdapterDeltaClamp(Finding):
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
         return self.RECOMMENDATION
+
+
+# --------------------------------------------------------------------------- deliberate changes
+
+
+class ResolutionChange(Finding):
+    """The run went on at a larger ``data.image_size`` (``--grow-resolution``): weights, EMA
+    and optimizer state carried over; the guard's statistics restarted their warm-up and the
+    snapshot ring restarted from the grown state (action ``restart_statistics``).
+    Informational: nothing went wrong (docs/resolution.md)."""
+
+    KIND = "resolution_change"
+
+    @classmethod
+    def new(cls, *, old_size: int, new_size: int, step: int, restarted: list[str],
+            **context: Any) -> ResolutionChange:
+        return cls(cls.KIND, "info", {"old_size": old_size, "new_size": new_size,
+                                      "step": step, "restarted": list(restarted), **context})
+
+    def _facts(self) -> list[str]:
+        shift = self.evidence.get("resolution_shift_base")
+        restarted = self._names(self.evidence.get("restarted"))
+        return [f"image size {self._f('old_size')} -> {self._f('new_size')} at step "
+                f"{self._f('step')}"
+                + (f"; log-SNR shifted for base {fmt(shift)}" if shift else "")
+                + (f"; restarted: {', '.join(restarted)}" if restarted else "")]
+
+    def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
+        return ("nothing to fix: a deliberate resolution change; the guard's detectors warm up "
+                "again over guard.warmup_steps, so compare losses only within one resolution "
+                "(docs/resolution.md)")

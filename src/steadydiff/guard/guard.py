@@ -226,14 +226,8 @@ class Guard:
         self._supported = frozenset(p for p in PRECISIONS
                                     if native_support(p, self.device))
         c = self.cfg
-        self.grad = GradSpike(c.momentum, c.grad_z, c.warmup_steps)
-        self.loss = BucketLossSpike(c.t_buckets, c.momentum, c.loss_z, c.loss_ratio,
-                                    c.warmup_steps)
-        self.divergence = Divergence(c.divergence_window, c.divergence_ratio, c.warmup_steps)
-        self.trend = Trend(c.trend_window, c.trend_grad_ratio, c.trend_loss_ratio,
-                           c.trend_lr_rise, c.warmup_steps)
+        self._fresh_statistics()
         self.overflow = Overflow(c.overflow_limit, c.overflow_window)
-        self.inputs = RunningStats(0.99)  # log max|x| of batches
         self.ring = SnapshotRing(c.snapshots)
         self.incidents: list[Incident] = []   # this process's incidents
         self.incidents_before = 0              # incidents of the run before a resume
@@ -269,6 +263,41 @@ class Guard:
         self._bad_rank: int | None = None  # the rank where this step's bad value appeared
         self._outlier_rank: int | None = None  # the rank with this step's largest input
         self.snapshot()
+
+    def _fresh_statistics(self) -> None:
+        """The detectors' running statistics, empty: each warms up again over
+        ``guard.warmup_steps`` before it may fire."""
+        c = self.cfg
+        self.grad = GradSpike(c.momentum, c.grad_z, c.warmup_steps)
+        self.loss = BucketLossSpike(c.t_buckets, c.momentum, c.loss_z, c.loss_ratio,
+                                    c.warmup_steps)
+        self.divergence = Divergence(c.divergence_window, c.divergence_ratio, c.warmup_steps)
+        self.trend = Trend(c.trend_window, c.trend_grad_ratio, c.trend_loss_ratio,
+                           c.trend_lr_rise, c.warmup_steps)
+        self.inputs = RunningStats(0.99)  # log max|x| of batches
+
+    def resolution_changed(self, old: int, new: int, **context: Any) -> Incident:
+        """The run goes on at another image size (``--grow-resolution``): the loss and
+        gradient scales change with the resolution, so the per-timestep loss statistics,
+        the grad-norm, input-range, divergence and trend statistics restart their warm-up,
+        and the snapshot ring restarts from the current state. Budgets, the LR cap and
+        backoff, the quarantine and the fp16 overflow window stay. Recorded as a
+        ``resolution_change`` incident (action ``restart_statistics``).
+
+        Args:
+            old, new: the image side before and after.
+            context: more evidence for the row (e.g. ``model``, ``resolution_shift_base``).
+        """
+        restarted = ["loss_per_t_bucket", "grad_norm", "inputs", "divergence", "trend",
+                     "snapshots"]
+        self._fresh_statistics()
+        self._prev_norms = None
+        self.ring.ring.clear()
+        self.snapshot()
+        f = findings.ResolutionChange.new(old_size=old, new_size=new, step=self.progress.step,
+                                          restarted=restarted, **context)
+        return self._record(f, "restart_statistics", diagnosis={
+            "note": f"statistics warm up again over guard.warmup_steps={self.cfg.warmup_steps}"})
 
     @property
     def scaler(self) -> torch.amp.GradScaler | None:

@@ -74,7 +74,7 @@ def run_probe(model: nn.Module, cfg: Any, x0: torch.Tensor, y: torch.Tensor | No
     """
     device = next(model.parameters()).device
     n = x0.shape[0]
-    sched = make_schedule(cfg.diffusion)
+    sched = make_schedule(cfg.diffusion, cfg.data.image_size)
     t = torch.tensor([round(i * (sched.T - 1) / max(n - 1, 1)) for i in range(n)],
                      device=device)
     alpha, sigma = sched.alpha_sigma(t)

@@ -35,6 +35,9 @@ class CheckpointIO:
             "scaler": s.scaler.state_dict() if s.scaler else None,
             "precision": s.precision, "grad_accum": s.grad_accum,
             "bad_images": sorted(s.bad_images),
+            # the resolution these weights were trained at, and each change (a grown run)
+            "image_size": s.cfg.data.image_size,
+            "resolution_history": list(s.resolution_history),
             "guard": s.guard.state_dict() if s.guard else None,
             "eval": s.evaluator.state_dict(),
             "adapter": s.weights.info(),
@@ -79,6 +82,7 @@ class CheckpointIO:
         s.batches_consumed = int(c.state["batches_consumed"])
         s.grad_accum = int(c.state.get("grad_accum") or s.grad_accum)
         s.bad_images = set(c.state.get("bad_images", []))
+        s.resolution_history = [dict(r) for r in c.state.get("resolution_history", [])]
         precision = c.state.get("precision") or s.precision
         if precision != s.precision:  # the guard fell back before this checkpoint
             set_precision(s, precision)

@@ -54,6 +54,7 @@ from .ema import EMA
 from .hooks import FULL_WEIGHTS
 from .optim import build_optimizer, lr_at, set_lr
 from .preempt import StopSignals, TrainingInterrupted, signal_name
+from .resolution import GROW_KEYS, Growth, apply_growth, grow_from_checkpoint
 from .state import StepOutput, TrainState
 
 log = logging.getLogger(__name__)
@@ -315,7 +316,7 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
     return TrainState(
         cfg=cfg, model=model, ema=ema, weights=weights, optimizer=optimizer,
         scaler=prec.make_scaler(cfg.train.precision, device),
-        schedule=make_schedule(cfg.diffusion), device=device,
+        schedule=make_schedule(cfg.diffusion, cfg.data.image_size), device=device,
         precision=cfg.train.precision, grad_accum=cfg.train.grad_accum,
         update=Update(model, optimizer, clip_mode=cfg.optim.clip_mode,
                       clip=cfg.optim.grad_clip, ema=ema),
@@ -476,16 +477,23 @@ def save_best(state: TrainState, run: RunDir) -> Path | None:
         return None
 
 
-def check_resume_config(saved: Config, cfg: Config, allow_change: bool) -> list[str]:
+def check_resume_config(saved: Config, cfg: Config, allow_change: bool,
+                        grow: bool = False) -> list[str]:
     """Report config changes on resume; refuse those that break exactness unless allowed.
 
     Returns the report's lines: the changes that alter training first, then the
     bookkeeping ones (logging, sample cadence, ...: :data:`RESUME_SAFE`), each group
-    under its own heading so the refusal names only what is really at stake.
+    under its own heading so the refusal names only what is really at stake. With ``grow``
+    (``--grow-resolution``) a larger ``data.image_size`` and the fields that go with it
+    (:data:`~steadydiff.trainer.resolution.GROW_KEYS`) are accepted, under a heading of
+    their own; without it a changed ``data.image_size`` is refused like any other change,
+    and the message names the flag.
     """
     changes = config_diff(saved, cfg)
     notes = {k: "" for k, _, _ in changes}
-    unsafe = {k for k in notes if not k.startswith(RESUME_SAFE)}
+    grown = grow and saved.data.image_size != cfg.data.image_size
+    growth = {k for k in notes if grown and k in GROW_KEYS}
+    unsafe = {k for k in notes if not k.startswith(RESUME_SAFE) and k not in growth}
     # the cosine schedule (and an unfinished warmup) is a function of train.steps
     if "train.steps" in notes and (
             cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > min(saved.train.steps,
@@ -493,14 +501,22 @@ def check_resume_config(saved: Config, cfg: Config, allow_change: bool) -> list[
         unsafe.add("train.steps")
         notes["train.steps"] = "  (changes the LR schedule of the remaining steps)"
     alter = [f"    {k}: {a!r} -> {b!r}{notes[k]}" for k, a, b in changes if k in unsafe]
-    keep = [f"    {k}: {a!r} -> {b!r}" for k, a, b in changes if k not in unsafe]
+    grew = [f"    {k}: {a!r} -> {b!r}" for k, a, b in changes if k in growth]
+    keep = [f"    {k}: {a!r} -> {b!r}" for k, a, b in changes
+            if k not in unsafe and k not in growth]
     lines = ((["  alter training:"] + alter if alter else [])
+             + (["  resolution (--grow-resolution):"] + grew if grew else [])
              + (["  bookkeeping (safe to change):"] + keep if keep else []))
     if alter and not allow_change:
+        size = ("data.image_size" in unsafe and not grow
+                and cfg.data.image_size > saved.data.image_size)
         raise ConfigError(
             "the config differs from the checkpoint's in fields that change the training "
             "itself:\n" + "\n".join(alter) + "\nresume with the original config, use a new "
             "--out directory, or pass --allow-config-change to accept the changes"
+            + ("\nto continue this run at the larger data.image_size on purpose, pass "
+               "--grow-resolution (weights carry over, the guard's statistics restart; "
+               "docs/resolution.md)" if size else "")
             + ("\n(also changed, safe on resume:\n" + "\n".join(keep) + ")" if keep else ""))
     return lines
 
@@ -511,7 +527,7 @@ def check_resume_config(saved: Config, cfg: Config, allow_change: bool) -> list[
 
 def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset | None = None,
         resume: str | Path | bool = True, allow_config_change: bool = False,
-        restart: bool = False) -> RunResult:
+        restart: bool = False, grow_resolution: bool = False) -> RunResult:
     """Train ``cfg`` into ``run_dir``; under torchrun, one rank of a DDP group.
 
     Args:
@@ -527,6 +543,10 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
         allow_config_change: accept config changes on resume that break exactness.
         restart: start over deliberately: the run's existing files are moved to
             ``run_dir/previous-<time>/`` (nothing is deleted) and training starts at step 0.
+        grow_resolution: continue a checkpoint trained at a smaller ``data.image_size`` at
+            ``cfg.data.image_size`` (progressive resolution, docs/resolution.md): weights,
+            EMA and optimizer carry over, the guard's statistics restart. Rerunning with it
+            after the change resumes normally.
 
     The run directory is checked and locked for the life of the run (rank 0 holds the lock):
     a non-empty folder that is not a run, or a run another live process trains into, is a
@@ -545,6 +565,9 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     if restart and resume not in (True, False):
         raise ConfigError("restart (--restart) starts over and resume (--resume PATH) "
                           "continues a checkpoint: choose one")
+    if grow_resolution and (restart or resume is False):
+        raise ConfigError("--grow-resolution continues a checkpoint at a larger size; "
+                          f"{'--restart' if restart else '--no-resume'} starts over: choose one")
     owned = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     ctx, device = distributed.setup(cfg.train.device, cfg.train.dist_timeout)
     try:
@@ -553,7 +576,7 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
                 StopSignals(ctx.rank if ctx.enabled else None) as signals, \
                 _claim(RunDir(run_dir), ctx.is_main):
             return _run(cfg, ctx, device, watchdog, signals, Path(run_dir), dataset, resume,
-                        allow_config_change, restart)
+                        allow_config_change, restart, grow_resolution)
     except torch.distributed.DistError as e:
         raise distributed.DistributedError(distributed.describe_failure(e, ctx)) from e
     except RuntimeError as e:
@@ -627,8 +650,11 @@ def _resume_source(run: RunDir, resume: str | Path | bool, main: bool,
 
 
 def _resume(state: TrainState, source: Path, allow_config_change: bool,
-            say: Callable[[str], None]) -> ckpt.Checkpoint:
-    """Restore ``state`` from the checkpoint at ``source``; say what changed."""
+            say: Callable[[str], None],
+            grow: bool = False) -> tuple[ckpt.Checkpoint, Growth | None]:
+    """Restore ``state`` from the checkpoint at ``source``; say what changed. Returns the
+    checkpoint and, with ``grow`` and a larger ``data.image_size``, the resolution change
+    still to carry out (:func:`~steadydiff.trainer.resolution.apply_growth`)."""
     cfg, world = state.cfg, state.world_size
     c = ckpt.load_checkpoint(source, state.device)
     if "posthoc_ema" in c.state:  # its EMA is a reconstruction: resuming would average on it
@@ -638,7 +664,10 @@ def _resume(state: TrainState, source: Path, allow_config_change: bool,
     saved_cfg = validate(c.state["config"], f"{source}/state.json config")
     # a finished run trains no further step: its config changes cannot break anything
     done = c.step >= cfg.train.steps
-    changes = check_resume_config(saved_cfg, cfg, allow_config_change or done)
+    changes = check_resume_config(saved_cfg, cfg, allow_config_change or done, grow=grow)
+    old = int(c.state.get("image_size") or saved_cfg.data.image_size)
+    growth = Growth(old, cfg.data.image_size, c.step) if grow and old != cfg.data.image_size \
+        else None
     CheckpointIO(state).restore(c)
     say(f"resumed from {source} at step {state.step}"
         + (" (the run is already complete)" if done else "")
@@ -649,16 +678,35 @@ def _resume(state: TrainState, source: Path, allow_config_change: bool,
             f"{world}: the global batch, the sample order and the noise are the same (batches "
             "are split by position), but the gradient reduction order differs, so the result "
             "matches an uninterrupted run to rounding, not bit for bit")
-    return c
+    return c, growth
 
 
 def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
          watchdog: distributed.Watchdog, signals: StopSignals, run_dir: Path, dataset, resume,
-         allow_config_change: bool, restart: bool = False) -> RunResult:
+         allow_config_change: bool, restart: bool = False, grow: bool = False) -> RunResult:
     t_start = time.perf_counter()
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     run = RunDir(run_dir)
+    # the checkpoint to resume, before the checks: a grown run's model is built at the new
+    # size (attention by depth), and a size changed without --grow-resolution is refused
+    # here, naming the flag, rather than by the model check (a restart moves files first:
+    # it looks later)
+    source = _resume_source(run, resume, main) if not restart else None
+    if grow and source is None:
+        raise ConfigError(f"--grow-resolution continues a run at a larger data.image_size, "
+                          f"but {run.root} has no checkpoint to continue: train at the "
+                          "smaller size first, or drop --grow-resolution")
+    if source is not None:
+        state_json = json.loads((source / "state.json").read_text())
+        saved = validate(state_json["config"], f"{source}/state.json config")
+        if grow:
+            cfg, notes = grow_from_checkpoint(cfg, source)
+            for note in notes:
+                say(f"grow resolution: {note}")
+        elif saved.data.image_size != cfg.data.image_size:
+            check_resume_config(saved, cfg, allow_config_change
+                                or int(state_json["step"]) >= cfg.train.steps)
     for warning in lint(cfg, device):  # dangerous but legal settings: say why, at start
         say(f"warning: {warning}")
     configure_runtime(cfg, device, ctx)
@@ -674,8 +722,10 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     state.evaluator = make_evaluator(cfg, run_dir)
 
     # ---- resume: the same command again continues the run
-    source = _resume_source(run, resume, main, restart)
-    c = _resume(state, source, allow_config_change, say) if source is not None else None
+    if restart:
+        source = _resume_source(run, resume, main, restart)
+    c, growth = (_resume(state, source, allow_config_change, say, grow) if source is not None
+                 else (None, None))
     if ctx.enabled:
         state.ddp = distributed.wrap(state.model, device)  # broadcasts rank 0's weights
     guard = attach_guard(state, run_dir if main else None, data)
@@ -690,6 +740,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         # tools expect the file: a healthy run leaves it empty (never truncated: rows of a
         # resumed run were cut to its step just above)
         run.incidents.touch()
+    if growth is not None:  # after the truncation: its incident row is this run's
+        apply_growth(state, growth, say)
 
     def batches_from(position: int):
         """The data stream from batch ``position`` on, without the quarantined samples."""

@@ -39,6 +39,8 @@ class TrainState:
     step: int = 0                 # optimizer steps completed
     batches_consumed: int = 0     # data position: global batches drawn from the stream
     bad_images: set[int] = field(default_factory=set)  # indices found unloadable in training
+    # every --grow-resolution change of this run: [{step, from, to}] (trainer/resolution.py)
+    resolution_history: list[dict[str, int]] = field(default_factory=list)
     rank: int = 0
     world_size: int = 1
     ddp: nn.Module | None = None  # the DistributedDataParallel wrapper under torchrun
