@@ -68,6 +68,15 @@ def _default_module(model: nn.Module) -> str:
     return names[len(names) // 2]
 
 
+def _target_module(model: nn.Module, f: FaultConfig) -> tuple[str, nn.Module]:
+    """The module a fault acts on: its ``target``, else the default one."""
+    name = f.target or _default_module(model)
+    module = dict(model.named_modules()).get(name)
+    if module is None:
+        raise ValueError(f"fault {f.kind}: no module named {name!r}")
+    return name, module
+
+
 class FaultInjector(StepHooks):
     """Applies the configured faults at their steps. All methods are no-ops off-step.
 
@@ -194,10 +203,7 @@ class FaultInjector(StepHooks):
         (or with the layer's ``upcast_attention`` on) the softmax stays finite."""
         handles, unfused = [], []
         for i, f in self._active(step, ("transient_nan",)):
-            name = f.target or _default_module(model)
-            module = dict(model.named_modules()).get(name)
-            if module is None:
-                raise ValueError(f"fault transient_nan: no module named {name!r}")
+            name, module = _target_module(model, f)
             self._record(f, step, module=name)
 
             def flaky(_m, _inp, out, i=i):
@@ -208,10 +214,7 @@ class FaultInjector(StepHooks):
 
             handles.append(module.register_forward_hook(flaky, prepend=True))
         for _, f in self._active(step, ("fp16_overflow",)):
-            name = f.target or _default_module(model)
-            module = dict(model.named_modules()).get(name)
-            if module is None:
-                raise ValueError(f"fault fp16_overflow: no module named {name!r}")
+            name, module = _target_module(model, f)
             self._record(f, step, module=name)
 
             def hook(_m, _inp, out, scale=f.factor):
