@@ -11,7 +11,6 @@ or a gradient by hand at a chosen step. The loops are the ones docs/guard.md sho
 guard adds the ``Guard(...)`` line and the two lines after ``backward``.
 """
 
-import contextlib
 import json
 import math
 import sys
@@ -26,9 +25,10 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from steadydiff import Guard
 
-# the diffusers-style EMA stand-in is the one the accelerate-style example ships
+# the accelerate-style stand-ins (Accelerator, diffusers-style EMAModel) are the ones the
+# accelerate-style example ships
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from guard_accelerate_style import EMAModel  # noqa: E402
+from guard_accelerate_style import Accelerator, EMAModel  # noqa: E402
 
 T, B, STEPS = 100, 8, 30
 ALPHA_BAR = torch.cumprod(1 - torch.linspace(1e-4, 0.02, T), 0)
@@ -241,52 +241,6 @@ def test_plain_loop_saves_the_verified_state_after_an_abort(tmp_path):
 
 
 # ------------------------------------------------------------ (b) an accelerate-style loop
-
-
-class AcceleratedOptimizer:
-    """The shape of accelerate's optimizer wrapper: it forwards to the wrapped optimizer."""
-
-    def __init__(self, optimizer):
-        self.optimizer = optimizer
-
-    @property
-    def param_groups(self):
-        return self.optimizer.param_groups
-
-    @property
-    def state(self):
-        return self.optimizer.state
-
-    def step(self, closure=None):
-        self.optimizer.step(closure)
-
-    def zero_grad(self, set_to_none=True):
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self):
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)
-
-
-class Accelerator:
-    """The shape of ``accelerate.Accelerator``: prepare, backward, autocast; fp16 holds a
-    GradScaler that the guard steps."""
-
-    def __init__(self, mixed_precision="no"):
-        self.fp16 = mixed_precision == "fp16"
-        self.scaler = torch.amp.GradScaler("cpu") if self.fp16 else None
-
-    def prepare(self, model, optimizer, scheduler):
-        return model, AcceleratedOptimizer(optimizer), scheduler
-
-    def backward(self, loss):
-        (self.scaler.scale(loss) if self.scaler else loss).backward()
-
-    def autocast(self):
-        return (torch.autocast("cpu", dtype=torch.float16) if self.fp16
-                else contextlib.nullcontext())
 
 
 def accelerate_loop(run_dir, mixed_precision="no", steps=STEPS, **faults):
