@@ -26,7 +26,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
-from .kinds import (LABELLED_DATASETS, AdapterKind, Channels, ClipMode, DatasetName,
+from .kinds import (LABELLED_DATASETS, AdapterKind, CaptionSource, Channels, MissingCaption, ClipMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, LossWeighting,
                     LRSchedule, ModelKind, OnSaveError, Precision, Prediction, SamplerName,
                     ScheduleName, TimestepSampling)
@@ -118,6 +118,20 @@ class DataConfig(Section):
         "background -1) to this side first, then resize to image_size; None: resize 28 -> "
         "image_size directly. 32 keeps one framing across a run grown 16 -> 32 (docs/"
         "resolution.md)")
+    captions: CaptionSource = Field(
+        "none", description="text-conditioned models: auto (a .txt beside each image, else "
+        "metadata.jsonl), txt, jsonl (file_name/text), class_names (digits, Fashion-MNIST: "
+        "'a photo of a sneaker' from the label); none: no captions (docs/sd.md)")
+    missing_caption: MissingCaption = Field(
+        "error", description="an image without a caption: error (names it) or empty (train it "
+        "with the empty caption)")
+    cache_dir: str | None = Field(
+        None, description="where VAE latents and text embeddings are cached (safetensors, "
+        "keyed by file content and the encoder's identity; share it between runs); None: "
+        "RUN/cache")
+    cache_latents: Bool = Field(
+        True, description="latent-space models: encode every image once, before training "
+        "(each latent checked finite); false: encode each batch in the step")
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
@@ -133,6 +147,14 @@ class DataConfig(Section):
             if self.dataset == "folder" and not self.class_labels:
                 raise ValueError("data.classes needs labels: set data.class_labels=true "
                                  "(one sub-folder per class) or remove data.classes")
+        if self.captions == "class_names" and self.dataset not in LABELLED_DATASETS:
+            raise ValueError(f"data.captions=class_names names the classes of "
+                             f"{' or '.join(LABELLED_DATASETS)}; data.dataset={self.dataset} "
+                             "has none: use auto, txt or jsonl")
+        if self.captions in ("auto", "txt", "jsonl") and self.dataset != "folder":
+            raise ValueError(f"data.captions={self.captions} reads caption files beside the "
+                             f"images of a folder (data.dataset=folder); {self.dataset} has "
+                             "none: use class_names")
         if self.pad_to is not None and self.dataset != "fashion_mnist":
             raise ValueError(f"data.pad_to pads Fashion-MNIST's 28x28 images; data.dataset="
                              f"{self.dataset} has no fixed native size: remove data.pad_to")
@@ -175,6 +197,20 @@ class ModelConfig(Section):
         "on per layer when one overflows)")
     unet: UNetConfig = UNetConfig()
     dit: DiTConfig = DiTConfig()
+    pretrained: str | None = Field(
+        None, description="a local diffusers Stable Diffusion folder (model_index.json, unet/, "
+        "vae/, text_encoder/, tokenizer/, scheduler/): fine-tune its UNet (adapter.kind=lora: "
+        "a peft LoRA; none: the whole UNet); kind/unet/dit are then unused (docs/sd.md)")
+    text_encoder: str | None = Field(
+        None, description="steadydiff's own models: a folder with text_encoder/ and "
+        "tokenizer/ (a transformers CLIP text model; an SD folder works): the model is "
+        "conditioned on its token embeddings by cross-attention (data.captions)")
+    vae: str | None = Field(
+        None, description="steadydiff's own models: train in the latent space of this "
+        "diffusers AutoencoderKL folder (its config.json, or an SD folder's vae/)")
+    vae_precision: Precision | None = Field(
+        None, description="dtype of the frozen VAE (fp32 avoids the fp16 VAE's NaN latents); "
+        "None: train.precision")
 
 
 # --------------------------------------------------------------------------- diffusion
@@ -195,7 +231,12 @@ class DiffusionConfig(Section):
     logit_mean: float = Field(0.0, ge=-10.0, le=10.0)
     logit_std: float = Field(1.0, gt=0.0, le=10.0)
     cfg_dropout: float = Field(0.1, ge=0.0, le=1.0,
-                               description="label dropout for classifier-free guidance")
+                               description="label (or caption) dropout for classifier-free "
+                               "guidance: the fraction of samples trained unconditionally")
+    noise_offset: float = Field(
+        0.0, ge=0.0, le=1.0, description="offset noise (Guttenberg 2023): add this x a "
+        "per-channel N(0, 1) constant to the noise, so the model learns to change an image's "
+        "mean brightness (SD fine-tunes use ~0.05-0.1); 0: off")
     resolution_shift_base: Int | None = Field(
         None, ge=4, le=1024, description="shift the log-SNR by 2*log(base/data.image_size) "
         "(Hoogeboom et al. 2023, simple diffusion): a larger image gets more noise at the same "
@@ -203,7 +244,7 @@ class DiffusionConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "DiffusionConfig":
-        if self.schedule == "linear" and self.beta_end <= self.beta_start:
+        if self.schedule in ("linear", "scaled_linear") and self.beta_end <= self.beta_start:
             raise ValueError(
                 f"diffusion.beta_end ({self.beta_end}) must be greater than "
                 f"diffusion.beta_start ({self.beta_start})")
@@ -310,6 +351,11 @@ class SampleConfig(Section):
     eta: float = Field(0.0, ge=0.0, le=1.0, description="DDIM stochasticity")
     seed: Int = Field(0, ge=0)
     use_ema: Bool = True
+    prompts: tuple[str, ...] = Field(
+        (), description="text-conditioned models: the prompts of the sample grids (cycled); "
+        "empty: the captions of the first dataset items")
+    negative_prompt: str = Field(
+        "", description="text-conditioned models: what guidance steers away from")
 
 
 # --------------------------------------------------------------------------- eval
@@ -463,13 +509,10 @@ class AdapterConfig(Section):
     max_delta_ratio: float = Field(1.0, ge=0.0, description="|dW|/|W| above which a module's "
                                    "delta is rescaled (an incident); 0 disables the clamp")
     monitor_every: Int = Field(1, ge=0, description="steps between delta-norm checks; 0: off")
-
-    @model_validator(mode="after")
-    def _check(self) -> "AdapterConfig":
-        if self.kind != "none" and not self.base:
-            raise ValueError(f"adapter.kind={self.kind} needs adapter.base: a steadydiff "
-                             "checkpoint or run directory, or a .safetensors file")
-        return self
+    text_encoder: Bool = Field(
+        False, description="model.pretrained with adapter.kind=lora: also train a LoRA on the "
+        "text encoder's attention (its embeddings are then not cached)")
+    # adapter.base is required unless model.pretrained is the base: checked by Config
 
 
 # --------------------------------------------------------------------------- faults
@@ -526,7 +569,38 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
-        a = self.adapter
+        a, m, d = self.adapter, self.model, self.data
+        if a.kind != "none" and not a.base and not m.pretrained:
+            raise ValueError(f"adapter.kind={a.kind} needs adapter.base: a steadydiff "
+                             "checkpoint or run directory, or a .safetensors file (or "
+                             "model.pretrained: a Stable Diffusion folder)")
+        if m.pretrained and a.kind == "hypernetwork":
+            raise ValueError("model.pretrained takes adapter.kind lora or none (a full "
+                             "fine-tune); hypernetworks over a Stable Diffusion UNet are not "
+                             "supported yet")
+        if m.pretrained and a.base:
+            raise ValueError("model.pretrained is the base of the adapter: remove adapter.base")
+        if a.text_encoder and not (m.pretrained and a.kind == "lora"):
+            raise ValueError("adapter.text_encoder trains a LoRA on a Stable Diffusion text "
+                             "encoder: it needs model.pretrained and adapter.kind=lora")
+        if m.pretrained and (m.text_encoder or m.vae):
+            raise ValueError("model.pretrained brings its own text encoder and VAE: remove "
+                             "model.text_encoder and model.vae")
+        text = bool(m.pretrained or m.text_encoder)
+        if text and d.captions == "none":
+            raise ValueError("a text-conditioned model (model.pretrained or model.text_encoder) "
+                             "needs captions: set data.captions (auto, txt, jsonl, or "
+                             "class_names for digits/Fashion-MNIST)")
+        if d.captions != "none" and not text:
+            raise ValueError(f"data.captions={d.captions} needs a text encoder: set "
+                             "model.pretrained (Stable Diffusion) or model.text_encoder, or "
+                             "data.captions=none")
+        if text and m.num_classes:
+            raise ValueError("a text-conditioned model is conditioned on captions: set "
+                             "model.num_classes=0")
+        if (m.pretrained or m.vae) and d.cache_latents and d.hflip:
+            raise ValueError("data.hflip flips images, but the latents are cached once: set "
+                             "data.cache_latents=false to flip, or data.hflip=false")
         if a.kind != "none" and a.base_precision not in ("fp32", self.train.precision):
             raise ValueError(
                 f"adapter.base_precision={a.base_precision} needs autocast in that dtype: set "

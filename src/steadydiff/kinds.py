@@ -29,6 +29,17 @@ DATASETS: tuple[DatasetName, ...] = get_args(DatasetName)
 LabelledDataset = Literal["digits", "fashion_mnist"]
 LABELLED_DATASETS: tuple[LabelledDataset, ...] = get_args(LabelledDataset)
 
+# Where a dataset's captions come from (text-conditioned models; docs/sd.md):
+#   none: no captions; auto: a .txt beside each image, else metadata.jsonl; txt: kohya's
+#   .txt beside each image; jsonl: Hugging Face imagefolder's metadata.jsonl (file_name,
+#   text); class_names: digits/Fashion-MNIST, "a photo of a sneaker" from the label.
+CaptionSource = Literal["none", "auto", "txt", "jsonl", "class_names"]
+CAPTION_SOURCES: tuple[CaptionSource, ...] = get_args(CaptionSource)
+
+# An image without a caption: stop with an error naming it, or train it with "".
+MissingCaption = Literal["error", "empty"]
+MISSING_CAPTIONS: tuple[MissingCaption, ...] = get_args(MissingCaption)
+
 Channels = Literal[1, 3]
 CHANNELS: tuple[Channels, ...] = get_args(Channels)
 
@@ -44,7 +55,7 @@ DIT_PRESETS: tuple[DiTPreset, ...] = get_args(DiTPreset)
 
 # --------------------------------------------------------------------------- diffusion
 
-ScheduleName = Literal["linear", "cosine", "sigmoid", "piecewise"]
+ScheduleName = Literal["linear", "cosine", "sigmoid", "piecewise", "scaled_linear"]
 SCHEDULES: tuple[ScheduleName, ...] = get_args(ScheduleName)
 
 # What the network predicts: the noise, the clean image, or v = alpha·eps - sigma·x0
@@ -108,11 +119,11 @@ FAULT_WHERES: tuple[FaultWhere, ...] = get_args(FaultWhere)
 
 
 __all__ = [
-    "ADAPTER_KINDS", "CHANNELS", "CLIP_MODES", "DATASETS", "DEVICE_NAMES", "DIT_PRESETS",
+    "ADAPTER_KINDS", "CAPTION_SOURCES", "CHANNELS", "MISSING_CAPTIONS", "CLIP_MODES", "DATASETS", "DEVICE_NAMES", "DIT_PRESETS",
     "EVAL_METRICS", "FAULT_KINDS", "FAULT_WHERES", "LABELLED_DATASETS", "LOSS_WEIGHTINGS",
     "LR_SCHEDULES", "MODEL_KINDS", "ON_SAVE_ERRORS", "PRECISIONS", "PREDICTIONS",
     "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS",
-    "AdapterKind", "Channels", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
+    "AdapterKind", "CaptionSource", "Channels", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
     "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "LabelledDataset", "LossWeighting",
     "ModelKind", "OnSaveError", "Precision", "Prediction", "SamplerName", "ScheduleName",
     "Spacing", "Split", "TimestepSampling",

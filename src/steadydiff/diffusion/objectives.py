@@ -18,7 +18,8 @@ from ..config import DiffusionConfig
 from ..kinds import LOSS_WEIGHTINGS, PREDICTIONS, TIMESTEP_SAMPLINGS, Prediction
 from .schedules import Schedule
 
-__all__ = ["Draws", "LossOutput", "draw", "sample_timesteps", "q_sample", "training_target", "to_x0_eps",
+__all__ = ["Draws", "LossOutput", "context_dim_of", "draw", "drop_condition",
+           "is_conditional", "null_condition", "sample_timesteps", "q_sample", "training_target", "to_x0_eps",
            "loss_weights", "diffusion_loss"]
 
 
@@ -36,6 +37,40 @@ def num_classes_of(model: nn.Module) -> int:
         raise AttributeError(f"{type(model).__name__} has no num_classes attribute; the denoiser "
                              "contract needs it (0 for unconditional models)")
     return int(n)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return model.module if hasattr(model, "module") and not hasattr(model, "num_classes") \
+        else model
+
+
+def context_dim_of(model: nn.Module) -> int:
+    """The width D of the text context a text-conditioned model attends to (0: none)."""
+    return int(getattr(_unwrap(model), "context_dim", 0) or 0)
+
+
+def is_conditional(model: nn.Module) -> bool:
+    """Whether ``model`` takes a condition y: class labels (``num_classes`` > 0) or a text
+    context (``context_dim`` > 0)."""
+    return num_classes_of(model) > 0 or context_dim_of(model) > 0
+
+
+def null_condition(model: nn.Module, y: Tensor) -> Tensor:
+    """The "no condition" of classifier-free guidance, shaped like ``y``: the null class
+    ``num_classes`` for class labels (N,); for a text context (N, L, D) the model's own
+    ``null_condition(y)`` (the empty caption's encoding)."""
+    m = _unwrap(model)
+    f = getattr(m, "null_condition", None)
+    if callable(f):
+        return f(y)
+    return torch.full_like(y, num_classes_of(model))
+
+
+def drop_condition(model: nn.Module, y: Tensor, drop: Tensor) -> Tensor:
+    """``y`` with the samples where ``drop`` (N,) bool is set replaced by the null
+    condition (label dropout, Ho & Salimans 2022; caption dropout for text)."""
+    mask = drop.reshape(-1, *([1] * (y.ndim - 1)))
+    return torch.where(mask, null_condition(model, y), y)
 
 
 @dataclass
@@ -172,21 +207,26 @@ def loss_weights(cfg: DiffusionConfig, snr: Tensor) -> Tensor:
 
 @dataclass
 class Draws:
-    """The random draws of one loss evaluation: timesteps t (N,) long, noise like x0, and
-    uniforms u (N,) for label dropout (dropped where u < cfg_dropout)."""
+    """The random draws of one loss evaluation: timesteps t (N,) long, noise like x0,
+    uniforms u (N,) for label dropout (dropped where u < cfg_dropout), and with
+    ``diffusion.noise_offset`` the offsets (N, C, 1, 1) added to the noise."""
 
     t: Tensor
     noise: Tensor
     u: Tensor
+    offset: Tensor | None = None
 
     def __getitem__(self, s: slice) -> "Draws":
-        return Draws(self.t[s], self.noise[s], self.u[s])
+        return Draws(self.t[s], self.noise[s], self.u[s],
+                     None if self.offset is None else self.offset[s])
 
 
 def draw(n: int, shape: tuple[int, ...], cfg: DiffusionConfig, T: int,
          generator: torch.Generator, device: torch.device | str | None = None,
          dtype: torch.dtype = torch.float32) -> Draws:
-    """Draw, in this order and all from ``generator``, t (n,), noise (n, *shape), u (n,).
+    """Draw, in this order and all from ``generator``, t (n,), noise (n, *shape), u (n,),
+    and with ``cfg.noise_offset`` > 0 the offsets (n, C, 1, 1) (drawn last, so runs without
+    it replay as before).
 
     The trainer draws once per step for the *global* batch and gives each rank and
     micro-batch its slice, so the randomness of sample i of global batch b does not depend
@@ -195,7 +235,11 @@ def draw(n: int, shape: tuple[int, ...], cfg: DiffusionConfig, T: int,
     t = sample_timesteps(n, cfg, T, generator, device)
     noise = torch.randn((n, *shape), generator=generator, device=device, dtype=dtype)
     u = torch.rand(n, generator=generator, device=device)
-    return Draws(t, noise, u)
+    offset = None
+    if cfg.noise_offset > 0:
+        offset = torch.randn((n, shape[0], *([1] * (len(shape) - 1))), generator=generator,
+                             device=device, dtype=dtype)
+    return Draws(t, noise, u, offset)
 
 
 def diffusion_loss(model: nn.Module, x0: Tensor, y: Tensor | None, schedule: Schedule,
@@ -205,14 +249,16 @@ def diffusion_loss(model: nn.Module, x0: Tensor, y: Tensor | None, schedule: Sch
 
     Randomness: either ``draws`` (pre-drawn, see :func:`draw`), or :func:`draw` from
     ``generator``: t (N,), noise like x0, and the label-dropout uniforms (N,); where
-    u < cfg.cfg_dropout (and y is given) y is replaced by the null class ``model.num_classes``
-    (Ho & Salimans 2022). The per-sample loss is the weighted MSE in prediction space,
+    u < cfg.cfg_dropout (and y is given) y is replaced by the null condition (the null class
+    ``model.num_classes``, or a text model's empty caption: :func:`null_condition`; Ho &
+    Salimans 2022). The per-sample loss is the weighted MSE in prediction space,
     averaged over C, H, W; it is computed in float32 whatever the autocast dtype of the model
     output. No host syncs.
 
     Args:
         model: denoiser ``model(x, t, y) -> out``, t (N,) float timesteps.
-        x0: (N, C, H, W) clean data in [-1, 1]. y: (N,) long labels or None.
+        x0: (N, C, H, W) clean data in [-1, 1] (or latents). y: (N,) long labels, (N, L, D)
+            text context, or None.
         schedule: the noise schedule. cfg: the diffusion config section.
         generator: torch.Generator on x0's device (when ``draws`` is None).
         draws: the draws for exactly these N samples.
@@ -228,16 +274,19 @@ def diffusion_loss(model: nn.Module, x0: Tensor, y: Tensor | None, schedule: Sch
         raise ValueError(f"draws for {draws.t.shape[0]} samples of {tuple(draws.noise.shape)} "
                          f"do not match the batch {tuple(x0.shape)}")
     t, noise = draws.t, draws.noise.to(x0.dtype)
+    if cfg.noise_offset > 0 and draws.offset is not None:
+        # offset noise (Guttenberg 2023): a per-channel constant added to the noise lets the
+        # model change an image's mean brightness, which plain noise barely teaches
+        noise = noise + cfg.noise_offset * draws.offset.to(x0.dtype)
     alpha, sigma = schedule.alpha_sigma(t)  # (N,) float32 table lookups
     x_t = q_sample(x0, alpha, sigma, noise)  # (N, C, H, W)
 
     if y is not None:
-        null = num_classes_of(model)
-        if null == 0:
+        if not is_conditional(model):
             raise ValueError("labels y were given but the model is unconditional "
                              "(model.num_classes == 0); pass y=None")
         if cfg.cfg_dropout > 0:
-            y = torch.where(draws.u < cfg.cfg_dropout, torch.full_like(y, null), y)
+            y = drop_condition(model, y, draws.u < cfg.cfg_dropout)
 
     out = model(x_t, t.to(torch.float32), y)
     target = training_target(cfg.prediction, x0, noise, alpha, sigma)

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from ..kinds import PREDICTIONS, SPACINGS, Prediction, SamplerName, Spacing
-from .objectives import num_classes_of, to_x0_eps
+from .objectives import is_conditional, null_condition, to_x0_eps
 from .schedules import Schedule
 
 __all__ = ["Denoiser", "sampling_timesteps", "ddpm", "ddim", "dpmpp_2m", "euler", "SAMPLERS",
@@ -76,21 +76,29 @@ class Denoiser:
         model: denoiser ``model(x, t, y)`` with attribute ``num_classes``.
         schedule: the training schedule. prediction: what the model predicts.
         cfg_scale: guidance scale s (1: plain conditional, 0: unconditional).
-        y: (N,) long labels or None. clip_x0: clamp x0_hat to [-1, 1].
+        y: (N,) long labels, (N, L, D) text context, or None. clip_x0: clamp x0_hat to
+            [-1, 1] (pixel models; latents are not bounded: pass False).
+        uncond: what guidance steers away from, shaped like y (a negative prompt's
+            encoding); None: the null condition.
     """
 
     def __init__(self, model: nn.Module, schedule: Schedule, prediction: Prediction,
-                 cfg_scale: float = 1.0, y: Tensor | None = None, clip_x0: bool = True) -> None:
+                 cfg_scale: float = 1.0, y: Tensor | None = None, clip_x0: bool = True,
+                 uncond: Tensor | None = None) -> None:
         if prediction not in PREDICTIONS:
             raise ValueError(f"unknown prediction {prediction!r}; valid: {', '.join(PREDICTIONS)}")
         self.model, self.schedule, self.prediction = model, schedule, prediction
         self.cfg_scale, self.y, self.clip_x0 = float(cfg_scale), y, clip_x0
-        self.null: int | None = None
+        self.null: Tensor | None = None
         if y is not None:
-            self.null = num_classes_of(model)
-            if self.null == 0:
+            if not is_conditional(model):
                 raise ValueError("labels y were given but the model is unconditional "
                                  "(model.num_classes == 0); pass y=None")
+            # the null class, or the empty caption; a negative prompt's encoding replaces it
+            self.null = null_condition(model, y) if uncond is None else uncond
+            if self.null.shape != y.shape:
+                raise ValueError(f"the unconditional input has shape {tuple(self.null.shape)}"
+                                 f", the condition {tuple(y.shape)}: they must match")
         self.guided = y is not None and self.cfg_scale != 1.0
 
     def __call__(self, x: Tensor, t: Tensor | float) -> tuple[Tensor, Tensor]:
@@ -106,9 +114,9 @@ class Denoiser:
         if not self.guided:
             out = self.model(x, tn, y)
         elif self.cfg_scale == 0.0:  # pure unconditional: half the work
-            out = self.model(x, tn, torch.full_like(y, self.null))
+            out = self.model(x, tn, self.null)
         else:
-            null_y = torch.full_like(y, self.null)
+            null_y = self.null
             both = self.model(torch.cat([x, x]), torch.cat([tn, tn]), torch.cat([y, null_y]))
             cond, uncond = both.float().chunk(2)  # (N, C, H, W) each
             out = uncond + self.cfg_scale * (cond - uncond)
@@ -283,7 +291,8 @@ def sample(model: nn.Module, schedule: Schedule, prediction: Prediction,
            shape: tuple[int, ...], *, sampler: SamplerName = "dpmpp_2m", steps: int = 50,
            y: Tensor | None = None, cfg_scale: float = 1.0, eta: float = 0.0,
            generator: torch.Generator | None = None, device: torch.device | str | None = None,
-           clip_x0: bool = True, spacing: Spacing = "trailing") -> Tensor:
+           clip_x0: bool = True, spacing: Spacing = "trailing", uncond: Tensor | None = None,
+           x: Tensor | None = None, ts: Tensor | None = None) -> Tensor:
     """Draw samples from ``model`` with a named sampler, under ``torch.no_grad()``.
 
     The starting noise x ~ N(0, I) of ``shape`` is drawn from ``generator`` (then the per-step
@@ -299,9 +308,13 @@ def sample(model: nn.Module, schedule: Schedule, prediction: Prediction,
         y: (N,) labels or None. cfg_scale: guidance scale (ignored without y).
         eta: DDIM stochasticity. generator: RNG (its device is the default device).
         device: where to sample (default: the generator's, else the model's).
-        clip_x0: clamp the x0 estimate to [-1, 1] at every step.
+        clip_x0: clamp the x0 estimate to [-1, 1] at every step (pixel models; latents
+            are unbounded: False, and the result is not clamped either).
+        uncond: the negative condition for guidance, shaped like y (None: the null one).
+        x: the starting noise (N, C, H, W) instead of a draw from ``generator``.
+        ts: the timesteps to visit instead of ``sampling_timesteps(..., spacing)``.
     Returns:
-        (N, C, H, W) float32 samples clamped to [-1, 1].
+        (N, C, H, W) float32 samples (clamped to [-1, 1] with ``clip_x0``).
     Raises:
         ValueError: unknown sampler, steps outside [1, T], mismatched y.
     """
@@ -311,16 +324,20 @@ def sample(model: nn.Module, schedule: Schedule, prediction: Prediction,
         raise ValueError(f"steps must be in [1, {schedule.T}] (the schedule's timesteps), "
                          f"got {steps}")
     device = torch.device(device) if device is not None else _default_device(model, generator)
-    ts = sampling_timesteps(schedule, steps, spacing)
+    ts = sampling_timesteps(schedule, steps, spacing) if ts is None else ts
     with torch.no_grad():
-        x = torch.randn(shape, generator=generator, device=device)  # (N, C, H, W)
+        x = (torch.randn(shape, generator=generator, device=device) if x is None
+             else x.to(device, torch.float32))  # (N, C, H, W)
         if y is not None:
             y = y.to(device)
-        den = Denoiser(model, schedule, prediction, cfg_scale=cfg_scale, y=y, clip_x0=clip_x0)
+        if uncond is not None:
+            uncond = uncond.to(device)
+        den = Denoiser(model, schedule, prediction, cfg_scale=cfg_scale, y=y, clip_x0=clip_x0,
+                       uncond=uncond)
         if sampler == "ddpm":
             x = ddpm(den, x, ts, schedule, generator)
         elif sampler == "ddim":
             x = ddim(den, x, ts, schedule, generator, eta=eta)
         else:
             x = SAMPLERS[sampler](den, x, ts, schedule)
-    return x.clamp(-1.0, 1.0)
+    return x.clamp(-1.0, 1.0) if clip_x0 else x

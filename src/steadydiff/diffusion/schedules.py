@@ -289,6 +289,8 @@ def make_schedule(cfg: DiffusionConfig, image_size: int | None = None) -> Schedu
         cosine: Nichol & Dhariwal 2021 (s = 0.008, β clipped at 0.999).
         sigmoid: Chen 2023, Algorithm 1 (start -3, end 3, tau 1), β clipped at 0.999.
         piecewise: λ piecewise linear in t/(T-1) through ``cfg.piecewise``.
+        scaled_linear: √β linear from √beta_start to √beta_end (Stable Diffusion's
+            schedule, 0.00085..0.012 at T=1000; diffusers' ``beta_schedule=scaled_linear``).
     With ``cfg.zero_terminal_snr`` the result is rescaled (Lin et al. 2024, Alg. 1) so that
     ᾱ[T-1] = 0 exactly. With ``cfg.resolution_shift_base`` the log-SNR of every step is then
     shifted by :func:`resolution_shift` for ``image_size`` (``data.image_size``).
@@ -306,6 +308,10 @@ def make_schedule(cfg: DiffusionConfig, image_size: int | None = None) -> Schedu
     T = cfg.timesteps
     if cfg.schedule == "linear":
         betas = torch.linspace(cfg.beta_start, cfg.beta_end, T, dtype=torch.float64)
+        ab = torch.cumprod(1.0 - betas, 0)
+    elif cfg.schedule == "scaled_linear":
+        betas = torch.linspace(cfg.beta_start ** 0.5, cfg.beta_end ** 0.5, T,
+                               dtype=torch.float64) ** 2
         ab = torch.cumprod(1.0 - betas, 0)
     elif cfg.schedule == "cosine":
         ab = torch.cumprod(1.0 - _betas_from_alpha_bar(_cosine_alpha_bar, T), 0)
