@@ -105,6 +105,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--num", type=int, default=None, help="number of samples (default: sample.num)")
     s.add_argument("--class-label", type=int, default=None,
                    help="class for a class-conditional model (default: cycle through all)")
+    s.add_argument("--prompt", action="append", default=None,
+                   help="text-to-image model: the prompt (repeat for several; the samples "
+                        "cycle through them; default: sample.prompts)")
+    s.add_argument("--negative-prompt", default=None,
+                   help="text-to-image model: what guidance steers away from (default: "
+                        "sample.negative_prompt)")
     s.add_argument("--cfg-scale", type=float, default=None,
                    help="classifier-free guidance scale (default: sample.cfg_scale)")
     s.add_argument("--eta", type=float, default=None,
@@ -285,8 +291,10 @@ def cmd_sample(a: argparse.Namespace) -> int:
             raise ValueError(f"{name} must be at least 1, got {v}")
     pipe = load(a.checkpoint, device=a.device, use_ema=not a.raw_weights,
                 adapter_scale=a.adapter_scale, base=a.base)
+    prompt = a.prompt[0] if a.prompt and len(a.prompt) == 1 else a.prompt
     x, y = pipe.sample(a.num, sampler=a.sampler, steps=a.steps, class_label=a.class_label,
-                       cfg_scale=a.cfg_scale, eta=a.eta, seed=a.seed)
+                       cfg_scale=a.cfg_scale, eta=a.eta, seed=a.seed, prompt=prompt,
+                       negative_prompt=a.negative_prompt)
     if out.suffix.lower() == ".npz":
         save_npz(x, out, y)
     else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,6 +44,10 @@ def build_from_checkpoint(c: ckpt.Checkpoint, cfg: Config, *, use_ema: bool = Tr
     Raises:
         CheckpointError: the weights do not fit the model the config describes.
     """
+    if cfg.model.pretrained or cfg.model.text_encoder:  # text-to-image (docs/sd.md)
+        from .integrations.sd import setup as sd_setup  # the [sd] extra
+
+        return sd_setup.load_trained(c, cfg, use_ema=use_ema)[0]
     if cfg.adapter.kind != "none":  # base weights + adapter (docs/adapters.md)
         return build_adapted(c, cfg, use_ema=use_ema, base=base)
     model = build_model(cfg.model, image_size=cfg.data.image_size, channels=cfg.data.channels)
@@ -86,6 +91,7 @@ class Pipeline:
     step: int
     adapter: AdapterKind | None = None  # "lora" / "hypernetwork" for an adapter checkpoint
     nonfinite: list[str] = field(default_factory=list)  # with allow_nonfinite only
+    media: Any = None  # a text-to-image model's TextToImage (prompts, latents <-> images)
 
     @property
     def num_classes(self) -> int:
@@ -103,7 +109,9 @@ class Pipeline:
                steps: int | None = None, class_label: int | None = None,
                labels: torch.Tensor | None = None, cfg_scale: float | None = None,
                eta: float | None = None, seed: int | None = None,
-               allow_nonfinite: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+               allow_nonfinite: bool = False, prompt: str | list[str] | None = None,
+               negative_prompt: str | None = None,
+               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draw ``num`` samples. Defaults come from the config's ``sample`` section.
 
         For a class-conditional model, ``class_label`` fixes the class; otherwise the labels
@@ -111,9 +119,16 @@ class Pipeline:
         sampler would ignore are refused: a class label or ``cfg_scale`` for an
         unconditional model, ``eta`` for a sampler other than those in ``USES_ETA``.
 
+        A text-conditioned model takes ``prompt`` (one for all samples, or one per sample;
+        default: the config's ``sample.prompts``, cycled) and ``negative_prompt`` (what
+        guidance steers away from; default ``sample.negative_prompt``); a latent model's
+        samples are decoded by its VAE.
+
         Args:
             allow_nonfinite: return NaN/Inf samples (to count them: ``steadydiff eval``)
                 instead of raising :class:`NonFiniteSamples`.
+            noise: the starting noise (N, C, H, W) in the model's space instead of a draw
+                from ``seed`` (to compare with another pipeline on the same latents).
 
         Returns:
             ``(x, y)``: x (N, C, H, W) float32 in [-1, 1] on the CPU, and the labels used
@@ -130,6 +145,15 @@ class Pipeline:
             raise ValueError(f"eta (--eta) is used by the {', '.join(USES_ETA)} sampler only; "
                              f"{sampler} ignores it: drop it, or choose --sampler "
                              f"{' or '.join(USES_ETA)}")
+        if self.media is not None:
+            if class_label is not None or labels is not None:
+                raise ValueError("this model is conditioned on text, not class labels: give "
+                                 "a prompt (--prompt) instead of --class-label")
+            return self._sample_text(num, sampler, steps, prompt, negative_prompt, cfg_scale,
+                                     eta, seed, allow_nonfinite, noise)
+        if prompt is not None or negative_prompt is not None:
+            raise ValueError("this model is not conditioned on text; --prompt and "
+                             "--negative-prompt need a text-to-image checkpoint")
         if cfg_scale is not None and not self.num_classes:
             raise ValueError("this model is unconditional (model.num_classes=0); classifier-"
                              "free guidance (--cfg-scale) needs a class-conditional model")
@@ -155,15 +179,44 @@ class Pipeline:
                         cfg_scale=s.cfg_scale if cfg_scale is None else cfg_scale,
                         eta=s.eta if eta is None else eta, generator=gen, device=self.device)
         x = x.float().cpu()
+        self._check_finite(x, allow_nonfinite, sampler, s.cfg_scale if cfg_scale is None
+                           else cfg_scale)
+        return x, (y.cpu() if y is not None else None)
+
+    @staticmethod
+    def _check_finite(x: torch.Tensor, allow: bool, sampler: str, cfg_scale: float) -> None:
         # the output is checked, not trusted: NaN/Inf survive the final clamp
         bad = int((~torch.isfinite(x.reshape(x.shape[0], -1)).all(1)).sum())
-        if bad and not allow_nonfinite:
+        if bad and not allow:
             raise NonFiniteSamples(
                 f"{bad} of {x.shape[0]} samples are non-finite (NaN/Inf); nothing was written. "
-                f"Sampler {sampler}, cfg_scale "
-                f"{s.cfg_scale if cfg_scale is None else cfg_scale}: check the guidance "
+                f"Sampler {sampler}, cfg_scale {cfg_scale}: check the guidance "
                 "scale, or the model with `steadydiff doctor`")
-        return x, (y.cpu() if y is not None else None)
+
+    def _sample_text(self, num, sampler, steps, prompt, negative_prompt, cfg_scale, eta, seed,
+                     allow_nonfinite, noise) -> tuple[torch.Tensor, None]:
+        s, media, m = self.config.sample, self.media, self.model
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt or s.prompts)
+        if not prompts:
+            raise ValueError("a text-to-image model needs a prompt (--prompt), or "
+                             "sample.prompts in its config")
+        if noise is not None:
+            num = noise.shape[0]
+        num = num or (len(prompts) if prompt is not None and not isinstance(prompt, str)
+                      else s.num)
+        y = media.encode_prompts([prompts[i % len(prompts)] for i in range(num)])
+        neg = s.negative_prompt if negative_prompt is None else negative_prompt
+        uncond = media.encode_prompts([neg] * num) if neg else None
+        scale = s.cfg_scale if cfg_scale is None else cfg_scale
+        gen = seeding.generator(self.device, s.seed if seed is None else seed)
+        z = run_sampler(m, self.schedule, self.config.diffusion.prediction,
+                        (num, m.in_channels, m.image_size, m.image_size), sampler=sampler,
+                        steps=steps or s.steps, y=y, cfg_scale=scale,
+                        eta=s.eta if eta is None else eta, generator=gen, device=self.device,
+                        uncond=uncond, clip_x0=not media.latent, x=noise)
+        x = media.decode(z).float().cpu()
+        self._check_finite(x, allow_nonfinite, sampler, scale)
+        return x, None
 
 
 def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
@@ -192,11 +245,17 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
     path = sampling_checkpoint(checkpoint)
     c = ckpt.load_checkpoint(path, dev, weights_only=True, allow_nonfinite=allow_nonfinite)
     cfg = checkpoint_config(c)
-    model = build_from_checkpoint(c, cfg, use_ema=use_ema, base=base).to(dev)
+    media = None
+    if cfg.model.pretrained or cfg.model.text_encoder:  # text-to-image (docs/sd.md)
+        from .integrations.sd import setup as sd_setup  # the [sd] extra
+
+        model, media = sd_setup.load_trained(c, cfg, use_ema=use_ema, device=dev)
+    else:
+        model = build_from_checkpoint(c, cfg, use_ema=use_ema, base=base).to(dev)
     schedule = make_schedule(cfg.diffusion, cfg.data.image_size)
     pipe = Pipeline(model, schedule, cfg, dev, path, c.step,
                     adapter=None if cfg.adapter.kind == "none" else cfg.adapter.kind,
-                    nonfinite=c.nonfinite)
+                    nonfinite=c.nonfinite, media=media)
     if adapter_scale is not None:
         pipe.set_adapter_scale(adapter_scale)
     return pipe

@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from .config import Config, ConfigError
 from .data import as_pairs, build_dataset, check_labels, labels_of
+from .data.captions import build_captioned
 from .devices import resolve_device
 from .models import build_model
 from .trainer.precision import check_precision
@@ -39,6 +40,12 @@ class Preflight:
         arch = (f"unet, channels {m.unet.channels} x {list(m.unet.channel_mult)}"
                 if m.kind == "unet" else f"dit-{m.dit.preset}, patch {m.dit.patch_size}")
         cond = f"{m.num_classes} classes" if m.num_classes else "unconditional"
+        if m.pretrained:
+            how = (f"LoRA rank {cfg.adapter.rank}" if cfg.adapter.kind == "lora"
+                   else "full fine-tune")
+            arch, cond = f"Stable Diffusion UNet of {m.pretrained}, {how}", "text-conditioned"
+        elif m.text_encoder:
+            cond = "text-conditioned" + (", latent space" if m.vae else "")
         describe = getattr(self.data, "describe", None)
         data = describe() if describe else f"{len(self.data)} images"  # type: ignore[arg-type]
         lines = []
@@ -86,6 +93,8 @@ def check_data(cfg: Config, dataset: Dataset | None = None) -> tuple[Dataset, in
         ConfigError: classes, image size or channels that do not match the config.
     """
     k = cfg.model.num_classes
+    if text_model(cfg):
+        return _text_data(cfg, dataset), 0
     data = as_pairs(dataset, k) if dataset is not None else build_dataset(cfg.data)
     declared = int(getattr(data, "num_classes", 0) or 0)
     # our own datasets always declare their classes: 0 means unlabeled (a folder without
@@ -116,6 +125,53 @@ def check_data(cfg: Config, dataset: Dataset | None = None) -> tuple[Dataset, in
     return data, num_classes
 
 
+def text_model(cfg: Config) -> bool:
+    """Whether ``cfg`` trains a text-conditioned model (a Stable Diffusion folder, or ours
+    with a text encoder: integrations/sd)."""
+    return bool(cfg.model.pretrained or cfg.model.text_encoder)
+
+
+def _text_data(cfg: Config, dataset: Dataset | None) -> Dataset:
+    """The captioned data of a text run: ``cfg.data``'s with its captions, or a user
+    dataset of (image, caption) items with a ``captions`` list."""
+    if dataset is None:
+        return build_captioned(cfg.data, build_dataset(cfg.data), seed=cfg.train.seed)
+    captions = getattr(dataset, "captions", None)
+    if not isinstance(captions, (list, tuple)) or len(captions) != len(dataset) or \
+            not all(isinstance(c, str) for c in captions):
+        raise ConfigError(f"a text-conditioned model needs a dataset with a `captions` list "
+                          f"(one str per item); {type(dataset).__name__} has none: see "
+                          "steadydiff.data.captions (CaptionedImageFolder, ClassCaptions)")
+    return dataset
+
+
+def _check_text_model(cfg: Config) -> int:
+    """A text run's model checked without its weights: the folders' layout and configs, the
+    shapes (data.image_size against the VAE and UNet), the parameter count."""
+    from .integrations.sd import setup  # the [sd] extra: imported only for text runs
+
+    g = setup.model_geometry(cfg)
+    if cfg.model.pretrained:
+        return setup.unet_parameters(cfg.model.pretrained)
+    d, m = cfg.data, cfg.model
+    try:
+        with torch.device("meta"):
+            model = build_model(m, image_size=g["side"], channels=g["channels"],
+                                context_dim=g["context_dim"], context_len=g["context_len"])
+            x = torch.zeros(2, g["channels"], g["side"], g["side"])
+            with torch.no_grad():
+                out = model(x, torch.zeros(2), torch.zeros(2, g["context_len"],
+                                                            g["context_dim"]))
+        if out.shape != x.shape:
+            raise ValueError(f"output {tuple(out.shape)} for input {tuple(x.shape)}")
+    except (ValueError, RuntimeError) as e:
+        raise ConfigError(f"the model cannot be built: model.kind={m.kind} over "
+                          f"{g['channels']}x{g['side']}x{g['side']} inputs (data.image_size="
+                          f"{d.image_size}{', latents of model.vae' if m.vae else ''}) with a "
+                          f"{g['context_dim']}-wide text context: {e}") from None
+    return sum(p.numel() for p in model.parameters())
+
+
 def check_model(cfg: Config) -> int:
     """Build the model on the meta device and run one forward pass; returns its number of
     parameters.
@@ -124,6 +180,8 @@ def check_model(cfg: Config) -> int:
         ConfigError: a model that cannot be built or run at ``data.image_size`` (the message
             names the section and what would be valid).
     """
+    if text_model(cfg):
+        return _check_text_model(cfg)
     d, m = cfg.data, cfg.model
     where = (f"model.kind={m.kind} (model.{m.kind}.*) at data.image_size={d.image_size}, "
              f"data.channels={d.channels}")

@@ -791,7 +791,8 @@ def as_pairs(dataset: Dataset, model_classes: int | None = None) -> Dataset:
             range).
     """
     if isinstance(dataset, (PairsDataset, DigitsDataset, FashionMNISTDataset,
-                            ImageFolderDataset, ClassSubset)):
+                            ImageFolderDataset, ClassSubset)) or \
+            getattr(dataset, "trains_as_is", False):  # data/cache.py's EncodedDataset
         return dataset
     return PairsDataset(dataset, model_classes)
 

@@ -1,12 +1,14 @@
 """The optional parts of a run plug into the trainer here, with no-op defaults.
 
-Three small protocols, each a base class whose methods do nothing, so the loop and the step
+Four small protocols, each a base class whose methods do nothing, so the loop and the step
 call them unconditionally (no ``if faults:`` branches) and an absent part costs a method call:
 
 - :class:`StepHooks`: the points inside one step where fault injection acts
   (guard/faults.py ``FaultInjector``; docs/faults.md);
 - :class:`Weights`: which tensors the run trains and saves — the whole model by default, the
   adapter's tensors over a frozen base for LoRA/hypernetworks (adapters/core.py ``AdapterRun``);
+- :class:`Media`: what the model sees (pixels; latents and text contexts for text-to-image,
+  integrations/sd ``TextToImage``);
 - :class:`Evaluation`: periodic evaluation, the best checkpoint and early stopping
   (eval/during.py ``TrainingEvaluator``).
 """
@@ -97,8 +99,32 @@ class Weights:
         """What state.json records about the weights (None: nothing)."""
         return None
 
+    def export(self, state: TrainState, root: Path, final: bool) -> Path | None:
+        """After a verified checkpoint: write the weights in the format other tools load
+        (a Stable Diffusion LoRA as diffusers' file; None: nothing to write)."""
+        return None
+
 
 FULL_WEIGHTS = Weights()
+
+
+class Media:
+    """What the model sees, against what a person sees: by default the images themselves
+    (pixel space, class labels or none). A text-to-image run's media (integrations/sd
+    ``TextToImage``) encodes prompts into text contexts and decodes latents into images."""
+
+    text: bool = False
+    latent: bool = False
+
+    def encode_prompts(self, prompts: list[str]) -> torch.Tensor:
+        raise TypeError("this model is not conditioned on text")
+
+    def decode(self, x: torch.Tensor) -> torch.Tensor:
+        """Images in [-1, 1] from what the model samples."""
+        return x
+
+
+PIXELS = Media()
 
 
 class Evaluation:

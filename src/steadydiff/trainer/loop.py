@@ -36,6 +36,7 @@ from ..adapters import AdapterRun
 from ..config import Config, ConfigError, config_diff, validate
 from ..data import make_loader, source_of
 from ..diffusion import Draws, diffusion_loss, draw, make_schedule, sample
+from ..diffusion.objectives import is_conditional
 from ..eval.during import make_evaluator
 from ..eval.grid import grid_nrow, save_grid
 from ..guard import Decision, Guard, GuardAbort
@@ -51,7 +52,7 @@ from . import precision as prec
 from . import telemetry
 from .checkpoint_io import CheckpointIO
 from .ema import EMA
-from .hooks import FULL_WEIGHTS
+from .hooks import FULL_WEIGHTS, PIXELS
 from .optim import build_optimizer, lr_at, set_lr
 from .preempt import StopSignals, TrainingInterrupted, signal_name
 from .resolution import GROW_KEYS, Growth, apply_growth, grow_from_checkpoint
@@ -66,7 +67,8 @@ __all__ = ["RunResult", "StepOutput", "TrainState", "attach_guard", "build_state
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
 RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
-               "data.path", "train.on_save_error", "sample.", "logging.", "faults", "eval.",
+               "data.path", "data.cache_dir", "train.on_save_error", "sample.", "logging.",
+               "faults", "eval.",
                "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every",
                "guard.probe_every")  # the probes read the model (no grad, no RNG draw)
 
@@ -149,7 +151,7 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
     idx = batch[2] if len(batch) > 2 else None  # dataset indices (CPU)
     if len(batch) > 3 and batch[3].any():  # images replaced because they failed to load
         state.bad_images.update(batch[2][batch[3]].tolist())
-    y = y if model.num_classes else None
+    y = y if is_conditional(model) else None  # class labels, or text contexts (N, L, D)
     x = faults.batch(step, x, idx)
     lr = faults.lr(step, lr_at(step, cfg.optim, cfg.train.steps))
     set_lr(state.optimizer, lr)
@@ -307,10 +309,19 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
     """Model, EMA, optimizer, scaler and schedule for ``cfg`` (fresh, not resumed; not yet
     wrapped in DDP)."""
     preflight.check_classes(cfg, num_classes_in_data)
-    model = build_model(cfg.model, image_size=cfg.data.image_size,
-                        channels=cfg.data.channels).to(device)
-    # frozen base + trainable adapter (docs/adapters.md), or the whole model
-    weights = AdapterRun.prepare(cfg, model) if cfg.adapter.kind != "none" else FULL_WEIGHTS
+    media = PIXELS
+    if preflight.text_model(cfg):
+        # a Stable Diffusion folder (LoRA or full), or ours over a text encoder: the [sd]
+        # extra, imported only here (docs/sd.md)
+        from ..integrations.sd import setup as sd_setup
+
+        model, weights, media = sd_setup.build(cfg, device)
+    else:
+        model = build_model(cfg.model, image_size=cfg.data.image_size,
+                            channels=cfg.data.channels).to(device)
+        # frozen base + trainable adapter (docs/adapters.md), or the whole model
+        weights = AdapterRun.prepare(cfg, model) if cfg.adapter.kind != "none" \
+            else FULL_WEIGHTS
     ema = EMA.from_config(model, cfg.train)
     optimizer = build_optimizer(model, cfg.optim)
     return TrainState(
@@ -321,7 +332,7 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
         update=Update(model, optimizer, clip_mode=cfg.optim.clip_mode,
                       clip=cfg.optim.grad_clip, ema=ema),
         rank=ctx.rank, world_size=ctx.world_size,
-        faults=make_injector(cfg.faults, ctx.rank))
+        faults=make_injector(cfg.faults, ctx.rank), media=media)
 
 
 def attach_guard(state: TrainState, run_dir: Path | None,
@@ -365,9 +376,12 @@ def save(state: TrainState, run: RunDir | Path) -> Path | None:
     return value
 
 
-def _save(state: TrainState, run: RunDir) -> Path | None:
+def _save(state: TrainState, run: RunDir, final: bool = False) -> Path | None:
     try:
-        return CheckpointIO(state).save(run.checkpoints, keep=state.cfg.train.keep_checkpoints)
+        path = CheckpointIO(state).save(run.checkpoints, keep=state.cfg.train.keep_checkpoints)
+        # verified finite: now the formats other tools load (a LoRA for diffusers)
+        state.weights.export(state, run.root, final or state.step >= state.cfg.train.steps)
+        return path
     except ckpt.CheckpointError as e:  # the only cause: non-finite weights or EMA
         prev = run.latest_good()
         raise TrainingDiverged(
@@ -688,6 +702,12 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     run = RunDir(run_dir)
+    if cfg.model.pretrained:  # the diffusion the UNet was trained with: its scheduler's
+        from ..integrations.sd.folder import resolve_config
+
+        cfg, notes = resolve_config(cfg)
+        for note in notes:
+            say(f"stable diffusion: {note}")
     # the checkpoint to resume, before the checks: a grown run's model is built at the new
     # size (attention by depth), and a size changed without --grow-resolution is refused
     # here, naming the flag, rather than by the model check (a restart moves files first:
@@ -720,6 +740,14 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, pre.num_classes_in_data, device, ctx)
     state.evaluator = make_evaluator(cfg, run_dir)
+    encoded = None
+    if state.media.text:  # latents and text contexts, cached and checked finite
+        from ..integrations.sd import setup as sd_setup
+
+        state.prompts = list(cfg.sample.prompts) or list(data.captions[:cfg.sample.num])
+        cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir \
+            else run.root / "cache"
+        data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say)
 
     # ---- resume: the same command again continues the run
     if restart:
@@ -731,6 +759,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     guard = attach_guard(state, run_dir if main else None, data)
     if c is not None:
         CheckpointIO(state).restore_guard(c)
+    if encoded is not None and c is None:  # samples left out at encoding: named, once
+        sd_setup.record_quarantine(guard, encoded)
 
     if main:
         run.root.mkdir(parents=True, exist_ok=True)
@@ -972,15 +1002,23 @@ def write_sample_grid(state: TrainState, path: Path) -> Path:
     """Sample from the EMA model with the config's sampler and save a PNG grid."""
     s = state.cfg.sample
     model = state.ema.module
-    y = None
+    y = uncond = None
+    media = state.media
     if model.num_classes:
         y = torch.arange(s.num, device=state.device) % model.num_classes
+    elif media.text:  # the grid's prompts, cycled (sample.prompts, else the first captions)
+        prompts = [state.prompts[i % len(state.prompts)] for i in range(s.num)]
+        y = media.encode_prompts(prompts)
+        if s.negative_prompt:
+            uncond = media.encode_prompts([s.negative_prompt] * s.num)
     gen = seeding.generator(state.device, s.seed)
     with state.weights.sampling_context(state):  # an fp16/bf16 base runs under its autocast
         x = sample(model, state.schedule, state.cfg.diffusion.prediction,
                    (s.num, model.in_channels, model.image_size, model.image_size),
                    sampler=s.sampler, steps=s.steps, y=y, cfg_scale=s.cfg_scale, eta=s.eta,
-                   generator=gen, device=state.device)
+                   generator=gen, device=state.device, uncond=uncond,
+                   clip_x0=not media.latent)  # latents are not bounded to [-1, 1]
+        x = media.decode(x)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_grid(x, path, nrow=grid_nrow(s.num, model.num_classes))
     return path

@@ -19,7 +19,8 @@ from ..guard import Decision, Guard
 from ..guard.update import Update
 from ..kinds import Precision
 from .ema import EMA
-from .hooks import FULL_WEIGHTS, NO_EVALUATION, NO_FAULTS, Evaluation, StepHooks, Weights
+from .hooks import (FULL_WEIGHTS, NO_EVALUATION, NO_FAULTS, PIXELS, Evaluation, Media,
+                    StepHooks, Weights)
 
 
 @dataclass
@@ -48,6 +49,8 @@ class TrainState:
     faults: StepHooks = NO_FAULTS            # fault injection (docs/faults.md)
     weights: Weights = FULL_WEIGHTS          # the full model, or an adapter over a base
     evaluator: Evaluation = NO_EVALUATION    # evaluation during training (eval.every)
+    media: Media = PIXELS                    # pixels; or latents and text (text-to-image)
+    prompts: list[str] = field(default_factory=list)  # the sample grids' prompts (text)
 
 
 @dataclass

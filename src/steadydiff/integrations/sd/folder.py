@@ -1,0 +1,250 @@
+"""A local Stable Diffusion model folder: its layout checked, its parts loaded.
+
+A diffusers-format folder (what ``StableDiffusionPipeline.save_pretrained`` writes and the
+Hugging Face hub holds) looks like::
+
+    model_index.json        {"_class_name": "StableDiffusionPipeline", "unet": [...], ...}
+    unet/                   config.json + diffusion_pytorch_model.safetensors
+    vae/                    config.json + diffusion_pytorch_model.safetensors
+    text_encoder/           config.json + model.safetensors
+    tokenizer/              vocab.json + merges.txt, or tokenizer.json
+    scheduler/              scheduler_config.json
+
+Every part loads with ``local_files_only=True`` (nothing is downloaded) and from safetensors
+only (``use_safetensors=True``: a pickled ``.bin`` is never unpickled). What is missing or
+wrong is an :class:`SDFolderError` that names the file and says what would be valid; a
+single-file checkpoint (``.safetensors``/``.ckpt`` of the original repositories) gets the
+command that converts it. The scheduler's config decides the diffusion the UNet was trained
+with (:func:`diffusion_settings`): steadydiff trains with the same betas and prediction type.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ...config import Config, ConfigError, replace
+
+__all__ = ["SDFolderError", "SD_PARTS", "check_folder", "diffusion_settings", "resolve_config",
+           "SDParts", "load_parts", "load_text_parts", "load_vae"]
+
+# The parts a Stable Diffusion 1.x/2.x folder must have, and the classes that may fill them
+# (model_index.json names them as [library, class]).
+SD_PARTS: dict[str, tuple[str, ...]] = {
+    "unet": ("UNet2DConditionModel",),
+    "vae": ("AutoencoderKL",),
+    "text_encoder": ("CLIPTextModel",),
+    "tokenizer": ("CLIPTokenizer", "CLIPTokenizerFast"),
+    "scheduler": ("PNDMScheduler", "DDPMScheduler", "DDIMScheduler", "EulerDiscreteScheduler",
+                  "EulerAncestralDiscreteScheduler", "LMSDiscreteScheduler",
+                  "DPMSolverMultistepScheduler", "UniPCMultistepScheduler"),
+}
+SD_PIPELINES = ("StableDiffusionPipeline",)
+SDXL_PIPELINES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
+SINGLE_FILE = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
+
+CONVERT = ("convert it to a diffusers folder first, e.g. in Python: "
+           "`StableDiffusionPipeline.from_single_file('{f}').save_pretrained('OUT')` "
+           "(or diffusers' scripts/convert_original_stable_diffusion_to_diffusers.py "
+           "--checkpoint_path {f} --dump_path OUT), then set model.pretrained=OUT")
+
+
+class SDFolderError(ConfigError):
+    """A Stable Diffusion folder that cannot be used as it is (exit code 2)."""
+
+
+def _json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SDFolderError(f"{path} is missing: {what}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SDFolderError(f"{path} cannot be read ({e}): {what}") from None
+    try:
+        d = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SDFolderError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}, column "
+                            f"{e.colno}): {what}") from None
+    if not isinstance(d, dict):
+        raise SDFolderError(f"{path} holds a JSON {type(d).__name__}, expected an object: "
+                            f"{what}")
+    return d
+
+
+def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS)) -> Path:
+    """Check that ``path`` is a Stable Diffusion 1.x/2.x diffusers folder with ``parts``.
+
+    Raises:
+        SDFolderError: the path is missing, a file (a single-file checkpoint: the message
+            says how to convert it), has no or a broken ``model_index.json``, is an SDXL
+            pipeline, or lacks a part (its folder, config or safetensors weights).
+    """
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise SDFolderError(f"model.pretrained: {root} does not exist; expected a diffusers "
+                            "Stable Diffusion folder (model_index.json, unet/, vae/, "
+                            "text_encoder/, tokenizer/, scheduler/)")
+    if root.is_file():
+        if root.suffix.lower() in SINGLE_FILE:
+            raise SDFolderError(f"model.pretrained: {root} is a single-file checkpoint; "
+                                "steadydiff reads diffusers-format folders: "
+                                + CONVERT.format(f=root))
+        raise SDFolderError(f"model.pretrained: {root} is a file; expected a diffusers "
+                            "Stable Diffusion folder")
+    index = _json(root / "model_index.json", "every diffusers pipeline folder has one "
+                  "(written by save_pretrained); is this the right folder?")
+    cls = index.get("_class_name")
+    if cls in SDXL_PIPELINES:
+        raise SDFolderError(f"{root} is an SDXL model ({cls}); steadydiff fine-tunes Stable "
+                            "Diffusion 1.x/2.x folders (StableDiffusionPipeline) for now")
+    if cls not in SD_PIPELINES:
+        raise SDFolderError(f"{root}/model_index.json: _class_name is {cls!r}; expected "
+                            f"{' or '.join(SD_PIPELINES)} (a Stable Diffusion 1.x/2.x folder)")
+    for part in parts:
+        entry = index.get(part)
+        allowed = SD_PARTS[part]
+        if not (isinstance(entry, list) and len(entry) == 2 and entry[1] in allowed):
+            raise SDFolderError(f"{root}/model_index.json: {part!r} is {entry!r}; expected "
+                                f"[library, class] with class {' or '.join(allowed)}")
+        sub = root / part
+        if not sub.is_dir():
+            raise SDFolderError(f"{sub}/ is missing: a Stable Diffusion folder needs "
+                                f"{', '.join(p + '/' for p in parts)}")
+        if part == "tokenizer":
+            if not ((sub / "tokenizer.json").is_file()
+                    or ((sub / "vocab.json").is_file() and (sub / "merges.txt").is_file())):
+                raise SDFolderError(f"{sub}/ has neither tokenizer.json nor vocab.json + "
+                                    "merges.txt")
+            continue
+        config = "scheduler_config.json" if part == "scheduler" else "config.json"
+        _json(sub / config, f"the {part}'s configuration")
+        if part == "scheduler":
+            continue
+        weights = list(sub.glob("*.safetensors")) + list(sub.glob("*.safetensors.index.json"))
+        if not weights:
+            pickled = [p.name for p in sub.glob("*.bin")]
+            hint = (f" (it has {', '.join(pickled)}: pickled weights, which steadydiff never "
+                    "unpickles; re-save the model with save_pretrained(..., "
+                    "safe_serialization=True))" if pickled else "")
+            raise SDFolderError(f"{sub}/ has no .safetensors weights{hint}")
+    return root
+
+
+_PREDICTIONS = {"epsilon": "eps", "v_prediction": "v", "sample": "x0"}
+_SCHEDULES = {"scaled_linear": "scaled_linear", "linear": "linear",
+              "squaredcos_cap_v2": "cosine"}
+
+
+def diffusion_settings(root: str | Path) -> dict[str, Any]:
+    """The ``diffusion.*`` values the folder's scheduler config implies (SD 1.x and 2.x-base:
+    eps; SD 2.x 768-v: v; ``rescale_betas_zero_snr``: zero terminal SNR).
+
+    Raises:
+        SDFolderError: a beta schedule or prediction type steadydiff does not train.
+    """
+    path = Path(root) / "scheduler" / "scheduler_config.json"
+    s = _json(path, "the scheduler's configuration")
+    pred = s.get("prediction_type", "epsilon")
+    if pred not in _PREDICTIONS:
+        raise SDFolderError(f"{path}: prediction_type {pred!r} is not one steadydiff trains; "
+                            f"valid: {', '.join(_PREDICTIONS)}")
+    kind = s.get("beta_schedule", "linear")
+    if s.get("trained_betas") is not None or kind not in _SCHEDULES:
+        raise SDFolderError(f"{path}: beta_schedule {kind!r}"
+                            f"{' with trained_betas' if s.get('trained_betas') else ''} is not "
+                            f"supported; valid: {', '.join(_SCHEDULES)}")
+    out: dict[str, Any] = {
+        "diffusion.timesteps": int(s.get("num_train_timesteps", 1000)),
+        "diffusion.schedule": _SCHEDULES[kind],
+        "diffusion.prediction": _PREDICTIONS[pred],
+        "diffusion.zero_terminal_snr": bool(s.get("rescale_betas_zero_snr", False)),
+    }
+    if kind != "squaredcos_cap_v2":
+        out["diffusion.beta_start"] = float(s.get("beta_start", 0.0001))
+        out["diffusion.beta_end"] = float(s.get("beta_end", 0.02))
+    return out
+
+
+def resolve_config(cfg: Config) -> tuple[Config, list[str]]:
+    """``cfg`` with the diffusion settings of ``model.pretrained``'s scheduler and the image
+    size of its VAE x UNet, and a note for each value that changed (printed at start; the
+    saved config holds the resolved values). A zero-terminal-SNR rescale the user asked for
+    (``diffusion.zero_terminal_snr: true``) is kept: it is a fine-tuning choice (Lin et al.
+    2024), not a property of the folder."""
+    if not cfg.model.pretrained:
+        return cfg, []
+    root = check_folder(cfg.model.pretrained)
+    want = diffusion_settings(root)
+    if cfg.diffusion.zero_terminal_snr:
+        want["diffusion.zero_terminal_snr"] = True
+    changes, notes = {}, []
+    for key, value in want.items():
+        section, name = key.split(".")
+        old = getattr(getattr(cfg, section), name)
+        if old != value:
+            changes[key] = value
+            notes.append(f"{key}={value} (from {root.name}/scheduler/scheduler_config.json; "
+                         f"was {old})")
+    return (replace(cfg, changes) if changes else cfg), notes
+
+
+@dataclass
+class SDParts:
+    """The loaded parts of a Stable Diffusion folder (frozen ones in eval mode)."""
+
+    root: Path
+    unet: Any
+    vae: Any
+    text_encoder: Any
+    tokenizer: Any
+
+
+def _load(what: str, fn, sub: Path, **kw):
+    try:
+        return fn(sub, local_files_only=True, **kw)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise SDFolderError(f"{sub}: the {what} does not load: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+def load_vae(path: str | Path):
+    """An AutoencoderKL from ``path``: its own folder (config.json) or an SD folder's
+    ``vae/``."""
+    from diffusers import AutoencoderKL
+
+    p = Path(path).expanduser()
+    sub = p / "vae" if (p / "vae" / "config.json").is_file() else p
+    if not (sub / "config.json").is_file():
+        raise SDFolderError(f"model.vae: {p} has neither config.json nor vae/config.json; "
+                            "expected a diffusers AutoencoderKL folder (save_pretrained)")
+    return _load("VAE", AutoencoderKL.from_pretrained, sub, use_safetensors=True).eval()
+
+
+def load_text_parts(path: str | Path):
+    """(tokenizer, text encoder) from a folder with ``tokenizer/`` and ``text_encoder/``."""
+    from transformers import AutoTokenizer, CLIPTextModel
+
+    p = Path(path).expanduser()
+    for part in ("tokenizer", "text_encoder"):
+        if not (p / part).is_dir():
+            raise SDFolderError(f"model.text_encoder: {p}/{part}/ is missing; expected a "
+                                "folder with text_encoder/ (a transformers CLIPTextModel) and "
+                                "tokenizer/ (an SD folder works)")
+    tok = _load("tokenizer", AutoTokenizer.from_pretrained, p / "tokenizer")
+    te = _load("text encoder", CLIPTextModel.from_pretrained, p / "text_encoder",
+               use_safetensors=True).eval()
+    return tok, te
+
+
+def load_parts(path: str | Path) -> SDParts:
+    """Every part of the SD folder at ``path`` (checked first), fp32 on the CPU; the
+    caller moves them and sets their dtypes."""
+    from diffusers import UNet2DConditionModel
+
+    root = check_folder(path)
+    unet = _load("UNet", UNet2DConditionModel.from_pretrained, root / "unet",
+                 use_safetensors=True)
+    tok, te = load_text_parts(root)
+    return SDParts(root, unet, load_vae(root), te, tok)

@@ -1,0 +1,331 @@
+"""Text-to-image runs: a diffusers UNet under steadydiff's denoiser contract, the text
+encoder and VAE around it, and LoRA through peft.
+
+- :class:`SDDenoiser` wraps a ``UNet2DConditionModel`` as ``model(x, t, y)`` with y the
+  text context (N, L, D) (the frozen text encoder's last hidden state, as diffusers'
+  pipelines use it), so every steadydiff sampler, loss and the guard work on it unchanged;
+  its ``null_context`` buffer is the empty caption's encoding (classifier-free guidance).
+- :class:`TextToImage` is the run's "media": prompts -> contexts, images <-> latents
+  (x the VAE's ``scaling_factor``), the frozen parts in their own dtypes
+  (``model.vae_precision``), and the identities that key the latent/text cache.
+- :func:`add_lora` puts a peft LoRA on the UNet (what diffusers itself loads and saves),
+  :class:`PeftLoraWeights` checkpoints only the LoRA tensors and exports them as
+  ``pytorch_lora_weights.safetensors`` (``pipe.load_lora_weights(dir)`` loads it).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+import shutil
+import tempfile
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ...trainer.hooks import Weights
+from ...trainer.checkpoint import Checkpoint, CheckpointError
+
+__all__ = ["SDDenoiser", "TextToImage", "PeftLoraWeights", "FullUNetWeights", "add_lora",
+           "lora_targets", "upcast_aware_attention", "lora_state_dict", "save_lora",
+           "export_pipeline"]
+
+LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' name for a saved LoRA
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class _UpcastAware:
+    """An attention processor that honours ``attn.upcast_attention`` at run time.
+
+    diffusers' default processor (scaled_dot_product_attention) ignores the attribute; the
+    classic ``AttnProcessor`` computes q kᵀ in fp32 when it is set. The guard's fp16 remedy
+    sets it on the one layer that overflowed (``Guard.upcast_attention``), so that layer
+    switches to the classic path and every other layer keeps the fast one."""
+
+    def __init__(self) -> None:
+        from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+        self.fast, self.exact = AttnProcessor2_0(), AttnProcessor()
+
+    def __call__(self, attn, *args, **kwargs):
+        use = self.exact if getattr(attn, "upcast_attention", False) else self.fast
+        return use(attn, *args, **kwargs)
+
+
+def upcast_aware_attention(unet: nn.Module) -> None:
+    """Give every attention layer of ``unet`` the processor that follows its
+    ``upcast_attention`` attribute (see :class:`_UpcastAware`)."""
+    unet.set_attn_processor(_UpcastAware())
+
+
+# --------------------------------------------------------------------------- the denoiser
+
+
+class SDDenoiser(nn.Module):
+    """``model(x, t, y) -> out`` over a diffusers ``UNet2DConditionModel``.
+
+    Args:
+        unet: the UNet (frozen with a LoRA, or trainable).
+        context_len: L of the text context (the tokenizer's max length, 77 for CLIP).
+
+    Attributes:
+        num_classes: 0 (conditioned on text, not labels). context_dim: D, the UNet's
+        ``cross_attention_dim``. in_channels, image_size: the latents' C and side.
+        null_context: (L, D) buffer, the empty caption's encoding (set by the trainer).
+    """
+
+    num_classes = 0
+
+    def __init__(self, unet: nn.Module, context_len: int = 77) -> None:
+        super().__init__()
+        self.unet = unet
+        c = unet.config
+        dim = c.cross_attention_dim
+        self.context_dim = int(dim if isinstance(dim, int) else dim[0])
+        self.in_channels = int(c.in_channels)
+        self.image_size = int(c.sample_size if isinstance(c.sample_size, int)
+                              else c.sample_size[0])
+        self.register_buffer("null_context", torch.zeros(context_len, self.context_dim))
+
+    def set_null_context(self, ctx: Tensor) -> None:
+        if tuple(ctx.shape) != tuple(self.null_context.shape):
+            raise ValueError(f"null context of shape {tuple(ctx.shape)}; the model expects "
+                             f"{tuple(self.null_context.shape)} (tokens x width)")
+        self.null_context.copy_(ctx)
+
+    def null_condition(self, y: Tensor) -> Tensor:
+        return self.null_context.to(y.dtype).expand(y.shape[0], -1, -1)
+
+    def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
+        n = x.shape[0]
+        if y is None:
+            y = self.null_context.expand(n, -1, -1)
+        if y.ndim != 3 or y.shape[0] != n or y.shape[2] != self.context_dim:
+            raise ValueError(f"the UNet expects a text context (N={n}, L, {self.context_dim}), "
+                             f"got {tuple(y.shape)}")
+        t = t.expand(n) if t.ndim == 0 else t
+        return self.unet(x, t, encoder_hidden_states=y, return_dict=False)[0]
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def lora_targets(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
+    """The names of the Linear/Conv2d layers of ``model`` that match ``patterns`` (fnmatch
+    globs, or ``re:`` + a regular expression, as ``adapter.targets``).
+
+    Raises:
+        ValueError: no layer matches (the message lists a few layer names to choose from).
+    """
+    names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv2d))]
+
+    def hit(n: str, p: str) -> bool:
+        return bool(re.fullmatch(p[3:], n)) if p.startswith("re:") else fnmatch.fnmatchcase(n, p)
+
+    out = [n for n in names if any(hit(n, p) for p in patterns)]
+    if not out:
+        attn = [n for n in names if n.endswith(("to_q", "to_k", "to_v", "to_out.0"))][:4]
+        raise ValueError(f"adapter.targets {list(patterns)} match no Linear/Conv2d layer of "
+                         f"the UNet; e.g. {attn or names[:4]} (SD LoRA usually targets "
+                         "'*.to_q', '*.to_k', '*.to_v', '*.to_out.0')")
+    return out
+
+
+def add_lora(unet: nn.Module, *, rank: int, alpha: float | None, dropout: float,
+             targets: tuple[str, ...]) -> list[str]:
+    """Freeze ``unet`` and add a peft LoRA (A gaussian, B zero: the model is unchanged at
+    step 0) to the layers ``targets`` selects; returns their names."""
+    from peft import LoraConfig
+
+    names = lora_targets(unet, targets)
+    unet.requires_grad_(False)
+    unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank,
+                                lora_dropout=dropout, init_lora_weights="gaussian",
+                                target_modules=names))
+    for p in unet.parameters():  # trainable parameters in fp32 whatever the base's dtype
+        if p.requires_grad:
+            p.data = p.data.float()
+    return names
+
+
+def lora_state_dict(unet: nn.Module) -> dict[str, Tensor]:
+    """The UNet's LoRA in the diffusers format (the keys ``load_lora_weights`` reads)."""
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft.utils import get_peft_model_state_dict
+
+    sd = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
+
+
+def save_lora(unet: nn.Module, out: str | Path) -> Path:
+    """Write ``out/pytorch_lora_weights.safetensors`` (diffusers' LoRA format) atomically:
+    the previous file stays whole until the new one is complete."""
+    from diffusers import StableDiffusionPipeline
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    sd = lora_state_dict(unet)
+    bad = [k for k, v in sd.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"the LoRA has non-finite weights ({bad[0]} and {len(bad) - 1} "
+                              "more): not written")
+    with tempfile.TemporaryDirectory(dir=out, prefix=".lora-") as tmp:
+        StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=sd,
+                                                  safe_serialization=True)
+        with open(Path(tmp) / LORA_FILE, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
+    return out / LORA_FILE
+
+
+def export_pipeline(unet: nn.Module, base: Path, out: str | Path) -> Path:
+    """A full fine-tune as a diffusers folder ``out`` (``from_pretrained``-loadable): the
+    trained UNet, the base's other parts copied. Written beside and swapped in whole."""
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns("unet"))
+    unet.save_pretrained(tmp / "unet", safe_serialization=True)
+    old = out.with_name(f".{out.name}.old")
+    if out.exists():
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
+    return {n: p for n, p in module.named_parameters() if p.requires_grad}
+
+
+class PeftLoraWeights(Weights):
+    """A peft LoRA over a Stable Diffusion UNet: checkpoints hold the LoRA (and its EMA)
+    alone, plus the base folder's path; exports write diffusers' LoRA file."""
+
+    def __init__(self, base: Path, targets: list[str], rank: int, alpha: float) -> None:
+        self.base, self.targets, self.rank, self.alpha = base, targets, rank, alpha
+
+    def tensors(self, state: Any) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        names = _trainable(state.model)
+        ema = dict(state.ema.module.named_parameters())
+        return ({n: p.detach() for n, p in names.items()},
+                {n: ema[n].detach() for n in names})
+
+    def restore(self, state: Any, c: Checkpoint) -> None:
+        own = _trainable(state.model)
+        ema = dict(state.ema.module.named_parameters())
+        for what, saved in (("model", c.model), ("EMA", c.ema)):
+            missing = sorted(set(own) - set(saved))
+            extra = sorted(set(saved) - set(own))
+            if missing or extra:
+                raise CheckpointError(
+                    f"{c.path}: its LoRA {what} tensors do not match this run's LoRA "
+                    f"(missing {missing[:2]}, unexpected {extra[:2]}); adapter.targets, "
+                    "adapter.rank or model.pretrained changed since it was written")
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(c.model[n])
+                ema[n].copy_(c.ema[n])
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": "lora", "via": "peft", "base": str(self.base), "rank": self.rank,
+                "alpha": self.alpha, "targets": len(self.targets)}
+
+    def export(self, state: Any, root: Path, final: bool) -> Path | None:
+        model = state.ema.module if state.cfg.sample.use_ema else state.model
+        return save_lora(model.unet, root / "lora")
+
+
+class FullUNetWeights(Weights):
+    """A full fine-tune of a Stable Diffusion UNet: checkpoints hold the whole UNet; the
+    final export is a diffusers folder ``RUN/model`` (base parts + the trained UNet)."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": "full", "base": str(self.base)}
+
+    def export(self, state: Any, root: Path, final: bool) -> Path | None:
+        if not final:  # a multi-GB copy: once, at the end
+            return None
+        model = state.ema.module if state.cfg.sample.use_ema else state.model
+        return export_pipeline(model.unet, self.base, root / "model")
+
+
+# --------------------------------------------------------------------------- media
+
+
+class TextToImage:
+    """Prompts -> text contexts, images <-> latents, for a text-conditioned run.
+
+    Args:
+        tokenizer, text_encoder: a transformers tokenizer and CLIP text model (frozen).
+        vae: a diffusers AutoencoderKL (frozen) or None (pixel space).
+        device: where they run. text_dtype, vae_dtype: their dtypes.
+    """
+
+    text = True
+
+    def __init__(self, tokenizer, text_encoder: nn.Module, vae: nn.Module | None,
+                 device: torch.device, text_dtype: torch.dtype = torch.float32,
+                 vae_dtype: torch.dtype = torch.float32) -> None:
+        self.tokenizer = tokenizer
+        self.text_encoder = text_encoder.to(device, text_dtype).eval().requires_grad_(False)
+        self.vae = vae.to(device, vae_dtype).eval().requires_grad_(False) if vae else None
+        self.device, self.text_dtype, self.vae_dtype = device, text_dtype, vae_dtype
+        self.context_len = int(tokenizer.model_max_length)
+        self.context_dim = int(text_encoder.config.hidden_size)
+        self.latent = vae is not None
+        if vae is not None:
+            self.scale = float(getattr(vae.config, "scaling_factor", 0.18215))
+            self.shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
+            self.down = 2 ** (len(vae.config.block_out_channels) - 1)
+            self.latent_channels = int(vae.config.latent_channels)
+
+    # -- text
+    @torch.no_grad()
+    def encode_prompts(self, prompts: list[str]) -> Tensor:
+        """(B, L, D) float32: the text encoder's last hidden state, as diffusers'
+        StableDiffusionPipeline conditions the UNet (padding to max length, truncation)."""
+        ids = self.tokenizer(list(prompts), padding="max_length", truncation=True,
+                             max_length=self.context_len, return_tensors="pt").input_ids
+        mask = None
+        if getattr(self.text_encoder.config, "use_attention_mask", False):
+            mask = (ids != self.tokenizer.pad_token_id).long().to(self.device)
+        out = self.text_encoder(ids.to(self.device), attention_mask=mask)[0]
+        return out.float()
+
+    # -- latents
+    @torch.no_grad()
+    def encode_images(self, x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """Latents (B, c, h, w) float32 of images x in [-1, 1]: the posterior mean, shifted
+        and scaled as diffusers' training scripts scale samples (deterministic, so a cached
+        latent equals a recomputed one)."""
+        dtype = dtype or self.vae_dtype
+        vae = self.vae if dtype == self.vae_dtype else self._vae_in(dtype)
+        z = vae.encode(x.to(self.device, dtype)).latent_dist.mean
+        return ((z.float() - self.shift) * self.scale)
+
+    def _vae_in(self, dtype: torch.dtype) -> nn.Module:
+        """The VAE in another dtype (the fp32 re-encode of a latent fp16 made non-finite)."""
+        import copy
+
+        return copy.deepcopy(self.vae).to(dtype)
+
+    @torch.no_grad()
+    def decode(self, z: Tensor) -> Tensor:
+        """Images in [-1, 1] from latents (pixel space: the input, clamped)."""
+        if self.vae is None:
+            return z.clamp(-1, 1)
+        x = self.vae.decode((z / self.scale + self.shift).to(self.device, self.vae_dtype)).sample
+        return x.float().clamp(-1, 1)
+
+    def autocast(self):
+        return nullcontext()

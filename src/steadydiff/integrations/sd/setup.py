@@ -1,0 +1,219 @@
+"""A text-to-image run's setup: what ``build_state`` and the loop call for a config with
+``model.pretrained`` (a Stable Diffusion folder) or ``model.text_encoder`` (steadydiff's own
+UNet/DiT with cross-attention, optionally in a VAE's latent space).
+
+:func:`build` loads the frozen parts in their dtypes and returns the denoiser, the weights'
+owner (a peft LoRA, or the full UNet) and the media (prompts -> contexts, latents <->
+images). :func:`encode_data` turns the captioned dataset into what the model trains on:
+latents and text contexts, cached (data/cache.py) and checked finite; the samples whose
+latent stays non-finite are left out and named.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ...config import Config, ConfigError
+from ...data.cache import EncodedDataset, encode_latents, encode_texts, module_identity
+from ...guard.findings import SampleQuarantined
+from ...models import build_model
+from ...trainer import precision as prec
+from ...trainer.hooks import FULL_WEIGHTS, Weights
+from .folder import SDFolderError, check_folder, load_parts, load_text_parts, load_vae
+from .model import (FullUNetWeights, PeftLoraWeights, SDDenoiser, TextToImage, add_lora,
+                    upcast_aware_attention)
+
+__all__ = ["build", "encode_data", "is_text_config", "model_geometry", "record_quarantine",
+           "unet_parameters", "load_trained"]
+
+
+def is_text_config(cfg: Config) -> bool:
+    """Whether ``cfg`` trains a text-conditioned model (SD, or ours with a text encoder)."""
+    return bool(cfg.model.pretrained or cfg.model.text_encoder)
+
+
+def _dtype(p: str) -> torch.dtype:
+    return prec.DTYPES[p]
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SDFolderError(f"{path} cannot be read: {e}") from None
+
+
+def model_geometry(cfg: Config) -> dict[str, int]:
+    """What the denoiser sees, read from the folders' configs without loading weights:
+    channels and side of its input (latents or pixels), the context width and length.
+
+    Raises:
+        ConfigError: data.image_size does not fit the VAE's downsampling or the UNet's.
+    """
+    m, size = cfg.model, cfg.data.image_size
+    if m.pretrained:
+        root = check_folder(m.pretrained)
+        vae, unet = _json(root / "vae" / "config.json"), _json(root / "unet" / "config.json")
+        te = _json(root / "text_encoder" / "config.json")
+        tok = root / "tokenizer"
+    else:
+        t = Path(m.text_encoder).expanduser()
+        te = _json(t / "text_encoder" / "config.json") if (t / "text_encoder").is_dir() \
+            else None
+        if te is None:
+            load_text_parts(t)  # raises, naming what is missing
+        tok = t / "tokenizer"
+        vae = None
+        if m.vae:
+            v = Path(m.vae).expanduser()
+            vae = _json(v / "vae" / "config.json" if (v / "vae" / "config.json").is_file()
+                        else v / "config.json")
+        unet = None
+    tcfg = _json(tok / "tokenizer_config.json") if (tok / "tokenizer_config.json").is_file() \
+        else {}
+    length = int(tcfg.get("model_max_length") or te.get("max_position_embeddings", 77))
+    length = min(length, int(te.get("max_position_embeddings", length)))
+    down = 2 ** (len(vae["block_out_channels"]) - 1) if vae else 1
+    if size % down:
+        raise ConfigError(f"data.image_size={size} is not a multiple of the VAE's "
+                          f"downsampling ({down}): use e.g. {max(down, size // down * down)}")
+    side = size // down
+    if unet is not None:
+        levels = 2 ** (len(unet["block_out_channels"]) - 1)
+        if side % levels:
+            raise ConfigError(f"data.image_size={size} gives {side}x{side} latents, not a "
+                              f"multiple of the UNet's downsampling ({levels}): use a multiple "
+                              f"of {down * levels}")
+    return {"channels": int(vae["latent_channels"]) if vae else cfg.data.channels,
+            "side": side, "context_dim": int(te["hidden_size"]), "context_len": length}
+
+
+def unet_parameters(root: str | Path) -> int:
+    """The parameter count of an SD folder's UNet, built from its config on the meta
+    device (no weights read)."""
+    from diffusers import UNet2DConditionModel
+
+    conf = _json(Path(root) / "unet" / "config.json")
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(conf)
+    return sum(p.numel() for p in unet.parameters())
+
+
+def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextToImage]:
+    """The denoiser, the owner of its trained weights, and the media of a text run.
+
+    Frozen parts run in ``train.precision`` (the VAE in ``model.vae_precision`` when set);
+    trainable parameters are fp32 (a LoRA over an fp16 base included).
+    """
+    m, a = cfg.model, cfg.adapter
+    frozen = _dtype(cfg.train.precision)
+    vae_dtype = _dtype(m.vae_precision) if m.vae_precision else frozen
+    if m.pretrained:
+        parts = load_parts(m.pretrained)
+        media = TextToImage(parts.tokenizer, parts.text_encoder, parts.vae, device, frozen,
+                            vae_dtype)
+        unet = parts.unet
+        upcast_aware_attention(unet)
+        if m.upcast_attention:
+            for mod in unet.modules():
+                if hasattr(mod, "upcast_attention"):
+                    mod.upcast_attention = True
+        weights: Weights
+        if a.kind == "lora":
+            unet.to(device, frozen)
+            targets = add_lora(unet, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
+                               targets=a.targets)
+            weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank)
+        else:  # a full fine-tune: the UNet trains in fp32 under autocast
+            unet.to(device, torch.float32).requires_grad_(True)
+            weights = FullUNetWeights(parts.root)
+        model: nn.Module = SDDenoiser(unet, media.context_len).to(device)
+    else:
+        tok, te = load_text_parts(m.text_encoder)
+        vae = load_vae(m.vae) if m.vae else None
+        media = TextToImage(tok, te, vae, device, frozen, vae_dtype)
+        g = model_geometry(cfg)
+        model = build_model(m, image_size=g["side"], channels=g["channels"],
+                            context_dim=g["context_dim"], context_len=g["context_len"])
+        model = model.to(device)
+        weights = FULL_WEIGHTS
+    model.set_null_context(media.encode_prompts([""])[0].to(device))
+    return model, weights, media
+
+
+def load_trained(c, cfg: Config, *, use_ema: bool = True,
+                 device: torch.device | None = None) -> tuple[nn.Module, TextToImage]:
+    """A text-to-image checkpoint's model (its base folder + the LoRA, or the whole
+    trained model) in eval mode, frozen, and its media, on ``device`` (CPU by default).
+
+    Raises:
+        CheckpointError: the checkpoint's tensors do not fit the model its config describes
+            (a LoRA of other targets or rank, a base folder that changed shape).
+    """
+    from ...trainer.checkpoint import CheckpointError
+
+    device = device or torch.device("cpu")
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "fp32"})})
+    model, weights, media = build(cfg, device)
+    saved = c.ema if use_ema else c.model
+    if isinstance(weights, PeftLoraWeights):
+        own = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        if set(own) != set(saved):
+            raise CheckpointError(f"{c.path}: its LoRA tensors do not match the LoRA its config "
+                                  f"describes over {cfg.model.pretrained}")
+        with torch.no_grad():
+            for n, p in own.items():
+                p.copy_(saved[n])
+    else:
+        try:
+            model.load_state_dict(saved)
+        except RuntimeError as e:
+            raise CheckpointError(f"{c.path}: weights do not match the model its config "
+                                  f"describes: {e}") from None
+    return model.eval().requires_grad_(False), media
+
+
+def _prep(cfg: Config) -> str:
+    d = cfg.data
+    return (f"size={d.image_size},channels={d.channels},center_crop={d.center_crop},"
+            f"dataset={d.dataset},pad_to={d.pad_to}")
+
+
+def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
+                say: Callable[[str], None] = print) -> EncodedDataset:
+    """Latents (latent-space runs) and text contexts of every item of the captioned
+    ``data``, from the cache or encoded now (and cached). A latent non-finite in the VAE's
+    dtype is encoded again in fp32; still non-finite, the sample is left out (the returned
+    dataset's ``quarantined`` names it; :func:`record_quarantine` puts it in incidents)."""
+    captions = list(data.captions)
+    te_id = module_identity(media.text_encoder, {"dtype": str(media.text_dtype)})
+    texts = encode_texts(captions, media.encode_prompts, encoder_id=te_id,
+                         cache_dir=cache_dir)
+    latents = None
+    if media.latent:
+        vae_id = module_identity(media.vae, {"dtype": str(media.vae_dtype)})
+        fallback = ((lambda x: media.encode_images(x, torch.float32))
+                    if media.vae_dtype != torch.float32 else None)
+        latents = encode_latents(data, media.encode_images, encoder_id=vae_id,
+                                 prep=_prep(cfg), cache_dir=cache_dir, fallback=fallback,
+                                 device=media.device)
+        say(f"latents: {latents.hits} from the cache, {latents.misses} encoded"
+            + (f", {len(latents.reencoded)} re-encoded in fp32" if latents.reencoded else "")
+            + (f", {len(latents.quarantined)} left out (non-finite)"
+               if latents.quarantined else "") + f" ({cache_dir})")
+    return EncodedDataset(data, latents, texts)
+
+
+def record_quarantine(guard, encoded: EncodedDataset) -> None:
+    """One ``sample_quarantined`` incident per sample whose latent stayed non-finite."""
+    if guard is None:
+        return
+    for i, q in sorted(getattr(encoded, "quarantined", {}).items()):
+        guard.record(SampleQuarantined.new(index=int(i), times=1, steps=[0],
+                                           source=q.get("source"), why=q.get("why")),
+                     "quarantine")

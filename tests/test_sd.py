@@ -1,0 +1,311 @@
+"""Stable Diffusion-family training on tiny components built from configs (no weights exist
+offline): the folder's layout and its errors, LoRA via peft saved in diffusers' format and
+loaded by a diffusers pipeline to the same image, exact resume of a LoRA run, a full
+fine-tune saved as a diffusers folder, and the guard's faults on the SD path."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+import steadydiff  # noqa: E402
+from steadydiff.config import ConfigError, load_config  # noqa: E402
+from steadydiff.integrations.sd.folder import (SDFolderError, check_folder,  # noqa: E402
+                                               diffusion_settings)
+from steadydiff.integrations.sd.tiny import make_tiny_sd  # noqa: E402
+from steadydiff.trainer import checkpoint as ckpt  # noqa: E402
+
+COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220),
+          "yellow": (230, 220, 30)}
+
+
+@pytest.fixture(scope="module")
+def sd_dir(tmp_path_factory) -> Path:
+    return make_tiny_sd(tmp_path_factory.mktemp("sd") / "tiny-sd", image_size=32)
+
+
+@pytest.fixture(scope="module")
+def sd_v_dir(tmp_path_factory) -> Path:
+    return make_tiny_sd(tmp_path_factory.mktemp("sdv") / "tiny-sd-v",
+                        prediction="v_prediction", image_size=32)
+
+
+def shapes(root: Path, n: int = 8, jsonl: bool = False) -> Path:
+    """``n`` 32x32 images of a colored square or circle, each with its caption."""
+    root.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        name = list(COLORS)[i % len(COLORS)]
+        shape = "square" if i % 2 == 0 else "circle"
+        im = np.full((32, 32, 3), 245, np.uint8)
+        yy, xx = np.mgrid[:32, :32]
+        mask = (abs(yy - 16) < 9) & (abs(xx - 16) < 9) if shape == "square" else \
+            (yy - 16) ** 2 + (xx - 16) ** 2 < 81
+        im[mask] = COLORS[name]
+        Image.fromarray(im).save(root / f"img{i:02d}.png")
+        caption = f"a {name} {shape}"
+        if jsonl:
+            rows.append(json.dumps({"file_name": f"img{i:02d}.png", "text": caption}))
+        else:
+            (root / f"img{i:02d}.txt").write_text(caption)
+    if jsonl:
+        (root / "metadata.jsonl").write_text("\n".join(rows) + "\n")
+    return root
+
+
+def sd_config(sd: Path, data: Path, *sets: str):
+    base = [f"model.pretrained={sd}", f"data.path={data}", "data.image_size=32",
+            "train.steps=4", "train.batch_size=4", "train.precision=fp32",
+            "train.checkpoint_every=2", "train.sample_every=0", "train.num_threads=1",
+            "train.device=cpu", "sample.num=2", "sample.steps=2", "optim.warmup_steps=0",
+            "logging.log_every=1", "guard.warmup_steps=0", "data.num_workers=0",
+            "adapter.rank=4", "adapter.alpha=4"]
+    return load_config("configs/sd_lora.yaml", base + list(sets))
+
+
+# --------------------------------------------------------------------------- the folder
+
+
+def test_tiny_folder_is_laid_out_like_a_real_one(sd_dir):
+    assert check_folder(sd_dir) == sd_dir
+    for part in ("unet", "vae", "text_encoder", "tokenizer", "scheduler"):
+        assert (sd_dir / part).is_dir()
+    assert json.loads((sd_dir / "model_index.json").read_text())["_class_name"] == \
+        "StableDiffusionPipeline"
+
+
+def test_scheduler_config_decides_prediction_and_betas(sd_dir, sd_v_dir):
+    eps, v = diffusion_settings(sd_dir), diffusion_settings(sd_v_dir)
+    assert eps["diffusion.prediction"] == "eps" and v["diffusion.prediction"] == "v"
+    assert eps["diffusion.schedule"] == "scaled_linear"
+    assert (eps["diffusion.beta_start"], eps["diffusion.beta_end"]) == (0.00085, 0.012)
+
+
+def test_alphas_cumprod_match_diffusers(sd_dir):
+    from diffusers import DDPMScheduler
+
+    from steadydiff.diffusion import make_schedule
+    from steadydiff.integrations.sd.folder import resolve_config
+
+    cfg, notes = resolve_config(sd_config(sd_dir, sd_dir))
+    assert any("diffusion.schedule=scaled_linear" in n for n in notes)
+    ours = make_schedule(cfg.diffusion).alphas_cumprod
+    theirs = DDPMScheduler.from_pretrained(sd_dir, subfolder="scheduler").alphas_cumprod
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("missing", "does not exist"),
+    ("single_file", "single-file checkpoint"),
+    ("no_index", "model_index.json is missing"),
+    ("bad_index", "not valid JSON"),
+    ("wrong_class", "_class_name is 'FluxPipeline'"),
+    ("sdxl", "SDXL"),
+    ("no_unet", "unet/ is missing"),
+    ("pickled", "pickled weights"),
+    ("no_tokenizer_files", "neither tokenizer.json nor vocab.json"),
+])
+def test_folder_errors_name_the_problem(sd_dir, tmp_path, case, needle):
+    bad = tmp_path / "model"
+    if case != "missing":
+        shutil.copytree(sd_dir, bad)
+    index = bad / "model_index.json"
+    if case == "single_file":
+        bad = tmp_path / "v1-5-pruned.safetensors"
+        bad.write_bytes(b"\0" * 16)
+    elif case == "no_index":
+        index.unlink()
+    elif case == "bad_index":
+        index.write_text("{not json")
+    elif case in ("wrong_class", "sdxl"):
+        d = json.loads(index.read_text())
+        d["_class_name"] = "FluxPipeline" if case == "wrong_class" else \
+            "StableDiffusionXLPipeline"
+        index.write_text(json.dumps(d))
+    elif case == "no_unet":
+        shutil.rmtree(bad / "unet")
+    elif case == "pickled":
+        w = bad / "unet" / "diffusion_pytorch_model.safetensors"
+        w.rename(w.with_suffix(".bin"))
+    elif case == "no_tokenizer_files":
+        for f in (bad / "tokenizer").iterdir():
+            if f.name != "tokenizer_config.json":
+                f.unlink()
+    with pytest.raises(SDFolderError, match=needle) as e:
+        check_folder(bad)
+    if case == "single_file":
+        assert "from_single_file" in str(e.value) and "save_pretrained" in str(e.value)
+
+
+def test_config_refuses_inconsistent_text_settings(sd_dir, tmp_path):
+    with pytest.raises(ConfigError, match="needs captions"):
+        load_config(None, [f"model.pretrained={sd_dir}", "data.dataset=folder",
+                           f"data.path={tmp_path}"])
+    with pytest.raises(ConfigError, match="model.num_classes=0"):
+        sd_config(sd_dir, tmp_path, "model.num_classes=10")
+    with pytest.raises(ConfigError, match="data.hflip"):
+        sd_config(sd_dir, tmp_path, "data.hflip=true")
+    with pytest.raises(ConfigError, match="remove adapter.base"):
+        sd_config(sd_dir, tmp_path, "adapter.base=runs/x")
+
+
+def test_image_size_must_fit_the_vae_and_unet(sd_dir, tmp_path):
+    from steadydiff import preflight
+
+    with pytest.raises(ConfigError, match="multiple of the VAE"):
+        preflight.check_model(sd_config(sd_dir, tmp_path, "data.image_size=33"))
+    with pytest.raises(ConfigError, match="UNet's downsampling"):
+        preflight.check_model(sd_config(sd_dir, tmp_path, "data.image_size=34"))
+
+
+# --------------------------------------------------------------------------- training
+
+
+def lora_tensors(c: ckpt.Checkpoint) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in c.model.items() if "lora" in k}
+
+
+def test_lora_run_writes_a_diffusers_lora(sd_dir, tmp_path):
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(sd_config(sd_dir, data), out_dir=tmp_path / "run")
+    assert res.steps == 4 and res.final_loss is not None and np.isfinite(res.final_loss)
+    lora = tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors"
+    assert lora.is_file()
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    assert c.model and all("lora" in k for k in c.model)  # the LoRA alone, not the base
+    assert json.loads((res.checkpoint / "state.json").read_text())["adapter"]["via"] == "peft"
+    # the cache: one latent per image, one text embedding per distinct caption (+ "")
+    cache = tmp_path / "run" / "cache"
+    assert len(list((cache / "latents").rglob("*.safetensors"))) == 8
+    assert len(list((cache / "text").rglob("*.safetensors"))) == 8 + 1
+    # a second run over the same data and VAE reads the cache
+    res2 = steadydiff.train(sd_config(sd_dir, data, f"data.cache_dir={cache}",
+                                      "train.steps=1"), out_dir=tmp_path / "run2")
+    assert res2.steps == 1
+
+
+def test_diffusers_pipeline_loads_the_lora_and_draws_the_same_image(sd_dir, tmp_path):
+    from diffusers import DDIMScheduler, StableDiffusionPipeline
+
+    data = shapes(tmp_path / "images", jsonl=True)
+    cfg = sd_config(sd_dir, data, "optim.lr=0.01", "sample.use_ema=false")
+    res = steadydiff.train(cfg, out_dir=tmp_path / "run")
+    ours = steadydiff.load(tmp_path / "run", device="cpu", use_ema=False)
+    gen = torch.Generator().manual_seed(3)
+    z = torch.randn(2, 4, 16, 16, generator=gen)
+    x, _ = ours.sample(prompt="a red square", negative_prompt=None, sampler="ddim", steps=5,
+                       cfg_scale=4.0, noise=z)
+
+    pipe = StableDiffusionPipeline.from_pretrained(sd_dir, local_files_only=True,
+                                                   safety_checker=None)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config,
+                                               timestep_spacing="trailing",
+                                               set_alpha_to_one=True, clip_sample=False)
+    before = pipe(["a red square"] * 2, num_inference_steps=5, guidance_scale=4.0,
+                  latents=z.clone(), output_type="pt").images
+    pipe.load_lora_weights(tmp_path / "run" / "lora")
+    theirs = pipe(["a red square"] * 2, num_inference_steps=5, guidance_scale=4.0,
+                  latents=z.clone(), output_type="pt").images
+    ours01 = x * 0.5 + 0.5
+    assert (theirs - before).abs().max() > 1e-3  # the LoRA changed the model
+    torch.testing.assert_close(ours01, theirs.float(), atol=2e-3, rtol=0)
+    assert res.steps == 4
+
+
+def test_resumed_lora_run_equals_uninterrupted_bit_exactly(sd_dir, tmp_path):
+    data = shapes(tmp_path / "images")
+    cache = tmp_path / "cache"
+    straight = steadydiff.train(sd_config(sd_dir, data, f"data.cache_dir={cache}",
+                                          "train.steps=6", "train.checkpoint_every=3"),
+                                out_dir=tmp_path / "straight")
+    steadydiff.train(sd_config(sd_dir, data, f"data.cache_dir={cache}", "train.steps=3",
+                               "train.checkpoint_every=3"), out_dir=tmp_path / "resumed")
+    resumed = steadydiff.train(sd_config(sd_dir, data, f"data.cache_dir={cache}",
+                                         "train.steps=6", "train.checkpoint_every=3"),
+                               out_dir=tmp_path / "resumed")
+    assert resumed.resumed_from is not None and resumed.steps == 6
+    a = ckpt.load_checkpoint(straight.checkpoint, "cpu", weights_only=True)
+    b = ckpt.load_checkpoint(resumed.checkpoint, "cpu", weights_only=True)
+    assert a.model.keys() == b.model.keys() and a.model
+    for k in a.model:
+        assert torch.equal(a.model[k], b.model[k]), k
+        assert torch.equal(a.ema[k], b.ema[k]), k
+    assert (tmp_path / "resumed" / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+
+def test_v_prediction_folder_trains_v_with_min_snr(sd_v_dir, tmp_path):
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(sd_config(sd_v_dir, data, "train.steps=2"),
+                           out_dir=tmp_path / "run")
+    saved = json.loads((res.checkpoint / "state.json").read_text())["config"]
+    assert saved["diffusion"]["prediction"] == "v"
+    assert saved["diffusion"]["loss_weighting"] == "min_snr"
+
+
+def test_full_fine_tune_is_saved_as_a_diffusers_folder(sd_dir, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(sd_config(sd_dir, data, "adapter.kind=none", "train.steps=2",
+                                     "optim.lr=0.01"), out_dir=tmp_path / "run")
+    out = tmp_path / "run" / "model"
+    pipe = StableDiffusionPipeline.from_pretrained(out, local_files_only=True,
+                                                   safety_checker=None)
+    base = StableDiffusionPipeline.from_pretrained(sd_dir, local_files_only=True,
+                                                   safety_checker=None)
+    trained = dict(pipe.unet.named_parameters())
+    changed = [n for n, p in base.unet.named_parameters()
+               if not torch.equal(p, trained[n])]
+    assert changed  # the UNet trained; the text encoder and VAE are the base's
+    assert res.steps == 2
+
+
+def test_sample_command_takes_a_prompt(sd_dir, tmp_path, capsys):
+    from steadydiff.cli import main
+
+    data = shapes(tmp_path / "images")
+    steadydiff.train(sd_config(sd_dir, data, "train.steps=2"), out_dir=tmp_path / "run")
+    out = tmp_path / "s.png"
+    rc = main(["sample", str(tmp_path / "run"), "--prompt", "a blue circle",
+               "--negative-prompt", "a red square", "--cfg-scale", "3", "--num", "2",
+               "--steps", "2", "--out", str(out), "--device", "cpu"])
+    assert rc == 0 and out.is_file()
+    assert Image.open(out).size[0] >= 32
+    assert main(["sample", str(tmp_path / "run"), "--class-label", "1", "--out", str(out),
+                 "--device", "cpu"]) == 2
+    assert "conditioned on text" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prediction, folder", [("eps", "sd_dir"), ("v", "sd_v_dir")])
+def test_min_snr_weights_match_the_closed_form_for_the_folders_prediction(prediction, folder,
+                                                                            request):
+    """min-SNR-γ (Hang et al. 2023): min(snr, γ)/snr for eps, min(snr, γ)/(snr+1) for v (the
+    form diffusers' scripts use since #9451), on the folder's own schedule."""
+    from diffusers import DDPMScheduler
+    from diffusers.training_utils import compute_snr
+
+    from steadydiff.diffusion import make_schedule
+    from steadydiff.diffusion.objectives import loss_weights
+    from steadydiff.integrations.sd.folder import resolve_config
+
+    sd = request.getfixturevalue(folder)
+    cfg, _ = resolve_config(sd_config(sd, sd, "diffusion.min_snr_gamma=5"))
+    assert cfg.diffusion.prediction == prediction
+    t = torch.tensor([0, 10, 100, 400, 700, 999])
+    snr_ours = make_schedule(cfg.diffusion).snr(t)
+    sched = DDPMScheduler.from_pretrained(sd, subfolder="scheduler")
+    snr = compute_snr(sched, t)
+    torch.testing.assert_close(snr_ours.float(), snr.float(), rtol=1e-4, atol=0)
+    closed = torch.minimum(snr, torch.full_like(snr, 5.0))
+    closed = closed / snr if prediction == "eps" else closed / (snr + 1)
+    torch.testing.assert_close(loss_weights(cfg.diffusion, snr_ours).float(), closed.float(),
+                               rtol=1e-4, atol=0)
