@@ -209,7 +209,7 @@ def test_non_utf8_jsonl_names_file_and_line(three):
     body = (json.dumps({"file_name": "a.png", "text": "a"}) + "\n").encode() + \
         '{"file_name": "b.jpg", "text": "na\xefve"}\n'.encode("latin-1")
     (three / "metadata.jsonl").write_bytes(body)
-    with pytest.raises(DataError, match=r"metadata\.jsonl: metadata\.jsonl is not valid UTF-8 "
+    with pytest.raises(DataError, match=r"metadata\.jsonl: the metadata file is not valid UTF-8 "
                                         r"\(byte offset \d+, line 2"):
         _read(three, "jsonl", "empty")
 

@@ -118,7 +118,7 @@ def _read_metadata(path: Path, folder_rel: str,
                    out: dict[str, tuple[str, str]]) -> None:
     """Add the entries of one metadata.jsonl to ``out``: key (image path relative to the
     data root) -> (caption, "file:line")."""
-    text = _read_text(path, METADATA_FILE)
+    text = _read_text(path, "the metadata file")
     valid = (f"each line must be a JSON object with \"file_name\" (the image path relative to "
              f"{path.parent}) and \"text\" (or \"caption\"), e.g. "
              f"{{\"file_name\": \"cat.png\", \"text\": \"a photo of a cat\"}}")
