@@ -599,6 +599,12 @@ class ImageFolderDataset(Dataset):
         """Like ``self[i]``, plus whether image ``i`` itself was bad (and replaced). The flag
         travels with the batch, so the main process counts bad files even when they were
         found inside a data-loader worker (whose ``bad_paths`` it never sees)."""
+        x, j = self.fetch_index(i)
+        return x, torch.tensor(self.labels[j], dtype=torch.int64), j != int(i) % len(self.paths)
+
+    def fetch_index(self, i: int) -> tuple[torch.Tensor, int]:
+        """Image ``i``, or the next good one when it is bad, and the index actually loaded:
+        whatever travels with the image (its label, its caption) must be the replacement's."""
         n = len(self.paths)
         i = int(i)
         if not -n <= i < n:
@@ -617,7 +623,7 @@ class ImageFolderDataset(Dataset):
                 self._mark_bad(self.paths[j], _reason(e) + " (at load time; replaced by the "
                                "next good image)")
                 continue
-            return x, torch.tensor(self.labels[j], dtype=torch.int64), j != i
+            return x, j
         raise DataError(f"image folder {str(self.root)!r}: every image failed to load "
                         f"(e.g. {next(iter(self.bad_paths.items()))})")
 
