@@ -286,6 +286,18 @@ def test_nan_in_both_encoders_quarantines_the_sample(vae, folder, tmp_path):
     assert again.hits == N - 1 and "no fallback" in again.quarantined[4]["why"]
 
 
+def test_an_image_unreadable_at_load_time_is_quarantined_not_cached_as_its_stand_in(
+        vae, folder, tmp_path):
+    cache = tmp_path / "cache"
+    src = _data(folder)  # the header check passes now; the file breaks afterwards
+    bad = folder / "img01.png"
+    bad.write_bytes(bad.read_bytes()[:60])  # truncated: fails to decode
+    res = encode_latents(src, _encoder(vae), encoder_id="v", prep=PREP, cache_dir=cache)
+    assert res.index == [0, 2, 3, 4, 5] and len(_files(cache)) == N - 1
+    assert res.quarantined[1]["source"] == str(bad)
+    assert "unreadable" in res.quarantined[1]["why"]
+
+
 # --------------------------------------------------------------------------- text
 
 
@@ -377,7 +389,8 @@ def test_encoded_dataset_pixel_space_unconditional(folder):
     x, c = ds[2]
     assert torch.equal(x, src[2][0]) and c.item() == 0
     assert (ds.channels, ds.image_size) == (3, 16)
-    assert ds.describe() == "EncodedDataset: 6 images 3×16×16 of ImageFolderDataset, unconditional"
+    assert ds.describe() == ("EncodedDataset: 6 images 3×16×16 of ImageFolderDataset, "
+                             "unconditional")
     with pytest.raises(DataError, match="7 captions"):
         EncodedDataset(src, None, encode_texts(CAPTIONS + ["x"], _text_encoder(),
                                                encoder_id="t", cache_dir=None))

@@ -253,7 +253,8 @@ class LatentResult:
         index: the dataset index of each row, ascending.
         total: ``len(dataset)``.
         quarantined: ``{i: {"index": i, "source": path or None, "why": str}}``, the items
-            left out because no finite latent could be computed.
+            left out: no finite latent could be computed, or the image was unreadable (the
+            data set replaced it by another: see ``ImageFolderDataset.fetch``).
         reencoded: ``[{"index", "source", "why"}]``, the items whose latent was non-finite
             from ``encode`` but finite from ``fallback`` (kept, and cached: a later run reads
             them as hits and does not list them again).
@@ -271,12 +272,15 @@ class LatentResult:
     seconds: float = 0.0
 
 
-def _image(dataset: Dataset, i: int) -> torch.Tensor:
-    x = dataset[i][0]
+def _fetch(dataset: Dataset, i: int) -> tuple[torch.Tensor, bool]:
+    """Item ``i``'s image, and whether it was unreadable and replaced by another (datasets
+    with a ``fetch`` method, like the image folder, say so; others never are)."""
+    fetch = getattr(dataset, "fetch", None)
+    x, _, bad = fetch(i) if callable(fetch) else (*dataset[i][:2], False)
     if not isinstance(x, torch.Tensor) or x.ndim != 3:
         got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise DataError(f"dataset item {i}: expected an image tensor (C, H, W), got {got}")
-    return x
+    return x, bool(bad)
 
 
 def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tensor], *,
@@ -318,7 +322,8 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
     n = len(dataset)
     store = _Store(Path(cache_dir) / "latents", "latent") if cache_dir is not None else None
     sources = [source_of(dataset, i) for i in range(n)]
-    keys = [_sha("latent", file_digest(s) if s is not None else _tensor_digest(_image(dataset, i)),
+    keys = [_sha("latent",
+                 file_digest(s) if s is not None else _tensor_digest(_fetch(dataset, i)[0]),
                  prep, encoder_id) for i, s in enumerate(sources)]
     meta = {"encoder_id": encoder_id, "prep": prep}
 
@@ -354,8 +359,22 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
             log.warning("latent cache: %d entries have another shape than %s; re-encoding",
                         len(queue), shape)
         batch, queue = queue[:batch_size], queue[batch_size:]
-        x = torch.stack([_image(dataset, i) for i in batch]).to(device=device,
-                                                               dtype=torch.float32)
+        images = []
+        for i in list(batch):
+            x, bad = _fetch(dataset, i)
+            if bad:
+                # The data set handed over another file's image: caching it under this file's
+                # key would train on a duplicate that names the wrong file.
+                why = "image unreadable, replaced by another by the data set" + (
+                    f" ({r})" if (r := getattr(dataset, "bad_paths", {}).get(sources[i]))
+                    else "")
+                res.quarantined[i] = {"index": i, "source": sources[i], "why": why}
+                batch.remove(i)
+            else:
+                images.append(x)
+        if not batch:
+            continue
+        x = torch.stack(images).to(device=device, dtype=torch.float32)
         with torch.no_grad():
             z = _check_batch(encode(x), len(batch), "encode")  # (B, c, h, w)
         if shape is None:
