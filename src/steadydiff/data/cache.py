@@ -101,8 +101,9 @@ def module_identity(module: torch.nn.Module, extra: dict[str, Any] | None = None
     name, dtype, shape and bytes as stored (fp16/bf16 unconverted), copied to the CPU.
 
     Same weights and config give the same id on any machine; one changed element gives
-    another. Cost: one pass over the weights, about 1 s per GB (a full SD VAE, 84 M fp32
-    parameters: ~335 MB hashed), once per run; plus the copy to the CPU for a module on a GPU.
+    another. Cost: one sha256 pass over the weights, ~1 s per GB (a full SD VAE, 84 M fp32
+    parameters: ~335 MB hashed in ~0.4 s), once per run; plus the copy to the CPU for a module
+    on a GPU.
 
     Args:
         module: the frozen encoder (VAE, text encoder, or anything else).
@@ -310,8 +311,9 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
         progress: print a status line on stderr every 10 s.
 
     Returns:
-        A :class:`LatentResult`. Hashing every file costs one read of the data set per call
-        (the cache is keyed by content, not by name or mtime).
+        A :class:`LatentResult`. With a cache, hashing every file costs one read of the data
+        set per call (the cache is keyed by content, not by name or mtime), and a data set
+        without files is loaded once more to hash its images.
 
     Raises:
         DataError: an item cannot be loaded or hashed (the data module names the file).
@@ -322,9 +324,10 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
     n = len(dataset)
     store = _Store(Path(cache_dir) / "latents", "latent") if cache_dir is not None else None
     sources = [source_of(dataset, i) for i in range(n)]
+    # Without a cache nothing is looked up: no file is read twice only to be hashed.
     keys = [_sha("latent",
                  file_digest(s) if s is not None else _tensor_digest(_fetch(dataset, i)[0]),
-                 prep, encoder_id) for i, s in enumerate(sources)]
+                 prep, encoder_id) for i, s in enumerate(sources)] if store is not None else []
     meta = {"encoder_id": encoder_id, "prep": prep}
 
     got: dict[int, torch.Tensor] = {}
