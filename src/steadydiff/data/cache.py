@@ -1,0 +1,643 @@
+"""The latent and text-embedding cache for latent-space and text-conditioned training.
+
+A latent-space model (Stable Diffusion style, Rombach et al. 2022) trains on the frozen VAE's
+latents, and a text-conditioned one on the frozen text encoder's embeddings. Both are fixed
+functions of the data, so they are computed once, before training, and kept on disk:
+
+    cache_dir/
+      latents/<key[:2]>/<key>.safetensors   one tensor "latent" (c, h, w) float32
+      text/<key[:2]>/<key>.safetensors      one tensor "context" (L, D) float32
+
+    latent key  = sha256 of (the image file's sha256 (or, for a dataset without files, of the
+                  image tensor's bytes), ``prep``, ``encoder_id``)
+    text key    = sha256 of (the caption, ``encoder_id``)
+
+The key is a function of everything the value depends on, so a changed image file, another
+preprocessing (``prep``) or different encoder weights (``encoder_id``, see
+:func:`module_identity`) simply miss: nothing is ever invalidated by hand, and stale entries
+are only dead files. Each file also carries its key in the safetensors metadata.
+
+Nothing in the cache is trusted: a file that does not load (truncated by a killed run, a
+full disk, a stray edit), holds the wrong dtype or shape, another key, or a non-finite value
+is a miss and is overwritten. Files are written atomically (a temporary file in the same
+folder, fsync, ``os.replace``), so a reader sees the old file or the new one, never half of
+one; two processes writing one key write the same bytes and the last rename wins.
+
+Every latent is checked finite when encoded and when loaded. An fp16 VAE overflows on some
+images (the "NaN detected in latents" of kohya-ss/sd-scripts #653): such a sample is encoded
+again, alone, with ``fallback`` (the fp32 VAE); if that is finite it is kept (and cached), else
+the sample is quarantined: reported, with its file, and left out of training. A bad sample
+never raises and a non-finite latent is never returned nor written.
+
+This module does not import diffusers or transformers: the caller passes ``encode`` callables
+and identity strings, so it is testable with any module and costs nothing to import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch.utils.data import Dataset
+
+from steadydiff.data import DataError, source_of
+
+__all__ = ["module_identity", "file_digest", "encode_latents", "encode_texts", "LatentResult",
+           "TextResult", "EncodedDataset"]
+
+log = logging.getLogger(__name__)
+
+# The format tag enters every key: changing what a cache file means (another layout, another
+# dtype) is a new tag, and every old entry then misses instead of being misread.
+_FORMAT = "steadydiff-cache/1"
+_CHUNK = 1 << 20  # bytes read at a time when hashing a file
+
+
+# --------------------------------------------------------------------------- identities
+
+
+def _sha(*parts: str) -> str:
+    """sha256 of a JSON list: unambiguous where plain concatenation is not ("ab"+"c" vs
+    "a"+"bc")."""
+    return hashlib.sha256(json.dumps([_FORMAT, *parts]).encode()).hexdigest()
+
+
+def _config_dict(module: torch.nn.Module) -> dict[str, Any] | None:
+    cfg = getattr(module, "config", None)
+    if cfg is None:
+        return None
+    to_dict = getattr(cfg, "to_dict", None)
+    d = to_dict() if callable(to_dict) else cfg
+    if not isinstance(d, dict):
+        return None
+    # Keys starting with "_" are bookkeeping, not math: where the module was loaded from
+    # (_name_or_path), the library version that saved it (_diffusers_version), which defaults
+    # were used. Keeping them would make the same weights read from two folders two encoders.
+    return {k: v for k, v in d.items()
+            if not str(k).startswith("_") and k != "transformers_version"}
+
+
+def module_identity(module: torch.nn.Module, extra: dict[str, Any] | None = None) -> str:
+    """A sha256 hex naming what ``module`` computes, for cache keys (``encoder_id``).
+
+    Hashed: the class name, the module's ``config`` when it has one (diffusers and
+    transformers modules: its dict form, as JSON with sorted keys, bookkeeping keys starting
+    with "_" left out), ``extra`` (JSON, sorted keys: put there what the weights do not say
+    but the output depends on, e.g. ``{"dtype": "fp16", "latent": "mean", "scale": 0.18215}``),
+    and every ``state_dict`` tensor (parameters and persistent buffers) in name order: its
+    name, dtype, shape and bytes as stored (fp16/bf16 unconverted), copied to the CPU.
+
+    Same weights and config give the same id on any machine; one changed element gives
+    another. Cost: one sha256 pass over the weights, ~1 s per GB (a full SD VAE, 84 M fp32
+    parameters: ~335 MB hashed in ~0.4 s), once per run; plus the copy to the CPU for a module
+    on a GPU.
+
+    Args:
+        module: the frozen encoder (VAE, text encoder, or anything else).
+        extra: more JSON-able facts to hash along (None: nothing).
+
+    Returns:
+        64 lowercase hex digits.
+    """
+    h = hashlib.sha256()
+    head = {"format": _FORMAT, "class": type(module).__name__,
+            "config": _config_dict(module), "extra": extra}
+    # default=str: configs hold tuples (JSON lists), paths, dtypes; their text is stable.
+    h.update(json.dumps(head, sort_keys=True, default=str).encode())
+    state = module.state_dict()
+    for name in sorted(state):
+        t = state[name]
+        if not isinstance(t, torch.Tensor):  # extra_state objects: hash their text
+            h.update(json.dumps([name, repr(t)]).encode())
+            continue
+        t = t.detach().to("cpu").contiguous()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        # The raw bytes through a uint8 view: works for every dtype, bf16 included, no copy.
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def file_digest(path: str | os.PathLike[str]) -> str:
+    """sha256 hex of a file's bytes, read in 1 MB chunks (never all in memory).
+
+    Raises:
+        DataError: the file cannot be read; the message names it.
+    """
+    h = hashlib.sha256()
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_CHUNK):
+                h.update(chunk)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the file to hash it for the cache ({e})") from None
+    return h.hexdigest()
+
+
+def _tensor_digest(x: torch.Tensor) -> str:
+    x = x.detach().to("cpu").contiguous()
+    h = hashlib.sha256(json.dumps([str(x.dtype), list(x.shape)]).encode())
+    h.update(x.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------- the store
+
+
+class _Store:
+    """One folder of ``<key[:2]>/<key>.safetensors`` files, one named tensor each."""
+
+    def __init__(self, root: Path, name: str) -> None:
+        self.root, self.name = root, name
+
+    def path(self, key: str) -> Path:
+        return self.root / key[:2] / f"{key}.safetensors"
+
+    def load(self, key: str, ndim: int) -> torch.Tensor | None:
+        """The cached tensor, or None for any reason not to trust it (absent, unreadable,
+        truncated, another key, not float32, not ``ndim``-D, not finite)."""
+        p = self.path(key)
+        try:
+            data = p.read_bytes()
+        except OSError:  # absent (the usual miss) or unreadable
+            return None
+        try:
+            # A cache file is untrusted input: whatever the parser raises (safetensors'
+            # SafetensorError, a bad header's JSON or struct errors) means "miss".
+            n = int.from_bytes(data[:8], "little")
+            meta = json.loads(data[8:8 + n]).get("__metadata__") or {}
+            t = st_load(data).get(self.name)
+        except Exception:  # noqa: BLE001 - see above
+            return None
+        if meta.get("key") != key or t is None or t.dtype != torch.float32 or t.ndim != ndim \
+                or not bool(torch.isfinite(t).all()):
+            return None
+        return t
+
+    def save(self, key: str, t: torch.Tensor, meta: dict[str, str]) -> None:
+        """Write atomically: temp file in the same folder, fsync, rename over the target."""
+        p = self.path(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        data = st_save({self.name: t.contiguous()}, metadata={"key": key, **meta})
+        # Hidden, unique name: never taken for an entry, and never shared by two writers.
+        tmp = p.with_name(f".{p.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)  # the bytes are on disk before the name points at them
+            finally:
+                os.close(fd)
+            os.replace(tmp, p)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+
+
+def _nonfinite(t: torch.Tensor) -> str:
+    """``3 NaN, 0 Inf of 256 elements``."""
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    return f"{nan} NaN, {inf} Inf of {t.numel()} elements"
+
+
+def _check_batch(z: Any, n: int, what: str) -> torch.Tensor:
+    if not isinstance(z, torch.Tensor) or z.ndim != 4 or z.shape[0] != n:
+        got = tuple(z.shape) if isinstance(z, torch.Tensor) else type(z).__name__
+        raise ValueError(f"{what} must return a (B, c, h, w) tensor with B={n} (the batch), "
+                         f"got {got}")
+    return z.detach().to("cpu", torch.float32)
+
+
+class _Progress:
+    """A status line on stderr every 10 s and at the end (``progress=True`` only)."""
+
+    def __init__(self, on: bool, what: str, total: int) -> None:
+        self.on, self.what, self.total = on, what, total
+        self.last = time.perf_counter()
+
+    def __call__(self, done: int, hits: int, end: bool = False) -> None:
+        now = time.perf_counter()
+        if self.on and (end or now - self.last >= 10.0):
+            self.last = now
+            print(f"{self.what}: {done}/{self.total} ({hits} from the cache)", file=sys.stderr,
+                  flush=True)
+
+
+# --------------------------------------------------------------------------- latents
+
+
+@dataclass
+class LatentResult:
+    """What :func:`encode_latents` returns.
+
+    The kept latents are one stacked tensor (compact, picklable, indexable without a dict):
+    ``latents[k]`` is the latent of dataset item ``index[k]``; ``index`` is ascending.
+
+    Attributes:
+        latents: ``(N_kept, c, h, w)`` float32, all finite, on the CPU
+            (``(0, c, h, w)`` when every item was quarantined; ``(0, 0, 0, 0)`` for an empty
+            dataset).
+        index: the dataset index of each row, ascending.
+        total: ``len(dataset)``.
+        quarantined: ``{i: {"index": i, "source": path or None, "why": str}}``, the items
+            left out: no finite latent could be computed, or the image was unreadable (the
+            data set replaced it by another: see ``ImageFolderDataset.fetch``).
+        reencoded: ``[{"index", "source", "why"}]``, the items whose latent was non-finite
+            from ``encode`` but finite from ``fallback`` (kept, and cached: a later run reads
+            them as hits and does not list them again).
+        hits, misses: cache entries read / encoded (``misses`` counts every encoded item).
+        seconds: the wall time of the call.
+    """
+
+    latents: torch.Tensor
+    index: list[int]
+    total: int
+    quarantined: dict[int, dict[str, Any]] = field(default_factory=dict)
+    reencoded: list[dict[str, Any]] = field(default_factory=list)
+    hits: int = 0
+    misses: int = 0
+    seconds: float = 0.0
+
+
+def _fetch(dataset: Dataset, i: int) -> tuple[torch.Tensor, bool]:
+    """Item ``i``'s image, and whether it was unreadable and replaced by another (datasets
+    with a ``fetch`` method, like the image folder, say so; others never are)."""
+    fetch = getattr(dataset, "fetch", None)
+    x, _, bad = fetch(i) if callable(fetch) else (*dataset[i][:2], False)
+    if not isinstance(x, torch.Tensor) or x.ndim != 3:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise DataError(f"dataset item {i}: expected an image tensor (C, H, W), got {got}")
+    return x, bool(bad)
+
+
+def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tensor], *,
+                   encoder_id: str, prep: str, cache_dir: Path | str | None,
+                   batch_size: int = 8,
+                   fallback: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   device: torch.device | str | None = None,
+                   progress: bool = False) -> LatentResult:
+    """Every item's latent, read from the cache or encoded (and cached), each checked finite.
+
+    Args:
+        dataset: ``dataset[i]`` is ``(image (C, H, W) float32 in [-1, 1], anything)``; the
+            item's file is ``source_of(dataset, i)`` (a dataset without files is keyed by
+            the image tensor's bytes, so every image is loaded once per call to hash it).
+        encode: ``(B, C, H, W) float32 on device -> (B, c, h, w)``, already scaled (the
+            caller applies the VAE's scaling factor, and picks mean or sample). Called under
+            ``torch.no_grad()``; stored as float32.
+        encoder_id: names ``encode`` (:func:`module_identity` of the VAE, with its dtype and
+            scaling factor in ``extra``).
+        prep: the preprocessing that made the image from its file, e.g.
+            ``"size=32,crop=center,channels=3"``: another ``prep`` is another entry.
+        cache_dir: the cache root (latents go under ``latents/``); None: nothing on disk.
+        batch_size: images per ``encode`` call.
+        fallback: encodes one image ``(1, C, H, W)`` again when ``encode`` gave a non-finite
+            latent (the fp32 VAE for an fp16 one); None: such items are quarantined.
+        device: where images go before ``encode`` (None: stay on the CPU).
+        progress: print a status line on stderr every 10 s.
+
+    Returns:
+        A :class:`LatentResult`. With a cache, hashing every file costs one read of the data
+        set per call (the cache is keyed by content, not by name or mtime), and a data set
+        without files is loaded once more to hash its images.
+
+    Raises:
+        DataError: an item cannot be loaded or hashed (the data module names the file).
+        ValueError: ``encode`` broke its contract (not a ``(B, c, h, w)`` tensor, or latents
+            of different shapes within one data set).
+    """
+    t0 = time.perf_counter()
+    n = len(dataset)
+    store = _Store(Path(cache_dir) / "latents", "latent") if cache_dir is not None else None
+    sources = [source_of(dataset, i) for i in range(n)]
+    # Without a cache nothing is looked up: no file is read twice only to be hashed.
+    keys = [_sha("latent",
+                 file_digest(s) if s is not None else _tensor_digest(_fetch(dataset, i)[0]),
+                 prep, encoder_id) for i, s in enumerate(sources)] if store is not None else []
+    meta = {"encoder_id": encoder_id, "prep": prep}
+
+    got: dict[int, torch.Tensor] = {}
+    if store is not None:
+        for i in range(n):
+            t = store.load(keys[i], ndim=3)
+            if t is not None:
+                got[i] = t
+    hits = len(got)
+    queue = [i for i in range(n) if i not in got]
+    res = LatentResult(latents=torch.empty(0), index=[], total=n)
+    shape: tuple[int, ...] | None = None  # (c, h, w): fixed by the first fresh encoding
+    show = _Progress(progress, "latents", n)
+
+    def keep(i: int, z: torch.Tensor) -> None:
+        got[i] = z.clone()  # its own storage: not a view pinning the whole batch
+        if store is not None:
+            store.save(keys[i], got[i], {**meta, "source": sources[i] or ""})
+
+    while True:
+        if not queue:
+            # A cached file of another shape than the fresh latents (or, with nothing fresh,
+            # than most cached ones) was not written for this key: encode it again.
+            if shape is None and got:
+                shape = Counter(tuple(t.shape) for t in got.values()).most_common(1)[0][0]
+            queue = sorted(i for i, t in got.items() if tuple(t.shape) != shape)
+            if not queue:
+                break
+            for i in queue:
+                del got[i]
+            hits -= len(queue)
+            log.warning("latent cache: %d entries have another shape than %s; re-encoding",
+                        len(queue), shape)
+        batch, queue = queue[:batch_size], queue[batch_size:]
+        images = []
+        for i in list(batch):
+            x, bad = _fetch(dataset, i)
+            if bad:
+                # The data set handed over another file's image: caching it under this file's
+                # key would train on a duplicate that names the wrong file.
+                why = "image unreadable, replaced by another by the data set" + (
+                    f" ({r})" if (r := getattr(dataset, "bad_paths", {}).get(sources[i]))
+                    else "")
+                res.quarantined[i] = {"index": i, "source": sources[i], "why": why}
+                batch.remove(i)
+            else:
+                images.append(x)
+        if not batch:
+            continue
+        x = torch.stack(images).to(device=device, dtype=torch.float32)
+        with torch.no_grad():
+            z = _check_batch(encode(x), len(batch), "encode")  # (B, c, h, w)
+        if shape is None:
+            shape = tuple(z.shape[1:])
+        elif tuple(z.shape[1:]) != shape:
+            raise ValueError(f"encode returned latents {tuple(z.shape[1:])} for dataset items "
+                             f"{batch[:3]}... but {shape} for earlier ones: every image of a "
+                             f"data set must have one size (check the preprocessing)")
+        res.misses += len(batch)
+        for j, i in enumerate(batch):
+            if bool(torch.isfinite(z[j]).all()):
+                keep(i, z[j])
+                continue
+            first = _nonfinite(z[j])
+            if fallback is None:
+                why = f"latent non-finite ({first}) and no fallback encoder was given"
+            else:
+                with torch.no_grad():
+                    zf = _check_batch(fallback(x[j:j + 1]), 1, "fallback")[0]
+                if tuple(zf.shape) != shape:
+                    raise ValueError(f"fallback returned a latent {tuple(zf.shape)} but encode "
+                                     f"{shape}: it must be the same encoder in another dtype")
+                if bool(torch.isfinite(zf).all()):
+                    keep(i, zf)
+                    res.reencoded.append({"index": i, "source": sources[i],
+                                          "why": f"latent non-finite from encode ({first}); "
+                                                 f"finite from the fallback encoder"})
+                    continue
+                why = (f"latent non-finite from encode ({first}) and again from the fallback "
+                       f"encoder ({_nonfinite(zf)})")
+            res.quarantined[i] = {"index": i, "source": sources[i], "why": why}
+            log.warning("latent cache: quarantined dataset item %d%s: %s", i,
+                        f" ({sources[i]})" if sources[i] else "", why)
+        show(len(got) + len(res.quarantined), hits)
+
+    res.index = sorted(got)
+    res.latents = (torch.stack([got[i] for i in res.index]) if got
+                   else torch.empty((0, *(shape or (0, 0, 0)))))
+    res.hits = hits
+    res.seconds = time.perf_counter() - t0
+    show(n, hits, end=True)
+    return res
+
+
+# --------------------------------------------------------------------------- text
+
+
+@dataclass
+class TextResult:
+    """What :func:`encode_texts` returns.
+
+    Attributes:
+        contexts: ``(U, L, D)`` float32, one row per distinct caption, in order of first
+            appearance (``captions``).
+        captions: the U distinct captions.
+        caption_index: ``(N,)`` int64: item ``i``'s embedding is ``contexts[caption_index[i]]``.
+        null: ``(L, D)`` float32, the embedding of the empty caption "" (the null condition of
+            classifier-free guidance), always computed.
+        hits, misses: cache entries read / encoded (the null caption included).
+        seconds: the wall time of the call.
+    """
+
+    contexts: torch.Tensor
+    captions: list[str]
+    caption_index: torch.Tensor
+    null: torch.Tensor
+    hits: int = 0
+    misses: int = 0
+    seconds: float = 0.0
+
+
+def encode_texts(captions: Sequence[str],
+                 encode_text: Callable[[list[str]], torch.Tensor], *,
+                 encoder_id: str, cache_dir: Path | str | None,
+                 batch_size: int = 32) -> TextResult:
+    """Every distinct caption's embedding, encoded once (and cached), plus the null one.
+
+    Fashion-MNIST with class-name captions has 60,000 items but a few dozen distinct
+    captions: those are what is encoded (or read).
+
+    A non-finite embedding is not a bad sample but a broken text encoder (one caption's
+    embedding goes NaN only when the encoder does), so it raises, naming the caption, rather
+    than quarantining the items that use it.
+
+    Args:
+        captions: one caption per dataset item.
+        encode_text: ``list[str] -> (B, L, D)`` float (the caller tokenizes and runs the
+            frozen text encoder); called under ``torch.no_grad()``.
+        encoder_id: names ``encode_text`` (:func:`module_identity` of the text encoder, with
+            the tokenizer's identity and max length in ``extra``).
+        cache_dir: the cache root (embeddings go under ``text/``); None: nothing on disk.
+        batch_size: captions per ``encode_text`` call.
+
+    Raises:
+        DataError: a caption that is not a string, or a non-finite embedding (naming the
+            caption).
+        ValueError: ``encode_text`` broke its contract (not a ``(B, L, D)`` tensor, or
+            embeddings of different shapes).
+    """
+    t0 = time.perf_counter()
+    row: dict[str, int] = {}
+    index = torch.empty(len(captions), dtype=torch.int64)
+    for i, c in enumerate(captions):
+        if not isinstance(c, str):
+            raise DataError(f"caption of dataset item {i} is {type(c).__name__} {c!r:.40}; "
+                            "expected a string")
+        index[i] = row.setdefault(c, len(row))
+    unique = list(row)
+    todo = unique + ([""] if "" not in row else [])  # the null caption rides along
+    store = _Store(Path(cache_dir) / "text", "context") if cache_dir is not None else None
+    keys = {c: _sha("text", c, encoder_id) for c in todo}
+
+    got: dict[str, torch.Tensor] = {}
+    if store is not None:
+        for c in todo:
+            t = store.load(keys[c], ndim=2)
+            if t is not None:
+                got[c] = t
+    hits = len(got)
+    queue = [c for c in todo if c not in got]
+    shape: tuple[int, ...] | None = None
+    misses = 0
+    while True:
+        if not queue:  # as for latents: a cached entry of a shape not ours is re-encoded
+            if shape is None and got:
+                shape = Counter(tuple(t.shape) for t in got.values()).most_common(1)[0][0]
+            queue = [c for c in todo if c in got and tuple(got[c].shape) != shape]
+            if not queue:
+                break
+            for c in queue:
+                del got[c]
+            hits -= len(queue)
+        batch, queue = queue[:batch_size], queue[batch_size:]
+        with torch.no_grad():
+            e = encode_text(list(batch))
+        if not isinstance(e, torch.Tensor) or e.ndim != 3 or e.shape[0] != len(batch):
+            got_s = tuple(e.shape) if isinstance(e, torch.Tensor) else type(e).__name__
+            raise ValueError(f"encode_text must return a (B, L, D) tensor with B={len(batch)},"
+                             f" got {got_s}")
+        e = e.detach().to("cpu", torch.float32)
+        if shape is None:
+            shape = tuple(e.shape[1:])
+        elif tuple(e.shape[1:]) != shape:
+            raise ValueError(f"encode_text returned {tuple(e.shape[1:])} for {batch[0]!r:.60} "
+                             f"but {shape} for earlier captions: pad every caption to one "
+                             f"length")
+        misses += len(batch)
+        for j, c in enumerate(batch):
+            if not bool(torch.isfinite(e[j]).all()):
+                raise DataError(f"the text encoder's embedding of caption {c!r:.80} is "
+                                f"non-finite ({_nonfinite(e[j])}); the text encoder "
+                                f"({encoder_id[:12]}) is broken or runs in too low a "
+                                f"precision: load it in fp32")
+            got[c] = e[j].clone()
+            if store is not None:
+                store.save(keys[c], got[c], {"encoder_id": encoder_id, "caption": c})
+
+    contexts = (torch.stack([got[c] for c in unique]) if unique
+                else torch.empty((0, *got[""].shape)))
+    return TextResult(contexts=contexts, captions=unique, caption_index=index, null=got[""],
+                      hits=hits, misses=misses, seconds=time.perf_counter() - t0)
+
+
+# --------------------------------------------------------------------------- the dataset
+
+
+class EncodedDataset(Dataset):
+    """What a latent-space or text-conditioned model trains on.
+
+    Items are ``(x, context)``: ``x`` the latent ``(c, h, w)`` float32 (or, without a
+    :class:`LatentResult`, the source image: pixel-space models) and ``context`` its
+    caption's embedding ``(L, D)`` float32 (or ``tensor(0)`` without a :class:`TextResult`:
+    unconditional). Only the items not quarantined are present; item ``i`` is source item
+    ``source_index(i)``, and ``path_of(i)`` names its file, so the guard and the report name
+    the file of a bad sample (``steadydiff.data.source_of`` finds it through ``path_of``).
+
+    With latents the dataset holds tensors and strings only (no reference to the source),
+    so DataLoader workers unpickle a few arrays, not a dataset of decoders.
+
+    Args:
+        source: the dataset the results were computed from (same length, same order).
+        latents: from :func:`encode_latents`, or None for pixel space.
+        texts: from :func:`encode_texts` over the same items, or None for unconditional.
+
+    Attributes:
+        num_classes: 0 (the condition is the context, not a class).
+        channels, image_size: the latent's (or image's) channels and side.
+        context_shape: ``(L, D)``, or None without text.
+        null_context: the ``(L, D)`` embedding of "", or None without text.
+        quarantined: the latent result's quarantine (``{source index: record}``).
+
+    Raises:
+        DataError: the results do not match ``source`` (another length), or no item is left.
+    """
+
+    num_classes: int = 0
+
+    def __init__(self, source: Dataset, latents: LatentResult | None = None,
+                 texts: TextResult | None = None) -> None:
+        n = len(source)
+        if latents is not None and latents.total != n:
+            raise DataError(f"the latents were encoded from {latents.total} items but the "
+                            f"dataset has {n}: encode this dataset")
+        if texts is not None and len(texts.caption_index) != n:
+            raise DataError(f"{len(texts.caption_index)} captions were encoded but the "
+                            f"dataset has {n} items: one caption per item")
+        self.source_name = type(source).__name__
+        self._index = torch.as_tensor(latents.index if latents is not None else range(n),
+                                      dtype=torch.int64)  # (N_kept,) source indices
+        if len(self._index) == 0:
+            q = len(latents.quarantined) if latents is not None else 0
+            raise DataError(f"no items to train on: {self.source_name} has {n} items"
+                            + (f", all {q} quarantined (non-finite latents)" if q else ""))
+        self._paths = [source_of(source, int(i)) for i in self._index]
+        self._latents = latents.latents if latents is not None else None
+        self._source = source if latents is None else None  # pixel space reads the images
+        self.quarantined = dict(latents.quarantined) if latents is not None else {}
+        if texts is not None:
+            self._contexts: torch.Tensor | None = texts.contexts  # (U, L, D)
+            self._rows = texts.caption_index[self._index]  # (N_kept,) row of each item
+            self.null_context: torch.Tensor | None = texts.null
+            self.context_shape: tuple[int, int] | None = tuple(texts.null.shape)
+            self._distinct = len(texts.captions)
+        else:
+            self._contexts = self._rows = self.null_context = self.context_shape = None
+            self._distinct = 0
+        x0 = self._latents[0] if self._latents is not None else self[0][0]
+        self.channels, self.image_size = int(x0.shape[0]), int(x0.shape[-1])
+        self.item_shape = tuple(x0.shape)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._latents is not None:
+            x = self._latents[i].clone()  # a copy: an in-place edit must not reach the cache
+        else:
+            x = self._source[int(self._index[i])][0]
+        if self._contexts is None:
+            return x, torch.tensor(0)
+        return x, self._contexts[self._rows[i]].clone()
+
+    def source_index(self, i: int) -> int:
+        """The index in the source dataset of item ``i``."""
+        return int(self._index[i])
+
+    def path_of(self, i: int) -> str | None:
+        """Item ``i``'s file (through ``source_of`` of the source), or None."""
+        return self._paths[i]
+
+    def describe(self) -> str:
+        """One line for the run log, e.g. ``EncodedDataset: 98 latents 4×16×16 of
+        ImageFolderDataset (2 quarantined), 12 distinct captions 77×768``."""
+        what = "latents" if self._latents is not None else "images"
+        s = f"EncodedDataset: {len(self)} {what} {'×'.join(map(str, self.item_shape))} of " \
+            f"{self.source_name}"
+        if self.quarantined:
+            s += f" ({len(self.quarantined)} quarantined)"
+        if self.context_shape is not None:
+            s += f", {self._distinct} distinct captions {'×'.join(map(str, self.context_shape))}"
+        else:
+            s += ", unconditional"
+        return s
