@@ -164,9 +164,9 @@ def _warmup_too_long(cfg: Config, _dev) -> str | None:
 def _cfg_dropout_unconditional(cfg: Config, _dev) -> str | None:
     # The default (0.1) is harmless on an unconditional model; only an explicit setting, or
     # a guidance scale at sampling, says the user expects classifier-free guidance.
-    d = cfg.diffusion
-    if cfg.model.num_classes or not d.cfg_dropout:
-        return None
+    d, m = cfg.diffusion, cfg.model
+    if m.num_classes or m.pretrained or m.text_encoder or not d.cfg_dropout:
+        return None  # labels, or captions, to drop
     if "cfg_dropout" not in d.model_fields_set and cfg.sample.cfg_scale == 1.0:
         return None
     return (f"diffusion.cfg_dropout={d.cfg_dropout:g} (or sample.cfg_scale="
@@ -176,7 +176,9 @@ def _cfg_dropout_unconditional(cfg: Config, _dev) -> str | None:
 
 
 def _cfg_untrained(cfg: Config, _dev) -> str | None:
-    if not cfg.model.num_classes or cfg.diffusion.cfg_dropout > 0 or cfg.sample.cfg_scale == 1:
+    # a pretrained SD UNet learned the empty caption already; a model from scratch has not
+    if not (cfg.model.num_classes or cfg.model.text_encoder) or cfg.diffusion.cfg_dropout > 0 \
+            or cfg.sample.cfg_scale == 1:
         return None
     return (f"sample.cfg_scale={cfg.sample.cfg_scale:g} with diffusion.cfg_dropout=0: the "
             f"null class is never trained, so guidance extrapolates from an untrained "

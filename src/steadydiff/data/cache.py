@@ -573,6 +573,8 @@ class EncodedDataset(Dataset):
         DataError: the results do not match ``source`` (another length), or no item is left.
     """
 
+    trains_as_is = True  # as_pairs/SeededView pass it through: items are (x, context)
+
     num_classes: int = 0
 
     def __init__(self, source: Dataset, latents: LatentResult | None = None,

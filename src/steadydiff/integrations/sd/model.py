@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from ...trainer.hooks import Weights
 from ...trainer.checkpoint import Checkpoint, CheckpointError
 
-__all__ = ["SDDenoiser", "TextToImage", "PeftLoraWeights", "FullUNetWeights", "add_lora",
+__all__ = ["to_device", "SDDenoiser", "TextToImage", "PeftLoraWeights", "FullUNetWeights", "add_lora",
            "lora_targets", "upcast_aware_attention", "lora_state_dict", "save_lora",
            "export_pipeline"]
 
@@ -262,6 +262,13 @@ class FullUNetWeights(Weights):
 # --------------------------------------------------------------------------- media
 
 
+def to_device(m: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    """Move ``m``; cast only when its dtype differs (diffusers warns on every cast)."""
+    m = m.to(device)
+    p = next(m.parameters(), None)
+    return m.to(dtype) if p is not None and p.dtype != dtype else m
+
+
 class TextToImage:
     """Prompts -> text contexts, images <-> latents, for a text-conditioned run.
 
@@ -277,8 +284,8 @@ class TextToImage:
                  device: torch.device, text_dtype: torch.dtype = torch.float32,
                  vae_dtype: torch.dtype = torch.float32) -> None:
         self.tokenizer = tokenizer
-        self.text_encoder = text_encoder.to(device, text_dtype).eval().requires_grad_(False)
-        self.vae = vae.to(device, vae_dtype).eval().requires_grad_(False) if vae else None
+        self.text_encoder = to_device(text_encoder, device, text_dtype).eval().requires_grad_(False)
+        self.vae = to_device(vae, device, vae_dtype).eval().requires_grad_(False) if vae else None
         self.device, self.text_dtype, self.vae_dtype = device, text_dtype, vae_dtype
         self.context_len = int(tokenizer.model_max_length)
         self.context_dim = int(text_encoder.config.hidden_size)

@@ -26,7 +26,7 @@ from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
 from .folder import SDFolderError, check_folder, load_parts, load_text_parts, load_vae
 from .model import (FullUNetWeights, PeftLoraWeights, SDDenoiser, TextToImage, add_lora,
-                    upcast_aware_attention)
+                    to_device, upcast_aware_attention)
 
 __all__ = ["build", "encode_data", "is_text_config", "model_geometry", "record_quarantine",
            "unet_parameters", "load_trained"]
@@ -125,12 +125,12 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                     mod.upcast_attention = True
         weights: Weights
         if a.kind == "lora":
-            unet.to(device, frozen)
+            to_device(unet, device, frozen)
             targets = add_lora(unet, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                                targets=a.targets)
             weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank)
         else:  # a full fine-tune: the UNet trains in fp32 under autocast
-            unet.to(device, torch.float32).requires_grad_(True)
+            to_device(unet, device, torch.float32).requires_grad_(True)
             weights = FullUNetWeights(parts.root)
         model: nn.Module = SDDenoiser(unet, media.context_len).to(device)
     else:
