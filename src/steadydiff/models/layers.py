@@ -8,7 +8,9 @@ model file, so a fix lands once (see STYLE.md, habit 6).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +124,15 @@ class ClassEmbedder(nn.Module):
 # --------------------------------------------------------------------------- attention
 
 
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast disabled on ``device``; nothing on the meta device (preflight's forward),
+    where ``torch.autocast`` raises and there is no autocast to turn off."""
+    if device.type == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
+
 class Attention(nn.Module):
     """Multi-head attention on tokens (N, L, D), with optional QK-norm and a probe mode:
     self-attention, or with ``context_dim`` > 0 cross-attention to a context (N, S, C).
@@ -225,7 +236,7 @@ class Attention(nn.Module):
             out = self._explicit_attention(q, k, v, fp32=self.probe or self.upcast_attention)
         elif self.upcast_attention:
             # the same fused kernel on float32 inputs: q kᵀ and softmax in fp32
-            with torch.autocast(device_type=q.device.type, enabled=False):
+            with _autocast_off(q.device):
                 out = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
             out = out.to(v.dtype)
         else:
@@ -239,7 +250,7 @@ class Attention(nn.Module):
         # 65504 stay finite. Otherwise the logits are in the compute dtype, as an unfused
         # kernel leaves them; the softmax runs in fp32 as autocast would run it.
         dt = torch.float32 if fp32 else v.dtype
-        with torch.autocast(device_type=q.device.type, enabled=False):
+        with _autocast_off(q.device):
             logits = (q.to(dt) @ k.to(dt).transpose(-2, -1)) / math.sqrt(self.head_dim)
             logp = torch.log_softmax(logits.float(), dim=-1)  # (N, heads, L, S); S = L self
             p = logp.exp()
@@ -400,7 +411,8 @@ class TextConditioning:
         if context_dim > 0:
             # zeros until the trainer sets the empty caption's encoding; on the meta device
             # (preflight) it is a meta tensor like the weights
-            self.register_buffer("null_context", torch.zeros(context_len, context_dim))  # type: ignore[attr-defined]
+            module = cast(nn.Module, self)  # mixed into an nn.Module
+            module.register_buffer("null_context", torch.zeros(context_len, context_dim))
 
     @torch.no_grad()
     def set_null_context(self, ctx: Tensor) -> None:
