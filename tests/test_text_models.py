@@ -12,7 +12,16 @@ import pytest
 import torch
 from torch import nn
 
-from steadydiff.config import DiffusionConfig, DiTConfig, ModelConfig, UNetConfig
+from steadydiff.adapters import BaseWeights, tensor_hash
+from steadydiff.adapters.core import attach
+from steadydiff.config import (
+    AdapterConfig,
+    Config,
+    DiffusionConfig,
+    DiTConfig,
+    ModelConfig,
+    UNetConfig,
+)
 from steadydiff.diffusion import diffusion_loss, make_schedule, sample
 from steadydiff.diffusion.objectives import drop_condition, is_conditional, null_condition
 from steadydiff.models import Attention, DiT, UNet, build_model
@@ -151,8 +160,8 @@ def test_context_shape_errors_name_both_shapes(kind):
     model = MAKERS[kind]()
     x, t, ctx = inputs()
     for bad in (torch.randn(3, L, D + 1), torch.randn(2, L, D), torch.randn(3, D)):
-        want = f"(3, L, {D})"
-        with pytest.raises(ValueError, match=f"{re.escape(want)}.*{re.escape(str(tuple(bad.shape)))}"):
+        want, got = re.escape(f"(3, L, {D})"), re.escape(str(tuple(bad.shape)))
+        with pytest.raises(ValueError, match=f"{want}.*{got}"):
             model(x, t, bad)
     with pytest.raises(ValueError, match="class labels need a model built with num_classes"):
         model(x, t, torch.zeros(3, dtype=torch.long))
@@ -320,3 +329,23 @@ def test_overfit_two_captions():
     means = out.mean(dim=(1, 2, 3))
     target = images[idx[:8]].mean(dim=(1, 2, 3))
     assert (means - target).abs().max() < 0.3, (means, target)
+
+
+@pytest.mark.parametrize("adapter", ["lora", "hypernetwork"])
+def test_adapters_on_a_text_model(kind, adapter):
+    """LoRA reaches the cross-attentions' q/kv/proj linears like any other; the
+    hypernetwork wraps the self-attentions' fused qkv only (a cross-attention has none)."""
+    sd = {k: v.clone() for k, v in perturb(MAKERS[kind]()).state_dict().items()}
+    model = MAKERS[kind]()
+    cfg = Config(adapter=AdapterConfig(kind=adapter, base="(in memory)", rank=2))
+    found = attach(model, cfg, BaseWeights(sd, "(in memory)", "test", tensor_hash(sd)),
+                   dtype=torch.float32)
+    names = set(found)
+    if adapter == "lora":
+        assert {f"{c}.{p}" for c in CROSS[kind] for p in ("q", "kv", "proj")} <= names
+    else:
+        assert names and not any("cross_attn" in n for n in names)
+    assert torch.equal(model.null_context, sd["null_context"])
+    x, t, ctx = inputs()
+    with torch.no_grad():
+        assert model(x, t, ctx).shape == x.shape

@@ -132,7 +132,6 @@ def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
     return torch.autocast(device_type=device.type, enabled=False)
 
 
-
 class Attention(nn.Module):
     """Multi-head attention on tokens (N, L, D), with optional QK-norm and a probe mode:
     self-attention, or with ``context_dim`` > 0 cross-attention to a context (N, S, C).
@@ -193,7 +192,7 @@ class Attention(nn.Module):
         if context_dim:
             self.q = nn.Linear(dim, dim)
             self.kv = nn.Linear(context_dim, 2 * dim)
-        else:  # one fused projection, created first: a self-attention's init RNG use is fixed
+        else:  # as before cross-attention existed: the same parameters and init RNG draws
             self.qkv = nn.Linear(dim, 3 * dim)
         # No bias on the key norm: a key bias b adds the same q.b to every logit of a query
         # row, which softmax ignores, so it would be a parameter whose gradient is always 0.
@@ -219,7 +218,7 @@ class Attention(nn.Module):
             s = context.shape[1]
             q = self.q(x).reshape(n, length, self.num_heads, self.head_dim).transpose(1, 2)
             # the context in x's dtype: outside autocast a half-precision encoder output
-            # would not multiply the float32 weights (under autocast this is a no-op)
+            # would not multiply float32 weights (under autocast the Linear recasts it)
             kv = self.kv(context.to(x.dtype)).reshape(n, s, 2, self.num_heads, self.head_dim)
             k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, heads, S, Dh)
         else:
@@ -357,7 +356,7 @@ def _check_context(model: str, n: int, y: Tensor | None, null_context: Tensor) -
     # A text model's y: the context (N, L, D), any L (cross-attention's cost and result do
     # not depend on L matching the null context's; only guidance, which batches the two,
     # needs equal lengths, see TextConditioning.null_condition). None: the null context.
-    length, dim = null_context.shape
+    dim = null_context.shape[1]
     if y is None:
         return null_context.expand(n, -1, -1)  # (N, L0, D), a view: no copy
     if y.ndim != 3 or y.shape[0] != n or y.shape[2] != dim:
