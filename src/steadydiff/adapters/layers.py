@@ -225,7 +225,9 @@ def wrap(module: nn.Module, kind: AdapterKind, *, rank: int, alpha: float, dropo
             return LoRAEmbedding(module, rank, alpha)
         return None
     if kind == "hypernetwork":
-        if isinstance(module, Attention):
+        # self-attention only: a cross-attention (a text model's) has separate q and kv
+        # projections, which HyperAttention does not wrap (yet)
+        if isinstance(module, Attention) and not module.context_dim:
             return HyperAttention(module.qkv, hidden_mult)
         return None
     raise ValueError(f"adapter.kind must be 'lora' or 'hypernetwork', got {kind!r}")

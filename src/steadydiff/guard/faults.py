@@ -55,10 +55,13 @@ def _default_param(model: nn.Module) -> str:
 
 
 def _default_attention(model: nn.Module) -> str:
-    # the middle one of the attention layers (modules with a fused q/k/v projection)
-    names = [n for n, m in model.named_modules() if hasattr(m, "upcast_attention")]
+    # the middle one of the attention layers with a fused q/k/v projection (self-attention:
+    # a text model's cross-attentions have q and kv, which the fault does not grow)
+    names = [n for n, m in model.named_modules()
+             if hasattr(m, "upcast_attention") and isinstance(getattr(m, "qkv", None), nn.Module)]
     if not names:
-        raise ValueError("fault attn_logit_overflow: the model has no attention layer")
+        raise ValueError("fault attn_logit_overflow: the model has no attention layer with a "
+                         "fused qkv projection (steadydiff's self-attention)")
     return names[len(names) // 2]
 
 

@@ -1,5 +1,6 @@
-"""Shared model primitives: timestep/class embeddings, attention (optional QK-norm, probe
-mode), checked GroupNorm, the denoiser-contract input check and layer-depth lookup.
+"""Shared model primitives: timestep/class embeddings, attention (self or cross, optional
+QK-norm, probe mode), checked GroupNorm, the denoiser-contract input check, text
+conditioning (the null context) and layer-depth lookup.
 
 Both architectures (``unet.py``, ``dit.py``) import these; nothing here is copied into a
 model file, so a fix lands once (see STYLE.md, habit 6).
@@ -7,7 +8,9 @@ model file, so a fix lands once (see STYLE.md, habit 6).
 
 from __future__ import annotations
 
+import contextlib
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +19,7 @@ from torch import Tensor, nn
 __all__ = [
     "Attention",
     "ClassEmbedder",
+    "TextConditioning",
     "TimestepEmbedder",
     "check_inputs",
     "group_norm",
@@ -120,8 +124,25 @@ class ClassEmbedder(nn.Module):
 # --------------------------------------------------------------------------- attention
 
 
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Autocast disabled on ``device``; nothing on the meta device (preflight's forward),
+    where ``torch.autocast`` raises and there is no autocast to turn off."""
+    if device.type == "meta":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, enabled=False)
+
+
 class Attention(nn.Module):
-    """Multi-head self-attention on tokens (N, L, D), with optional QK-norm and a probe mode.
+    """Multi-head attention on tokens (N, L, D), with optional QK-norm and a probe mode:
+    self-attention, or with ``context_dim`` > 0 cross-attention to a context (N, S, C).
+
+    Cross-attention (Vaswani et al. 2017, sec. 3.2.3; the text conditioning of Rombach et al.
+    2022, sec. 3.3): queries from x, keys and values from the context (a frozen text
+    encoder's token embeddings), projected from its width C to D. It is this same class, not
+    a copy, so QK-norm, the probe, ``fused`` and ``upcast_attention`` (below) mean the same
+    for both kinds, and each cross-attention is a module of its own that the guard's
+    attention-upcast repair can name. The projections differ: a self-attention has one fused
+    ``qkv`` (D -> 3D), a cross-attention ``q`` (D -> D) and ``kv`` (C -> 2D).
 
     QK-norm (Dehghani et al. 2023, "Scaling Vision Transformers to 22B Parameters", sec. 3.1)
     normalises q and k per head before the dot product. Without it, the attention logits can
@@ -133,7 +154,7 @@ class Attention(nn.Module):
     CUDA). Setting ``self.probe = True`` switches to an explicit softmax(q kᵀ/√d) in float32
     and stores ``self.last_stats = {"max_logit", "entropy"}`` (0-dim, detached, no host
     sync) for the stability guard; the output equals the fast path up to float error. The
-    probe materialises the (N, heads, L, L) logits, so the guard should turn it on only on
+    probe materialises the (N, heads, L, S) logits, so the guard should turn it on only on
     probe steps.
 
     ``self.upcast_attention = True`` computes q kᵀ and the softmax in float32 with autocast
@@ -154,15 +175,25 @@ class Attention(nn.Module):
         num_heads: number of heads; must divide ``dim``.
         qk_norm: normalise q and k per head.
         eps: epsilon of the QK LayerNorms.
+        context_dim: 0 for self-attention; the context width C for cross-attention.
     """
 
-    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, num_heads: int, qk_norm: bool = False, eps: float = 1e-6,
+                 context_dim: int = 0) -> None:
         super().__init__()
         if dim % num_heads:
             raise ValueError(f"attention width {dim} is not divisible by num_heads={num_heads}")
+        if context_dim < 0:
+            raise ValueError(f"attention context_dim must be >= 0 (0: self-attention), "
+                             f"got {context_dim}")
         self.num_heads = num_heads
         self.head_dim = dim // num_heads
-        self.qkv = nn.Linear(dim, 3 * dim)
+        self.context_dim = context_dim
+        if context_dim:
+            self.q = nn.Linear(dim, dim)
+            self.kv = nn.Linear(context_dim, 2 * dim)
+        else:  # as before cross-attention existed: the same parameters and init RNG draws
+            self.qkv = nn.Linear(dim, 3 * dim)
         # No bias on the key norm: a key bias b adds the same q.b to every logit of a query
         # row, which softmax ignores, so it would be a parameter whose gradient is always 0.
         self.q_norm: nn.Module = nn.LayerNorm(self.head_dim, eps=eps) if qk_norm else nn.Identity()
@@ -174,11 +205,28 @@ class Attention(nn.Module):
         self.fused = True
         self.last_stats: dict[str, Tensor] | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
-        """(N, L, D) -> (N, L, D)."""
+    def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
+        """(N, L, D) -> (N, L, D); a cross-attention needs ``context`` (N, S, C), a
+        self-attention refuses one."""
         n, length, d = x.shape
-        qkv = self.qkv(x).reshape(n, length, 3, self.num_heads, self.head_dim)
-        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, heads, L, Dh)
+        if self.context_dim:
+            if context is None or context.ndim != 3 or context.shape[0] != n \
+                    or context.shape[2] != self.context_dim:
+                got = None if context is None else tuple(context.shape)
+                raise ValueError(f"cross-attention expects a context of shape ({n}, S, "
+                                 f"{self.context_dim}) for x {tuple(x.shape)}, got {got}")
+            s = context.shape[1]
+            q = self.q(x).reshape(n, length, self.num_heads, self.head_dim).transpose(1, 2)
+            # the context in x's dtype: outside autocast a half-precision encoder output
+            # would not multiply float32 weights (under autocast the Linear recasts it)
+            kv = self.kv(context.to(x.dtype)).reshape(n, s, 2, self.num_heads, self.head_dim)
+            k, v = kv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, heads, S, Dh)
+        else:
+            if context is not None:
+                raise ValueError("a self-attention layer got a context; build it with "
+                                 "context_dim > 0 for cross-attention")
+            qkv = self.qkv(x).reshape(n, length, 3, self.num_heads, self.head_dim)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (N, heads, L, Dh)
         # LayerNorm runs in float32 under autocast; bring q, k back to v's dtype so SDPA
         # gets one dtype.
         q = self.q_norm(q).to(v.dtype)
@@ -187,7 +235,7 @@ class Attention(nn.Module):
             out = self._explicit_attention(q, k, v, fp32=self.probe or self.upcast_attention)
         elif self.upcast_attention:
             # the same fused kernel on float32 inputs: q kᵀ and softmax in fp32
-            with torch.autocast(device_type=q.device.type, enabled=False):
+            with _autocast_off(q.device):
                 out = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
             out = out.to(v.dtype)
         else:
@@ -201,12 +249,12 @@ class Attention(nn.Module):
         # 65504 stay finite. Otherwise the logits are in the compute dtype, as an unfused
         # kernel leaves them; the softmax runs in fp32 as autocast would run it.
         dt = torch.float32 if fp32 else v.dtype
-        with torch.autocast(device_type=q.device.type, enabled=False):
+        with _autocast_off(q.device):
             logits = (q.to(dt) @ k.to(dt).transpose(-2, -1)) / math.sqrt(self.head_dim)
-            logp = torch.log_softmax(logits.float(), dim=-1)  # (N, heads, L, L)
+            logp = torch.log_softmax(logits.float(), dim=-1)  # (N, heads, L, S); S = L self
             p = logp.exp()
             if self.probe:
-                # Entropy in nats per query row; log(L) is uniform, 0 is one-hot collapse.
+                # Entropy in nats per query row; log(S) is uniform, 0 is one-hot collapse.
                 entropy = -(p * logp).sum(-1).mean()
                 self.last_stats = {"max_logit": logits.detach().float().amax(),
                                    "entropy": entropy.detach()}
@@ -254,6 +302,7 @@ def check_inputs(
     in_channels: int,
     image_size: int,
     num_classes: int,
+    null_context: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Validate a denoiser call ``model(x, t, y)`` on shapes only (no host sync).
 
@@ -261,15 +310,20 @@ def check_inputs(
         model: model name for messages ("UNet", "DiT").
         x: (N, C, H, W) input.
         t: (N,) timesteps; a 0-dim tensor or Python number is broadcast to (N,).
-        y: (N,) long labels in [0, num_classes] or None.
+        y: (N,) long labels in [0, num_classes], the text context (N, L, D) of a
+            text-conditioned model (any L; D its ``context_dim``), or None.
         in_channels, image_size, num_classes: the model's build-time values.
+        null_context: a text-conditioned model's ``null_context`` (L0, D) buffer, None for
+            the others.
 
     Returns:
-        ``(t, y)`` with t of shape (N,) and y replaced by the null class ``num_classes`` when
-        the model is conditional and y is None (None for unconditional models).
+        ``(t, y)`` with t of shape (N,) and, when y is None, y replaced by the null
+        condition: the null class ``num_classes`` (class-conditional), the null context
+        expanded to (N, L0, D) (text-conditioned), None (unconditional).
 
     Raises:
-        ValueError: wrong x/t/y shape, or labels passed to an unconditional model.
+        ValueError: wrong x/t/y shape or dtype, or a condition passed to an unconditional
+            model.
     """
     expected = (in_channels, image_size, image_size)
     if x.ndim != 4 or tuple(x.shape[1:]) != expected:
@@ -283,6 +337,8 @@ def check_inputs(
         t = t.expand(n)
     if tuple(t.shape) != (n,):
         raise ValueError(f"{model} expects t of shape ({n},) to match x, got {tuple(t.shape)}")
+    if null_context is not None:
+        return t, _check_context(model, n, y, null_context)
     if num_classes == 0:
         if y is not None:
             raise ValueError(
@@ -294,6 +350,115 @@ def check_inputs(
     elif tuple(y.shape) != (n,):
         raise ValueError(f"{model} expects y of shape ({n},) to match x, got {tuple(y.shape)}")
     return t, y
+
+
+def _check_context(model: str, n: int, y: Tensor | None, null_context: Tensor) -> Tensor:
+    # A text model's y: the context (N, L, D), any L (cross-attention's cost and result do
+    # not depend on L matching the null context's; only guidance, which batches the two,
+    # needs equal lengths, see TextConditioning.null_condition). None: the null context.
+    dim = null_context.shape[1]
+    if y is None:
+        return null_context.expand(n, -1, -1)  # (N, L0, D), a view: no copy
+    if y.ndim != 3 or y.shape[0] != n or y.shape[2] != dim:
+        raise ValueError(
+            f"{model} is text-conditioned (context_dim={dim}): y must be the text context of "
+            f"shape ({n}, L, {dim}) for x with batch {n}, got y of shape {tuple(y.shape)}"
+            + ("; class labels need a model built with num_classes > 0" if y.ndim == 1 else ""))
+    if not y.is_floating_point():
+        raise ValueError(f"{model} is text-conditioned: y must be a float text context "
+                         f"({n}, L, {dim}), got dtype {y.dtype}")
+    return y
+
+
+class TextConditioning:
+    """What a text-conditioned denoiser adds to the contract (mixed into UNet and DiT).
+
+    A model is text-conditioned when ``context_dim`` > 0: y is then the (N, L, D) token
+    embeddings of a frozen text encoder (D = ``context_dim``), attended to by
+    cross-attention. Its classifier-free-guidance "no condition" is the encoding of the empty
+    caption, which the model cannot compute (it has no text encoder), so it is a buffer
+    ``null_context`` (``context_len``, ``context_dim``) that the trainer fills once with
+    :meth:`set_null_context`. The buffer is persistent: a checkpoint carries the null
+    condition its model was trained with, and sampling from it needs no text encoder for the
+    unconditional half of guidance.
+
+    Class-conditional and unconditional models have ``context_dim = 0``,
+    ``context_len = 0`` and no buffer (their state_dict keys are unchanged).
+    """
+
+    context_dim: int
+    context_len: int
+    num_classes: int
+
+    def _init_conditioning(self, model: str, num_classes: int, context_dim: int,
+                           context_len: int) -> None:
+        if context_dim < 0 or num_classes < 0:
+            raise ValueError(f"{model}: num_classes and context_dim must be >= 0, got "
+                             f"num_classes={num_classes}, context_dim={context_dim}")
+        if num_classes > 0 and context_dim > 0:
+            raise ValueError(
+                f"{model} is either class- or text-conditioned, not both: got num_classes="
+                f"{num_classes} and context_dim={context_dim}; set num_classes=0 for a text "
+                f"model (captions can name the classes: data.captions=class_names) or "
+                f"context_dim=0 for class labels")
+        if context_dim > 0 and context_len < 1:
+            raise ValueError(f"{model}: context_len (the null context's token count) must be "
+                             f">= 1 for a text model, got {context_len}")
+        self.num_classes = num_classes
+        self.context_dim = context_dim
+        self.context_len = context_len if context_dim > 0 else 0
+        if context_dim > 0:
+            # zeros until the trainer sets the empty caption's encoding; on the meta device
+            # (preflight) it is a meta tensor like the weights
+            module = cast(nn.Module, self)  # mixed into an nn.Module
+            module.register_buffer("null_context", torch.zeros(context_len, context_dim))
+
+    @torch.no_grad()
+    def set_null_context(self, ctx: Tensor) -> None:
+        """Store the empty caption's encoding as the null condition.
+
+        Args:
+            ctx: (context_len, context_dim) or (1, context_len, context_dim) (a text
+                encoder's output for one caption); copied, cast to the buffer's dtype.
+
+        Raises:
+            ValueError: a model without text conditioning, or a shape other than the above.
+        """
+        name = type(self).__name__
+        if self.context_dim == 0:
+            raise ValueError(f"{name} is not text-conditioned (context_dim=0): it has no null "
+                             "context to set")
+        want = (self.context_len, self.context_dim)
+        shape = tuple(ctx.shape)
+        if shape not in (want, (1, *want)):
+            raise ValueError(f"{name}.set_null_context expects the empty caption's encoding of "
+                             f"shape {want} or {(1, *want)} (context_len, context_dim), got "
+                             f"{shape}")
+        buf: Tensor = self.null_context  # type: ignore[attr-defined]
+        buf.copy_(ctx.reshape(want).to(buf.device, buf.dtype))
+
+    def null_condition(self, y: Tensor) -> Tensor:
+        """The classifier-free-guidance null condition shaped like ``y``: the null context
+        expanded to (N, L, D) in y's dtype for a text model (y's L must be ``context_len``:
+        guidance batches the two); the null class ``num_classes`` for class labels (N,).
+
+        Raises:
+            ValueError: y's context length differs from the null context's, or an
+                unconditional model.
+        """
+        name = type(self).__name__
+        if self.context_dim > 0:
+            if y.ndim != 3 or y.shape[1:] != (self.context_len, self.context_dim):
+                raise ValueError(
+                    f"{name}'s null context is ({self.context_len}, {self.context_dim}) "
+                    f"(context_len, context_dim); the condition y {tuple(y.shape)} must be "
+                    f"(N, {self.context_len}, {self.context_dim}) to be guided against it "
+                    f"(pad or truncate captions to context_len tokens)")
+            buf: Tensor = self.null_context  # type: ignore[attr-defined]
+            return buf.expand(y.shape[0], -1, -1).to(y.dtype)
+        if self.num_classes > 0:
+            return torch.full_like(y, self.num_classes)
+        raise ValueError(f"{name} is unconditional: it has no null condition")
 
 
 # Prefixes added by wrappers whose parameter names the optimizer may see.

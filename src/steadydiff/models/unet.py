@@ -8,6 +8,11 @@ Module names are what the stability guard prints in its reports, so they read as
 ``down.0.res.1``, ``down.1.attn.0``, ``down.0.downsample``, ``mid.res.0``, ``mid.attn``,
 ``up.2.res.0``, ``up.1.upsample``, ``out.conv``. ``up.i`` works at the same resolution as
 ``down.i`` (they are executed in reverse order).
+
+Text conditioning (``context_dim`` > 0): every attention block attends to the text context
+after its self-attention, ``down.1.attn.0.cross_attn``, ``mid.attn.cross_attn``, ... (the
+LDM / Stable Diffusion transformer block, Rombach et al. 2022, sec. 3.3 and appendix E.2,
+without its feed-forward: the ResBlocks around it are this network's MLPs).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from steadydiff.config import UNetConfig
 from steadydiff.models.layers import (
     Attention,
     ClassEmbedder,
+    TextConditioning,
     TimestepEmbedder,
     check_inputs,
     group_norm,
@@ -57,19 +63,41 @@ class ResBlock(nn.Module):
 
 
 class AttnBlock(nn.Module):
-    """Pre-norm self-attention over the H*W positions of a feature map, with residual."""
+    """Pre-norm self-attention over the H*W positions of a feature map, with residual; with
+    ``context_dim`` > 0 then pre-norm cross-attention to the text context, with residual.
+
+    norm -> self-attn -> norm -> cross-attn, as in the transformer block of LDM / Stable
+    Diffusion (Rombach et al. 2022; ``BasicTransformerBlock``): the queries are the feature
+    map's positions, keys and values the context's tokens. The cross-attention's norm is a
+    LayerNorm over channels per position (``cross_norm``), as there; the self-attention keeps
+    its GroupNorm, so a model without context is exactly the plain block.
+    """
 
     def __init__(self, channels: int, head_channels: int, qk_norm: bool,
-                 groups: int, eps: float, name: str) -> None:
+                 groups: int, eps: float, name: str, context_dim: int = 0) -> None:
         super().__init__()
+        heads = channels // head_channels
         self.norm = group_norm(channels, groups, eps, f"{name}.norm")
-        self.attn = Attention(channels, channels // head_channels, qk_norm=qk_norm, eps=eps)
+        self.attn = Attention(channels, heads, qk_norm=qk_norm, eps=eps)
+        # absent without context: no new parameters, buffers or init RNG draws
+        self.cross_norm: nn.LayerNorm | None = None
+        self.cross_attn: Attention | None = None
+        if context_dim:
+            self.cross_norm = nn.LayerNorm(channels, eps=eps)
+            self.cross_attn = Attention(channels, heads, qk_norm=qk_norm, eps=eps,
+                                        context_dim=context_dim)
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
         n, c, h, w = x.shape
         tokens = self.norm(x).reshape(n, c, h * w).transpose(1, 2)  # (N, HW, C)
         out = self.attn(tokens).transpose(1, 2).reshape(n, c, h, w)  # (N, C, H, W)
-        return x + out
+        x = x + out
+        if self.cross_attn is None:
+            return x
+        assert self.cross_norm is not None
+        tokens = self.cross_norm(x.reshape(n, c, h * w).transpose(1, 2))  # (N, HW, C)
+        out = self.cross_attn(tokens, context)  # (N, HW, C), context (N, L, D)
+        return x + out.transpose(1, 2).reshape(n, c, h, w)
 
 
 class Downsample(nn.Module):
@@ -106,17 +134,18 @@ class Level(nn.Module):
 
 
 class Middle(nn.Module):
-    def __init__(self, ch: int, emb_dim: int, cfg: UNetConfig, qk_norm: bool) -> None:
+    def __init__(self, ch: int, emb_dim: int, cfg: UNetConfig, qk_norm: bool,
+                 context_dim: int = 0) -> None:
         super().__init__()
         g, eps = cfg.norm_groups, cfg.norm_eps
         self.res = nn.ModuleList([
             ResBlock(ch, ch, emb_dim, cfg.dropout, g, eps, "mid.res.0"),
             ResBlock(ch, ch, emb_dim, cfg.dropout, g, eps, "mid.res.1"),
         ])
-        self.attn = AttnBlock(ch, cfg.head_channels, qk_norm, g, eps, "mid.attn")
+        self.attn = AttnBlock(ch, cfg.head_channels, qk_norm, g, eps, "mid.attn", context_dim)
 
-    def forward(self, h: Tensor, emb: Tensor) -> Tensor:
-        return self.res[1](self.attn(self.res[0](h, emb)), emb)
+    def forward(self, h: Tensor, emb: Tensor, context: Tensor | None = None) -> Tensor:
+        return self.res[1](self.attn(self.res[0](h, emb), context), emb)
 
 
 class Out(nn.Module):
@@ -129,7 +158,7 @@ class Out(nn.Module):
         return self.conv(F.silu(self.norm(h)))
 
 
-class UNet(nn.Module):
+class UNet(TextConditioning, nn.Module):
     """ADM-style UNet following the denoiser contract ``model(x, t, y=None) -> out``.
 
     Args:
@@ -139,17 +168,26 @@ class UNet(nn.Module):
         num_classes: 0 for unconditional; otherwise labels 0..num_classes-1 plus the null
             class ``num_classes`` for classifier-free guidance.
         qk_norm: QK-norm in every attention block (Dehghani et al. 2023).
+        context_dim: 0, or the width D of a text encoder's token embeddings: y is then the
+            text context (N, L, D), attended to by a cross-attention in every attention
+            block (``*.attn.*.cross_attn``, ``mid.attn.cross_attn``; with empty
+            ``attention_resolutions`` only the middle block's).
+        context_len: the null context's length L (77: CLIP's); see
+            :class:`~steadydiff.models.layers.TextConditioning`.
 
     Raises:
-        ValueError: at build time, for a shape that cannot work (message names both shapes).
+        ValueError: at build time, for a shape that cannot work (message names both shapes),
+            or both ``num_classes`` and ``context_dim`` > 0.
     """
 
     def __init__(self, in_channels: int, image_size: int, cfg: UNetConfig,
-                 num_classes: int = 0, qk_norm: bool = False) -> None:
+                 num_classes: int = 0, qk_norm: bool = False, context_dim: int = 0,
+                 context_len: int = 77) -> None:
         super().__init__()
         self.in_channels = in_channels
         self.image_size = image_size
-        self.num_classes = num_classes
+        self._init_conditioning("UNet", num_classes, context_dim, context_len)
+        cd = self.context_dim
         ch, mults, nrb = cfg.channels, list(cfg.channel_mult), cfg.num_res_blocks
         g, eps = cfg.norm_groups, cfg.norm_eps
         self._check_shapes(image_size, cfg)
@@ -175,7 +213,7 @@ class UNet(nn.Module):
                                           f"down.{i}.res.{j}"))
                 if use_attn:
                     level.attn.append(AttnBlock(width, cfg.head_channels, qk_norm, g, eps,
-                                                f"down.{i}.attn.{j}"))
+                                                f"down.{i}.attn.{j}", cd))
                 depths[f"down.{i}.res.{j}"] = depths[f"down.{i}.attn.{j}"] = d
                 d += 1
                 cur = width
@@ -188,7 +226,7 @@ class UNet(nn.Module):
                 size //= 2
             self.down.append(level)
 
-        self.mid = Middle(cur, emb_dim, cfg, qk_norm)
+        self.mid = Middle(cur, emb_dim, cfg, qk_norm, cd)
         depths["mid.res.0"] = depths["mid.attn"] = d
         depths["mid.res.1"] = d + 1
         d += 2
@@ -204,7 +242,7 @@ class UNet(nn.Module):
                                           f"up.{i}.res.{j}"))
                 if use_attn:
                     level.attn.append(AttnBlock(width, cfg.head_channels, qk_norm, g, eps,
-                                                f"up.{i}.attn.{j}"))
+                                                f"up.{i}.attn.{j}", cd))
                 depths[f"up.{i}.res.{j}"] = depths[f"up.{i}.attn.{j}"] = d
                 d += 1
                 cur = width
@@ -256,6 +294,13 @@ class UNet(nn.Module):
         - Convs, linears, embeddings: PyTorch defaults (ADM keeps them too).
         - ``res.*.conv2`` and attention ``proj``: zero, so every residual block starts as the
           identity (ADM's ``zero_module``); signal variance does not grow with depth at init.
+        - Cross-attention (text models) ``cross_attn.proj``: zero, so at init the model is
+          the unconditional one (the context has no path to the output) and training first
+          learns the image, then how the caption changes it; a random projection would
+          instead add context-dependent noise to every block from step 0 (the same
+          reasoning as ControlNet's zero convolutions, Zhang et al. 2023). Its q/kv
+          projections and ``cross_norm``: PyTorch defaults. The null context buffer: zeros
+          until :meth:`set_null_context`.
         - ``out.conv``: zero, so the model predicts exactly 0 at step 0 (for eps-prediction,
           the prior mean of the noise) and the first loss is the data-independent baseline.
         """
@@ -266,27 +311,35 @@ class UNet(nn.Module):
             elif isinstance(m, AttnBlock):
                 nn.init.zeros_(m.attn.proj.weight)
                 nn.init.zeros_(m.attn.proj.bias)
+                if m.cross_attn is not None:
+                    nn.init.zeros_(m.cross_attn.proj.weight)
+                    nn.init.zeros_(m.cross_attn.proj.bias)
         nn.init.zeros_(self.out.conv.weight)
         nn.init.zeros_(self.out.conv.bias)
 
     def param_depth(self, name: str) -> int:
         """Layer depth of parameter ``name`` for layer-wise LR decay.
 
-        0 for the stem and embeddings; one step per residual block (with its attention),
-        downsample and upsample in execution order down -> mid -> up; ``max_depth`` for ``out``.
+        0 for the stem and embeddings; one step per residual block (with its attention,
+        self and cross), downsample and upsample in execution order down -> mid -> up;
+        ``max_depth`` for ``out``.
         """
         return lookup_depth(name, self._depths, "UNet")
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
         """The denoiser contract (see ``steadydiff.models``): x (N, C, H, W), t (N,), y (N,)
-        or None -> (N, C, H, W) in x's dtype (cast back from autocast's, so the loss is
-        computed in full precision)."""
+        labels, the text context (N, L, context_dim) of a text model, or None -> (N, C, H, W)
+        in x's dtype (cast back from autocast's, so the loss is computed in full
+        precision)."""
         t, y = check_inputs("UNet", x, t, y, in_channels=self.in_channels,
-                            image_size=self.image_size, num_classes=self.num_classes)
-        # One conditioning vector for all blocks: timestep plus class (ADM adds them).
+                            image_size=self.image_size, num_classes=self.num_classes,
+                            null_context=getattr(self, "null_context", None))
+        # One conditioning vector for all blocks: timestep plus class (ADM adds them). A
+        # text context instead enters every attention block by cross-attention.
         emb = self.time_embed(t)  # (N, E)
         if self.class_embed is not None:
             emb = emb + self.class_embed(y)
+        context = y if self.context_dim else None  # (N, L, D)
 
         h = self.conv_in(x)  # (N, ch, H, W)
         # Every down-path output is kept for the mirrored up block at the same resolution:
@@ -296,19 +349,19 @@ class UNet(nn.Module):
             for j, res in enumerate(level.res):
                 h = res(h, emb)
                 if len(level.attn):
-                    h = level.attn[j](h)
+                    h = level.attn[j](h, context)
                 hs.append(h)
             if level.downsample is not None:
                 h = level.downsample(h)  # (N, C, H/2, W/2)
                 hs.append(h)
 
-        h = self.mid(h, emb)
+        h = self.mid(h, emb, context)
 
         for level in reversed(self.up):
             for j, res in enumerate(level.res):
                 h = res(torch.cat([h, hs.pop()], dim=1), emb)  # skip concatenation
                 if len(level.attn):
-                    h = level.attn[j](h)
+                    h = level.attn[j](h, context)
             if level.upsample is not None:
                 h = level.upsample(h)  # (N, C, 2H, 2W)
 
