@@ -311,3 +311,111 @@ def test_min_snr_weights_match_the_closed_form_for_the_folders_prediction(predic
     closed = closed / snr if prediction == "eps" else closed / (snr + 1)
     torch.testing.assert_close(loss_weights(cfg.diffusion, snr_ours).float(), closed.float(),
                                rtol=1e-4, atol=0)
+
+
+# --------------------------------------------------------------------------- the guard
+
+
+def incidents(run: Path) -> list[dict]:
+    p = run / "incidents.jsonl"
+    return [json.loads(line) for line in p.read_text().splitlines()] if p.exists() else []
+
+
+CROSS_ATTN = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn2"
+
+
+@pytest.mark.parametrize("fault, kind, check", [
+    # a NaN in one sample of a caption batch's latents: that sample is named and dropped
+    ({"kind": "nan_batch", "step": 2}, "bad_batch",
+     lambda inc: inc["action"] == "drop_samples" and len(inc["evidence"]["samples"]) == 1
+     and inc["evidence"]["samples"][0]["source"].endswith(".png")),
+    # the loss of one step x 1e8: a per-timestep-bucket spike, skipped
+    ({"kind": "loss_scale", "step": 5, "factor": 1e8}, "loss_spike",
+     lambda inc: inc["action"] in ("skip", "drop_samples") and inc["evidence"]["ratio"] > 1e6),
+])
+def test_guard_catches_faults_on_the_sd_path(sd_dir, tmp_path, fault, kind, check):
+    data = shapes(tmp_path / "images")
+    cfg = sd_config(sd_dir, data, "train.steps=7", "train.checkpoint_every=0",
+                    "guard.warmup_steps=3", f"faults={json.dumps([fault])}")
+    res = steadydiff.train(cfg, out_dir=tmp_path / "run")
+    assert res.steps == 7
+    rows = [r for r in incidents(tmp_path / "run") if r["kind"] == kind]
+    assert rows and check(rows[0]), incidents(tmp_path / "run")
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in c.model.values())
+    lora = tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors"
+    from safetensors.torch import load_file
+    assert all(torch.isfinite(v).all() for v in load_file(lora).values())
+
+
+def test_fp16_overflow_in_a_cross_attention_layer_upcasts_that_layer(sd_dir, tmp_path):
+    """fp16: the cross-attention of the first transformer block overflows; the guard names
+    it, skips the step and computes that layer's attention in fp32 from then on (diffusers'
+    classic processor, through the upcast-aware one); the run ends finite."""
+    data = shapes(tmp_path / "images")
+    cfg = sd_config(sd_dir, data, "train.steps=4", "train.checkpoint_every=0",
+                    "train.precision=fp16", "train.allow_slow_precision=true",
+                    "model.vae_precision=fp32",
+                    f"faults={json.dumps([{'kind': 'fp16_overflow', 'step': 1, 'target': CROSS_ATTN}])}")
+    res = steadydiff.train(cfg, out_dir=tmp_path / "run")
+    assert res.steps == 4
+    rows = incidents(tmp_path / "run")
+    assert rows[0]["kind"] == "attention_upcast" and rows[0]["evidence"]["module"] == CROSS_ATTN
+    state = json.loads((res.checkpoint / "state.json").read_text())
+    assert state["guard"]["upcast_attention"] == [CROSS_ATTN]
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in c.model.values())
+
+
+def test_upcast_aware_processor_follows_the_attribute(sd_dir):
+    from diffusers import UNet2DConditionModel
+    from diffusers.models.attention_processor import AttnProcessor
+
+    from steadydiff.integrations.sd.model import upcast_aware_attention
+
+    unet = UNet2DConditionModel.from_pretrained(sd_dir / "unet", local_files_only=True)
+    upcast_aware_attention(unet)
+    attn = dict(unet.named_modules())[CROSS_ATTN.removeprefix("unet.")]
+    calls = []
+    real = AttnProcessor.__call__
+
+    def spy(self, *a, **k):
+        calls.append(1)
+        return real(self, *a, **k)
+
+    x = torch.randn(1, 4, 16, 16)
+    ctx = torch.randn(1, 77, 32)
+    AttnProcessor.__call__ = spy
+    try:
+        unet(x, torch.tensor([10]), encoder_hidden_states=ctx)
+        assert not calls  # the fast path everywhere
+        attn.upcast_attention = True
+        unet(x, torch.tensor([10]), encoder_hidden_states=ctx)
+        assert len(calls) == 1  # that layer only
+    finally:
+        AttnProcessor.__call__ = real
+
+
+def test_precision_fallback_casts_the_frozen_fp16_base(sd_dir, tmp_path):
+    """When the runtime precision leaves fp16 (the guard's fallback, or a resumed run that
+    had fallen back), the frozen fp16 UNet base follows, in the model and the EMA's shared
+    copy, else every later step would mix fp32 inputs with fp16 weights; the LoRA and its
+    EMA stay fp32, and a step runs."""
+    from steadydiff.integrations.sd.folder import resolve_config
+    from steadydiff.trainer.loop import build_state, train_step
+    from steadydiff.trainer.state import set_precision
+
+    cfg, _ = resolve_config(sd_config(sd_dir, tmp_path, "train.precision=fp16",
+                                      "train.allow_slow_precision=true"))
+    state = build_state(cfg, 0, torch.device("cpu"))
+    frozen = [p for p in state.model.parameters() if not p.requires_grad]
+    lora = [p for p in state.model.parameters() if p.requires_grad]
+    assert {p.dtype for p in frozen} == {torch.float16}
+    set_precision(state, "fp32")
+    assert {p.dtype for p in frozen} == {torch.float32}
+    assert {p.dtype for p in lora} == {torch.float32}
+    assert {p.dtype for p in state.ema.module.parameters()} == {torch.float32}
+    x = torch.randn(4, 4, 16, 16)
+    ctx = torch.randn(4, 77, 32)
+    out = train_step(state, (x, ctx, torch.arange(4)))
+    assert torch.isfinite(out.loss)

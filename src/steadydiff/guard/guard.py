@@ -1056,12 +1056,12 @@ class Guard:
         the model and in the EMA's copy of it (which samples), and remember it: it survives
         rollbacks (an attribute, not a weight) and resumes (:meth:`state_dict`)."""
         module = dict(self.net.named_modules()).get(name)
-        if module is None or not hasattr(module, "upcast_attention"):
+        if module is None or not provenance.is_attention(module):
             raise ValueError(f"no attention module {name!r} with an upcast_attention attribute")
         module.upcast_attention = True
         copy = self.ema.module() if self.ema is not None else None
         twin = dict(copy.named_modules()).get(name) if copy is not None else None
-        if twin is not None and hasattr(twin, "upcast_attention"):
+        if twin is not None and provenance.is_attention(twin):
             twin.upcast_attention = True
         if name not in self.upcast:
             self.upcast.append(name)

@@ -38,6 +38,13 @@ def tensors_in(out: object) -> list[torch.Tensor]:
     return []
 
 
+def is_attention(m: nn.Module) -> bool:
+    """An attention layer the guard can upcast: one that keeps an ``upcast_attention``
+    attribute of its own (steadydiff's and diffusers' attention set it in ``__init__``; a
+    diffusers model only answers for its config, which is no attention layer)."""
+    return "upcast_attention" in vars(m)
+
+
 def attention_owner(model: nn.Module, name: str | None) -> str | None:
     """The attention layer behind module ``name``: the module itself or its nearest
     ancestor with an ``upcast_attention`` attribute (``mid.attn.attn.proj`` ->
@@ -50,10 +57,10 @@ def attention_owner(model: nn.Module, name: str | None) -> str | None:
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         m = mods.get(".".join(parts[:i]))
-        if m is not None and hasattr(m, "upcast_attention"):
+        if m is not None and is_attention(m):
             return ".".join(parts[:i])
     return next((n for n, m in mods.items()
-                 if n.startswith(name + ".") and hasattr(m, "upcast_attention")), None)
+                 if n.startswith(name + ".") and is_attention(m)), None)
 
 
 def nonfinite_grads(model: nn.Module) -> list[str]:

@@ -99,6 +99,10 @@ class Weights:
         """What state.json records about the weights (None: nothing)."""
         return None
 
+    def on_precision(self, state: TrainState) -> None:
+        """The runtime precision changed to ``state.precision`` (the guard's fallback, or a
+        resumed run that had fallen back): frozen low-precision parts follow it."""
+
     def export(self, state: TrainState, root: Path, final: bool) -> Path | None:
         """After a verified checkpoint: write the weights in the format other tools load
         (a Stable Diffusion LoRA as diffusers' file; None: nothing to write)."""

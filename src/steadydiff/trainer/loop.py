@@ -266,6 +266,7 @@ def handle_decision(state: TrainState, d: Decision,
     """
     if d.precision:
         say(f"guard: precision fallback -> {d.precision}")
+        state.weights.on_precision(state)  # a frozen fp16 base follows
     if d.action == "abort":
         inc = d.incident
         raise GuardAbort(f"aborted at step {state.step}: "

@@ -79,3 +79,4 @@ def set_precision(state: TrainState, precision: Precision) -> None:
     state.precision = precision
     if precision != "fp16":
         state.scaler = None
+    state.weights.on_precision(state)

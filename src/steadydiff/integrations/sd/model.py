@@ -204,7 +204,28 @@ def _trainable(module: nn.Module) -> dict[str, nn.Parameter]:
     return {n: p for n, p in module.named_parameters() if p.requires_grad}
 
 
-class PeftLoraWeights(Weights):
+class _SDWeights(Weights):
+    def on_precision(self, state: Any) -> None:
+        """A frozen fp16 base (LoRA) follows a precision fallback: cast to the new dtype,
+        in place, so the EMA's copy (which shares the frozen parameters) follows too."""
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
+                 "fp16": torch.float16}[state.precision]
+        frozen = {n for n, p in state.model.named_parameters() if not p.requires_grad}
+        for m in (state.model, state.ema.module):
+            for n, p in m.named_parameters():
+                if n in frozen and p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+
+    def sampling_context(self, state: Any):
+        """Sample grids under the run's autocast: the frozen fp16/bf16 parts need it."""
+        if state.precision == "fp32":
+            return nullcontext()
+        return torch.autocast(device_type=state.device.type,
+                              dtype={"bf16": torch.bfloat16, "fp16": torch.float16}
+                              [state.precision])
+
+
+class PeftLoraWeights(_SDWeights):
     """A peft LoRA over a Stable Diffusion UNet: checkpoints hold the LoRA (and its EMA)
     alone, plus the base folder's path; exports write diffusers' LoRA file."""
 
@@ -242,7 +263,7 @@ class PeftLoraWeights(Weights):
         return save_lora(model.unet, root / "lora")
 
 
-class FullUNetWeights(Weights):
+class FullUNetWeights(_SDWeights):
     """A full fine-tune of a Stable Diffusion UNet: checkpoints hold the whole UNet; the
     final export is a diffusers folder ``RUN/model`` (base parts + the trained UNet)."""
 

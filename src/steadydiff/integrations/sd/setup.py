@@ -21,6 +21,7 @@ from torch import nn
 from ...config import Config, ConfigError
 from ...data.cache import EncodedDataset, encode_latents, encode_texts, module_identity
 from ...guard.findings import SampleQuarantined
+from ...guard.provenance import is_attention
 from ...models import build_model
 from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
@@ -121,7 +122,7 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         upcast_aware_attention(unet)
         if m.upcast_attention:
             for mod in unet.modules():
-                if hasattr(mod, "upcast_attention"):
+                if is_attention(mod):
                     mod.upcast_attention = True
         weights: Weights
         if a.kind == "lora":
