@@ -130,8 +130,9 @@ class DataConfig(Section):
         "keyed by file content and the encoder's identity; share it between runs); None: "
         "RUN/cache")
     cache_latents: Bool = Field(
-        True, description="latent-space models: encode every image once, before training "
-        "(each latent checked finite); false: encode each batch in the step")
+        True, description="latent-space models: keep the latents (encoded once, before "
+        "training, each checked finite) in data.cache_dir for later runs; false: in memory "
+        "for this run only")
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
@@ -592,9 +593,10 @@ class Config(Section):
         if text and m.num_classes:
             raise ValueError("a text-conditioned model is conditioned on captions: set "
                              "model.num_classes=0")
-        if (m.pretrained or m.vae) and d.cache_latents and d.hflip:
-            raise ValueError("data.hflip flips images, but the latents are cached once: set "
-                             "data.cache_latents=false to flip, or data.hflip=false")
+        if (m.pretrained or m.vae) and d.hflip:
+            raise ValueError("data.hflip flips images, but a latent-space model trains on "
+                             "latents encoded once, before the first step: set "
+                             "data.hflip=false (or flip the image files themselves)")
         if a.kind != "none" and a.base_precision not in ("fp32", self.train.precision):
             raise ValueError(
                 f"adapter.base_precision={a.base_precision} needs autocast in that dtype: set "

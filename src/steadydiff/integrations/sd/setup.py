@@ -201,12 +201,15 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
         fallback = ((lambda x: media.encode_images(x, torch.float32))
                     if media.vae_dtype != torch.float32 else None)
         latents = encode_latents(data, media.encode_images, encoder_id=vae_id,
-                                 prep=_prep(cfg), cache_dir=cache_dir, fallback=fallback,
+                                 prep=_prep(cfg),
+                                 cache_dir=cache_dir if cfg.data.cache_latents else None,
+                                 fallback=fallback,
                                  device=media.device)
         say(f"latents: {latents.hits} from the cache, {latents.misses} encoded"
             + (f", {len(latents.reencoded)} re-encoded in fp32" if latents.reencoded else "")
             + (f", {len(latents.quarantined)} left out (non-finite)"
-               if latents.quarantined else "") + f" ({cache_dir})")
+               if latents.quarantined else "")
+            + (f" ({cache_dir})" if cfg.data.cache_latents else " (in memory only)"))
     return EncodedDataset(data, latents, texts)
 
 
