@@ -12,7 +12,7 @@ and applies it, skips it, or rolls back. At the end the LoRA is saved in the dif
 when the weights are the ones the guard verified finite: a NaN LoRA never reaches disk.
 
 The data is twelve 32x32 coloured shapes drawn in memory, with captions ("a red square").
-Without ``--model`` a tiny SD folder with random weights is built in a temporary directory
+Without ``--model`` a tiny SD folder with random weights is built in ``OUT/tiny_sd``
 (``steadydiff.integrations.sd.tiny``); nothing is downloaded. Runs in seconds on a CPU:
 
     python examples/guard_sd_lora.py                     # 40 steps, a healthy run
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import tempfile
 from pathlib import Path
 
 import torch
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.model is None:
         from steadydiff.integrations.sd.tiny import make_tiny_sd
 
-        args.model = str(make_tiny_sd(Path(tempfile.mkdtemp(prefix="tiny-sd-")) / "model"))
+        args.model = str(make_tiny_sd(out / "tiny_sd"))   # beside the LoRA, to load it with
         print(f"no --model given: built a tiny Stable Diffusion with random weights in "
               f"{args.model}")
 

@@ -251,6 +251,12 @@ def test_sd_overhead_smoke(tmp_path):
     assert out["paired_ratio_guard_vs_bare"] == pytest.approx(sum(paired) / 2, rel=1e-9)
     assert out["device"] == "cpu" and out["model"]["latent_size"] == 8
     assert 0 < out["model"]["lora_params"] < out["model"]["unet_params"]
+    for k, v in out["update_sec_per_step"].items():  # the update part: inside the step
+        assert 0 < v < sec[k] and len(out["repeats_update_sec_per_step"][k]) == 2
+    upd = out["update_sec_per_step"]
+    assert out["guard_update_extra_sec"] == pytest.approx(upd["guard"] - upd["bare"], rel=1e-9)
+    assert out["guard_update_extra_vs_bare_step"] == pytest.approx(
+        out["guard_update_extra_sec"] / sec["bare"], rel=1e-9)
     assert "guard / bare:" in p.stdout
 
 
@@ -266,9 +272,9 @@ def test_sd_overhead_takes_a_third_variant():
     seen: dict[str, list[float]] = {}
 
     def recording(name, build):
-        def variant(setup):
-            unet, _, _ = setup.lora_unet()
-            inner = build(setup)
+        def variant(setup, clock):
+            unet, _, _ = setup.lora_unet()  # an untrained copy: what step i feeds a model
+            inner = build(setup, clock)
 
             def step(i):
                 with torch.no_grad():
@@ -284,6 +290,7 @@ def test_sd_overhead_takes_a_third_variant():
     finally:
         for k in extra:
             sd.VARIANTS.pop(k)
-    assert {k: len(v) for k, v in times.items()} == {"bare_rec": 1, "third": 1}
+    assert {k: [len(v["step"]), len(v["update"])] for k, v in times.items()} == \
+        {"bare_rec": [1, 1], "third": [1, 1]}
     # step i of each variant: the same latents, text, timesteps and noise on the same init
     assert seen["bare_rec"] == seen["third"] and len(seen["third"]) == 3

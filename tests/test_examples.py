@@ -150,6 +150,7 @@ def test_sd_lora_survives_a_nan_latents_batch(tmp_path):
     pytest.importorskip("diffusers")
     out, rows = run_example("guard_sd_lora.py", tmp_path, "--steps", "12", "--inject-nan", "7")
     assert "no --model given: built a tiny Stable Diffusion" in out
+    assert (tmp_path / "run" / "tiny_sd" / "model_index.json").exists()
     assert "guard: skip at step 7 (bad_batch)" in out
     assert "guard: 1 incident; 1 skipped step(s), 0 rollback(s)" in out
     assert [(r["step"], r["kind"], r["action"]) for r in rows] == [(7, "bad_batch", "skip")]
