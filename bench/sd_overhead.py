@@ -21,9 +21,12 @@ from a generator seeded by ``i``). The frozen VAE and text encoder run once, ahe
 timing (a latent cache): their cost is the same with and without the guard and would only
 dilute the ratio. Each repeat times ``--steps`` consecutive steps of one variant after
 ``--warmup`` untimed ones; the figures are the medians of ``--repeats`` repeats and their
-ratio guard / bare (also the median of the per-repeat ratios).
+ratio guard / bare (also the median of the per-repeat ratios). The update part of each step
+(everything after ``backward``: what the guard replaces) is also timed on its own, which
+resolves the guard's cost where the forward and backward vary more from run to run than
+the guard costs.
 
-A variant is one entry of :data:`VARIANTS`: ``name -> build(setup) -> step(i)``. Adding the
+A variant is one entry of :data:`VARIANTS`: ``name -> build(setup, clock) -> step(i)``. Adding the
 trainer's ``train_step`` on the same components is one more function.
 
     python bench/sd_overhead.py                                  # CPU, 1 thread
@@ -145,7 +148,29 @@ def build_setup(device: torch.device, *, batch: int, widths: tuple[int, int] = (
 # --------------------------------------------------------------------------- the variants
 
 
-def bare(s: Setup) -> Step:
+class Clock:
+    """Times the update part of a step (after backward: what the guard replaces), so its
+    cost is resolved apart from the forward and backward, whose run-to-run spread on a
+    shared machine is larger than the whole guard. On an accelerator each reading
+    synchronizes the device (two syncs per step, in every variant alike); ``on=False``
+    leaves the steps untouched and reads nothing."""
+
+    def __init__(self, device: torch.device, on: bool = True):
+        self.device, self.on, self.total = device, on, 0.0
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        if self.on:
+            _sync(self.device)
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.on:
+            _sync(self.device)
+            self.total += time.perf_counter() - self._t0
+
+
+def bare(s: Setup, clock: Clock) -> Step:
     """diffusers' LoRA loop: backward, clip, optimizer and scheduler step, zero_grad."""
     unet, opt, sched = s.lora_unet()
     params = [p for p in unet.parameters() if p.requires_grad]
@@ -153,16 +178,18 @@ def bare(s: Setup) -> Step:
     def step(i: int) -> None:
         loss, _, _, _ = s.loss(unet, i)
         loss.backward()
+        clock.start()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        clock.stop()
         if i % 10 == 0:
             loss.item()  # the loop's logging tick (a host sync)
     return step
 
 
-def guard(s: Setup) -> Step:
+def guard(s: Setup, clock: Clock) -> Step:
     """The same loop, ``guard.step(...)`` in place of the clip and the optimizer steps."""
     from steadydiff import Guard
 
@@ -172,16 +199,19 @@ def guard(s: Setup) -> Step:
     def step(i: int) -> None:
         loss, per_sample, t, latents = s.loss(unet, i)
         loss.backward()
+        clock.start()
         d = g.step(loss, t=t, per_sample_loss=per_sample, inputs=latents,
                    indices=s.indices(i))
+        clock.stop()
         if d.action != "step":
             raise RuntimeError(f"the guard did not step a healthy step {i}: {d}")
     return step
 
 
-# name -> build(setup) -> step(i). The trainer's train_step on the same components is one
-# more entry here.
-VARIANTS: dict[str, Callable[[Setup], Step]] = {"bare": bare, "guard": guard}
+# name -> build(setup, clock) -> step(i). The trainer's train_step on the same components is
+# one more entry here (a variant that cannot separate its update leaves the clock alone: its
+# update time reads 0).
+VARIANTS: dict[str, Callable[[Setup, Clock], Step]] = {"bare": bare, "guard": guard}
 
 
 def _sync(device: torch.device) -> None:
@@ -189,26 +219,30 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(s: Setup, names: list[str], *, steps: int, repeats: int, warmup: int
-            ) -> dict[str, list[float]]:
-    """Seconds per step of each variant, one entry per repeat, interleaved by repeat."""
-    runs = {n: VARIANTS[n](s) for n in names}
+def measure(s: Setup, names: list[str], *, steps: int, repeats: int, warmup: int,
+            split: bool = True) -> dict[str, dict[str, list[float]]]:
+    """Seconds per step of each variant (``step``) and of its update part (``update``), one
+    entry per repeat, the variants interleaved repeat by repeat."""
+    clocks = {n: Clock(s.device, split) for n in names}
+    runs = {n: VARIANTS[n](s, clocks[n]) for n in names}
     done = dict.fromkeys(names, 0)  # the step index each variant is at
     for n, step in runs.items():
         for _ in range(warmup):
             step(done[n])
             done[n] += 1
         _sync(s.device)
-    times: dict[str, list[float]] = {n: [] for n in names}
+    times: dict[str, dict[str, list[float]]] = {n: {"step": [], "update": []} for n in names}
     for _ in range(repeats):
         for n, step in runs.items():
+            clocks[n].total = 0.0
             _sync(s.device)
             t0 = time.perf_counter()
             for _ in range(steps):
                 step(done[n])
                 done[n] += 1
             _sync(s.device)
-            times[n].append((time.perf_counter() - t0) / steps)
+            times[n]["step"].append((time.perf_counter() - t0) / steps)
+            times[n]["update"].append(clocks[n].total / steps)
     return times
 
 
@@ -227,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: the machine is shared; 0 keeps torch's default)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-split", action="store_true",
+                   help="do not time the update part apart (on an accelerator its readings "
+                        "add two device syncs per step)")
     p.add_argument("--out", default=None, help="write the figures as JSON to this file")
     p.add_argument("--json", action="store_true", help="end with one JSON line of figures")
     a = p.parse_args(argv)
@@ -240,34 +277,45 @@ def main(argv: list[str] | None = None) -> int:
 
     s = build_setup(device, batch=a.batch, latent_size=a.latent_size, seed=a.seed)
     lora = sum(q.numel() for q in s.lora_unet()[0].parameters() if q.requires_grad)
-    times = measure(s, names, steps=a.steps, repeats=a.repeats, warmup=a.warmup)
-    med = {n: statistics.median(v) for n, v in times.items()}
+    times = measure(s, names, steps=a.steps, repeats=a.repeats, warmup=a.warmup,
+                    split=not a.no_split)
+    step = {n: v["step"] for n, v in times.items()}
+    upd = {n: v["update"] for n, v in times.items()}
+    med = {n: statistics.median(v) for n, v in step.items()}
+    med_upd = {n: statistics.median(v) for n, v in upd.items()}
     out: dict[str, Any] = {
         "bench": "sd_overhead", "device": str(device), "steps": a.steps,
-        "repeats": a.repeats, "warmup": a.warmup, "batch": a.batch,
+        "repeats": a.repeats, "warmup": a.warmup, "batch": a.batch, "split": not a.no_split,
         "model": {"unet_widths": [64, 128], "latent_size": a.latent_size,
                   "unet_params": sum(v.numel() for v in s.unet_state.values()),
                   "lora_rank": s.rank, "lora_params": lora},
-        "repeats_sec_per_step": times, "sec_per_step": med}
+        "repeats_sec_per_step": step, "sec_per_step": med,
+        "repeats_update_sec_per_step": upd, "update_sec_per_step": med_upd}
     if "bare" in med and "guard" in med:
         out["ratio_guard_vs_bare"] = med["guard"] / med["bare"]
         out["paired_ratio_guard_vs_bare"] = statistics.median(
-            g / b for g, b in zip(times["guard"], times["bare"]))
+            g / b for g, b in zip(step["guard"], step["bare"]))
+        # the update part alone: what guard.step costs beyond clip + optimizer + zero_grad,
+        # as a share of the bare step
+        out["guard_update_extra_sec"] = med_upd["guard"] - med_upd["bare"]
+        out["guard_update_extra_vs_bare_step"] = out["guard_update_extra_sec"] / med["bare"]
     out.update(env_info())
 
     print(f"SD LoRA loop on {device}, UNet widths (64, 128) at {a.latent_size}x"
-          f"{a.latent_size} latents "
-          f"({out['model']['unet_params'] / 1e6:.1f}M params, LoRA rank {s.rank}: {lora} "
-          f"params), batch {a.batch}, {a.repeats} repeats x {a.steps} steps, "
-          f"{torch.get_num_threads()} thread(s)")
+          f"{a.latent_size} latents ({out['model']['unet_params'] / 1e6:.1f}M params, LoRA "
+          f"rank {s.rank}: {lora} params), batch {a.batch}, {a.repeats} repeats x {a.steps} "
+          f"steps, {torch.get_num_threads()} thread(s)")
     base = med.get("bare")
-    print_table([[n, f"{med[n] * 1e3:.1f}",
-                  f"{statistics.mean(times[n]) * 1e3:.1f}",
-                  f"{med[n] / base:.3f}x" if base else "-"] for n in names],
-                ["variant", "median ms/step", "mean ms/step", "vs bare (median)"])
+    print_table([[n, f"{med[n] * 1e3:.1f}", f"{statistics.mean(step[n]) * 1e3:.1f}",
+                  f"{med[n] / base:.3f}x" if base else "-", f"{med_upd[n] * 1e3:.2f}"]
+                 for n in names],
+                ["variant", "median ms/step", "mean ms/step", "vs bare (median)",
+                 "update ms/step (median)"])
     if "ratio_guard_vs_bare" in out:
         print(f"guard / bare: {out['ratio_guard_vs_bare']:.3f}x on the medians, "
-              f"{out['paired_ratio_guard_vs_bare']:.3f}x paired per repeat")
+              f"{out['paired_ratio_guard_vs_bare']:.3f}x paired per repeat; the update part: "
+              f"{out['guard_update_extra_sec'] * 1e3:+.2f} ms/step "
+              f"({out['guard_update_extra_vs_bare_step']:+.2%} of the bare step)")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")
