@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="a local Stable Diffusion folder (default: build a tiny random one)")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps")
     p.add_argument("--batch", type=int, default=8, help="batch size")
+    p.add_argument("--resolution", type=int, default=None,
+                   help="image side (default: the VAE's sample_size, 32 for the tiny model)")
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
     p.add_argument("--rank", type=int, default=4, help="LoRA rank")
     p.add_argument("--alpha", type=float, default=None, help="lora_alpha (default: the rank)")
@@ -135,9 +137,10 @@ def main(argv: list[str] | None = None) -> None:
     T = noise_scheduler.config.num_train_timesteps
     prediction = noise_scheduler.config.prediction_type
 
-    images, captions = shapes(vae.config.sample_size)
+    images, captions = shapes(args.resolution or vae.config.sample_size)
     ids = tokenizer(captions, max_length=tokenizer.model_max_length, padding="max_length",
                     truncation=True, return_tensors="pt").input_ids            # (12, 77)
+    # clips at 1.0 (diffusers' --max_grad_norm default), steps AdamW and the LR scheduler
     guard = Guard(unet, opt, lr_scheduler=sched, run_dir=out, num_timesteps=T,
                   config={"warmup_steps": 20, "snapshot_every": 20})
     print(f"{args.model}: {prediction} prediction, LoRA rank {args.rank} on "
@@ -146,12 +149,12 @@ def main(argv: list[str] | None = None) -> None:
     while guard.progress.step < args.steps:
         idx = batch_indices(guard.progress.batches_consumed, args.batch, len(images))
         with torch.no_grad():                               # the frozen VAE and text encoder
-            pixels = images[idx].to(device)                 # (B, 3, 32, 32)
+            pixels = images[idx].to(device)                 # (B, 3, H, W)
             latents = vae.encode(pixels).latent_dist.sample() * vae.config.scaling_factor
             encoder_hidden_states = text_encoder(ids[idx].to(device), return_dict=False)[0]
         if guard.progress.step == inject_at:                # the fault to survive, once
             latents, inject_at = with_nan(latents), None
-        noise = torch.randn_like(latents)                   # (B, 4, 16, 16)
+        noise = torch.randn_like(latents)                   # (B, 4, H/8, W/8) in SD
         timesteps = torch.randint(0, T, (latents.shape[0],), device=device)
         noisy_latents = noise_scheduler.add_noise(latents, noise, timesteps)
         if prediction == "epsilon":
