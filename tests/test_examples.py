@@ -135,8 +135,10 @@ def test_sd_lora_healthy_writes_a_lora_that_diffusers_loads(tmp_path, tiny_sd):
                                                    safety_checker=None)
     pipe.load_lora_weights(run)
     (adapter,) = pipe.unet.active_adapters()
-    assert (pipe.unet.peft_config[adapter].r, pipe.unet.peft_config[adapter].lora_alpha) == (4, 8)
-    loaded = convert_state_dict_to_diffusers(get_peft_model_state_dict(pipe.unet, adapter_name=adapter))
+    cfg = pipe.unet.peft_config[adapter]
+    assert (cfg.r, cfg.lora_alpha) == (4, 8)  # the metadata: the trained scale, not r's
+    loaded = convert_state_dict_to_diffusers(get_peft_model_state_dict(pipe.unet,
+                                                                       adapter_name=adapter))
     assert {f"unet.{k}" for k in loaded} == set(saved)
     for k, v in loaded.items():
         assert torch.equal(v, saved[f"unet.{k}"]), k
