@@ -42,7 +42,7 @@ def _last_json(stdout: str) -> dict:
 @pytest.mark.parametrize("script", ["throughput.py", "samplers.py", "stability.py",
                                     "logging_overhead.py", "eval_samplers.py",
                                     "eval_sanity.py", "eval_curves.py", "posthoc_ema.py",
-                                    "grow_resolution.py"])
+                                    "grow_resolution.py", "sd_overhead.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -229,3 +229,68 @@ def test_grow_resolution_smoke(tmp_path):
     for name in ("grown", "full"):
         assert out[name]["eval"]["num"] == 12 and out[name]["eval"]["fd"] is not None
     assert out["grown"]["eval"]["real_floor"]["fd"] is not None
+
+
+def test_sd_overhead_smoke(tmp_path):
+    """The SD LoRA loop bare and guarded, end to end on a small UNet: the figures are the
+    medians of the per-repeat timings and their ratio, and --out holds the same JSON."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    p = _run("sd_overhead.py", "--steps", "2", "--repeats", "2", "--warmup", "1", "--batch",
+             "2", "--latent-size", "8", "--device", "cpu", "--out", str(tmp_path / "sd.json"),
+             "--json")
+    out = _last_json(p.stdout)
+    assert json.loads((tmp_path / "sd.json").read_text()) == out
+    sec, reps = out["sec_per_step"], out["repeats_sec_per_step"]
+    assert set(sec) == set(reps) == {"bare", "guard"}
+    for k, v in sec.items():
+        assert len(reps[k]) == 2 and v == pytest.approx(sum(reps[k]) / 2, rel=1e-9)
+        assert 0 < v < 60, (k, v)
+    assert out["ratio_guard_vs_bare"] == pytest.approx(sec["guard"] / sec["bare"], rel=1e-9)
+    paired = sorted(g / b for g, b in zip(reps["guard"], reps["bare"]))
+    assert out["paired_ratio_guard_vs_bare"] == pytest.approx(sum(paired) / 2, rel=1e-9)
+    assert out["device"] == "cpu" and out["model"]["latent_size"] == 8
+    assert 0 < out["model"]["lora_params"] < out["model"]["unet_params"]
+    for k, v in out["update_sec_per_step"].items():  # the update part: inside the step
+        assert 0 < v < sec[k] and len(out["repeats_update_sec_per_step"][k]) == 2
+    upd = out["update_sec_per_step"]
+    assert out["guard_update_extra_sec"] == pytest.approx(upd["guard"] - upd["bare"], rel=1e-9)
+    assert out["guard_update_extra_vs_bare_step"] == pytest.approx(
+        out["guard_update_extra_sec"] / sec["bare"], rel=1e-9)
+    assert "guard / bare:" in p.stdout
+
+
+def test_sd_overhead_takes_a_third_variant():
+    """A variant is one VARIANTS entry, build(setup) -> step(i): what the integrator adds
+    for the trainer's train_step. Every variant trains on the same batches and noise."""
+    pytest.importorskip("diffusers")
+    sys.path.insert(0, str(BENCH))
+    import sd_overhead as sd
+    import torch
+
+    s = sd.build_setup(torch.device("cpu"), batch=2, latent_size=8, data=4)
+    seen: dict[str, list[float]] = {}
+
+    def recording(name, build):
+        def variant(setup, clock):
+            unet, _, _ = setup.lora_unet()  # an untrained copy: what step i feeds a model
+            inner = build(setup, clock)
+
+            def step(i):
+                with torch.no_grad():
+                    seen.setdefault(name, []).append(setup.loss(unet, i)[0].item())
+                inner(i)
+            return step
+        return variant
+
+    extra = {"bare_rec": recording("bare_rec", sd.bare), "third": recording("third", sd.guard)}
+    sd.VARIANTS.update(extra)
+    try:
+        times = sd.measure(s, ["bare_rec", "third"], steps=2, repeats=1, warmup=1)
+    finally:
+        for k in extra:
+            sd.VARIANTS.pop(k)
+    assert {k: [len(v["step"]), len(v["update"])] for k, v in times.items()} == \
+        {"bare_rec": [1, 1], "third": [1, 1]}
+    # step i of each variant: the same latents, text, timesteps and noise on the same init
+    assert seen["bare_rec"] == seen["third"] and len(seen["third"]) == 3
