@@ -10,6 +10,8 @@ the machine falls on all of them alike:
   ``to_q/to_k/to_v/to_out.0``), ``add_noise``, the UNet forward, the MSE loss against the
   scheduler's target, backward, ``clip_grad_norm_(1.0)``, ``optimizer.step()``,
   ``lr_scheduler.step()``, ``zero_grad()``, and a ``.item()`` of the loss every 10 steps;
+- ``steadydiff``: the trainer's own ``train_step`` + ``handle_decision`` on a TrainState
+  built from a folder holding the same UNet (the real SD loading code, guard on, EMA);
 - ``guard``: the same with ``guard.step(loss, t=, per_sample_loss=, inputs=, indices=)`` in
   place of the clip, the optimizer and scheduler steps and ``zero_grad`` (the guard clips at
   1.0 too), default guard config: its one host sync per step, the weight checks before the
@@ -26,8 +28,7 @@ ratio guard / bare (also the median of the per-repeat ratios). The update part o
 resolves the guard's cost where the forward and backward vary more from run to run than
 the guard costs.
 
-A variant is one entry of :data:`VARIANTS`: ``name -> build(setup, clock) -> step(i)``. Adding the
-trainer's ``train_step`` on the same components is one more function.
+A variant is one entry of :data:`VARIANTS`: ``name -> build(setup, clock) -> step(i)``.
 
     python bench/sd_overhead.py                                  # CPU, 1 thread
     python bench/sd_overhead.py --device cuda --batch 32
@@ -208,10 +209,56 @@ def guard(s: Setup, clock: Clock) -> Step:
     return step
 
 
-# name -> build(setup, clock) -> step(i). The trainer's train_step on the same components is
-# one more entry here (a variant that cannot separate its update leaves the clock alone: its
-# update time reads 0).
-VARIANTS: dict[str, Callable[[Setup, Clock], Step]] = {"bare": bare, "guard": guard}
+def steadydiff_step(s: Setup, clock: Clock) -> Step:
+    """The trainer's own step on the same components: ``train_step`` + ``handle_decision``
+    over a TrainState built by ``build_state`` from a folder holding this UNet (the real
+    SD loading code: peft LoRA on the same targets, the guard on, EMA of the LoRA, the
+    per-step LR, the (seed, step) draws, min-SNR off as in ``bare``). Its update part is not
+    separated (the clock reads 0)."""
+    import tempfile
+
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+
+    from steadydiff.config import load_config
+    from steadydiff.integrations.sd.folder import resolve_config
+    from steadydiff.integrations.sd.tiny import tiny_text_encoder, tiny_tokenizer, tiny_vae
+    from steadydiff.trainer.loop import build_state, handle_decision, train_step
+
+    root = Path(tempfile.mkdtemp(prefix="sd-overhead-")) / "sd"
+    unet = UNet2DConditionModel.from_config(s.unet_config)
+    unet.load_state_dict(s.unet_state)
+    side = int(s.latents.shape[-1])
+    StableDiffusionPipeline(
+        unet=unet, vae=tiny_vae(sample_size=2 * side), text_encoder=tiny_text_encoder(32),
+        tokenizer=tiny_tokenizer(), scheduler=s.noise_scheduler, safety_checker=None,
+        feature_extractor=None, requires_safety_checker=False).save_pretrained(root)
+    cfg = load_config(None, [
+        f"model.pretrained={root}", "data.dataset=folder", f"data.path={root}",
+        "data.captions=auto", f"data.image_size={2 * side}", "data.channels=3",
+        "adapter.kind=lora", f"adapter.rank={s.rank}", f"adapter.alpha={s.rank}",
+        'adapter.targets=["*.to_k","*.to_q","*.to_v","*.to_out.0"]', f"optim.lr={s.lr}",
+        "optim.weight_decay=0.01", "optim.grad_clip=1.0", "optim.warmup_steps=0",
+        f"train.batch_size={s.batch}", "train.steps=1000000", f"train.seed={s.seed}",
+        "diffusion.cfg_dropout=0.0", f"train.device={s.device.type}"])
+    cfg, _ = resolve_config(cfg)
+    torch.manual_seed(s.seed)
+    state = build_state(cfg, 0, s.device)
+    from steadydiff.trainer.loop import attach_guard
+
+    attach_guard(state, None)
+
+    def step(i: int) -> None:
+        idx = s.indices(i)
+        out = train_step(state, (s.latents[idx.to(s.device)], s.text[idx.to(s.device)], idx))
+        if handle_decision(state, out.decision, say=lambda *_: None) != "stepped":
+            raise RuntimeError(f"the trainer did not step a healthy step {i}")
+    return step
+
+
+# name -> build(setup, clock) -> step(i) (a variant that cannot separate its update leaves
+# the clock alone: its update time reads 0).
+VARIANTS: dict[str, Callable[[Setup, Clock], Step]] = {"bare": bare, "guard": guard,
+                                                      "steadydiff": steadydiff_step}
 
 
 def _sync(device: torch.device) -> None:
@@ -299,6 +346,10 @@ def main(argv: list[str] | None = None) -> int:
         # as a share of the bare step
         out["guard_update_extra_sec"] = med_upd["guard"] - med_upd["bare"]
         out["guard_update_extra_vs_bare_step"] = out["guard_update_extra_sec"] / med["bare"]
+    if "bare" in med and "steadydiff" in med:  # the issue's bar: <= 1.05x
+        out["ratio_steadydiff_vs_bare"] = med["steadydiff"] / med["bare"]
+        out["paired_ratio_steadydiff_vs_bare"] = statistics.median(
+            g / b for g, b in zip(step["steadydiff"], step["bare"]))
     out.update(env_info())
 
     print(f"SD LoRA loop on {device}, UNet widths (64, 128) at {a.latent_size}x"
@@ -316,6 +367,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{out['paired_ratio_guard_vs_bare']:.3f}x paired per repeat; the update part: "
               f"{out['guard_update_extra_sec'] * 1e3:+.2f} ms/step "
               f"({out['guard_update_extra_vs_bare_step']:+.2%} of the bare step)")
+    if "ratio_steadydiff_vs_bare" in out:
+        print(f"steadydiff train_step / bare: {out['ratio_steadydiff_vs_bare']:.3f}x on the "
+              f"medians, {out['paired_ratio_steadydiff_vs_bare']:.3f}x paired per repeat")
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         Path(a.out).write_text(json.dumps(out, indent=1) + "\n")

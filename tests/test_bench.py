@@ -42,7 +42,7 @@ def _last_json(stdout: str) -> dict:
 @pytest.mark.parametrize("script", ["throughput.py", "samplers.py", "stability.py",
                                     "logging_overhead.py", "eval_samplers.py",
                                     "eval_sanity.py", "eval_curves.py", "posthoc_ema.py",
-                                    "grow_resolution.py", "sd_overhead.py"])
+                                    "grow_resolution.py", "sd_overhead.py", "sd_faults.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -242,7 +242,7 @@ def test_sd_overhead_smoke(tmp_path):
     out = _last_json(p.stdout)
     assert json.loads((tmp_path / "sd.json").read_text()) == out
     sec, reps = out["sec_per_step"], out["repeats_sec_per_step"]
-    assert set(sec) == set(reps) == {"bare", "guard"}
+    assert set(sec) == set(reps) == {"bare", "guard", "steadydiff"}
     for k, v in sec.items():
         assert len(reps[k]) == 2 and v == pytest.approx(sum(reps[k]) / 2, rel=1e-9)
         assert 0 < v < 60, (k, v)
@@ -252,7 +252,10 @@ def test_sd_overhead_smoke(tmp_path):
     assert out["device"] == "cpu" and out["model"]["latent_size"] == 8
     assert 0 < out["model"]["lora_params"] < out["model"]["unet_params"]
     for k, v in out["update_sec_per_step"].items():  # the update part: inside the step
-        assert 0 < v < sec[k] and len(out["repeats_update_sec_per_step"][k]) == 2
+        if k != "steadydiff":  # the trainer's step does not separate its update
+            assert 0 < v < sec[k] and len(out["repeats_update_sec_per_step"][k]) == 2
+    assert out["ratio_steadydiff_vs_bare"] == pytest.approx(sec["steadydiff"] / sec["bare"],
+                                                            rel=1e-9)
     upd = out["update_sec_per_step"]
     assert out["guard_update_extra_sec"] == pytest.approx(upd["guard"] - upd["bare"], rel=1e-9)
     assert out["guard_update_extra_vs_bare_step"] == pytest.approx(
@@ -294,3 +297,14 @@ def test_sd_overhead_takes_a_third_variant():
         {"bare_rec": [1, 1], "third": [1, 1]}
     # step i of each variant: the same latents, text, timesteps and noise on the same init
     assert seen["bare_rec"] == seen["third"] and len(seen["third"]) == 3
+
+
+def test_sd_faults_bench_runs_its_scenarios(tmp_path):
+    pytest.importorskip("diffusers")
+    r = subprocess.run([sys.executable, "bench/sd_faults.py", "--scenarios",
+                        "nan_latents,nan_latent_at_cache", "--steps", "6", "--out",
+                        str(tmp_path), "--json"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["all_ok"] and [s["scenario"] for s in res["scenarios"]] == [
+        "nan_latents", "nan_latent_at_cache"]
