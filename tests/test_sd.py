@@ -194,11 +194,18 @@ def test_lora_run_writes_a_diffusers_lora(sd_dir, tmp_path):
     assert res2.steps == 1
 
 
-def test_diffusers_pipeline_loads_the_lora_and_draws_the_same_image(sd_dir, tmp_path):
+@pytest.mark.parametrize("text_encoder", [False, True])
+def test_diffusers_pipeline_loads_the_lora_and_draws_the_same_image(sd_dir, tmp_path,
+                                                                    text_encoder):
+    """The written LoRA (the UNet's, and the text encoder's with adapter.text_encoder) loads
+    into a diffusers pipeline built from the same folder, which then draws the image our
+    sampler draws from the same latents."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
+    from safetensors.torch import load_file
 
     data = shapes(tmp_path / "images", jsonl=True)
-    cfg = sd_config(sd_dir, data, "optim.lr=0.01", "sample.use_ema=false")
+    cfg = sd_config(sd_dir, data, "optim.lr=0.01", "sample.use_ema=false",
+                    f"adapter.text_encoder={str(text_encoder).lower()}")
     res = steadydiff.train(cfg, out_dir=tmp_path / "run")
     ours = steadydiff.load(tmp_path / "run", device="cpu", use_ema=False)
     gen = torch.Generator().manual_seed(3)
@@ -217,15 +224,21 @@ def test_diffusers_pipeline_loads_the_lora_and_draws_the_same_image(sd_dir, tmp_
     theirs = pipe(["a red square"] * 2, num_inference_steps=5, guidance_scale=4.0,
                   latents=z.clone(), output_type="pt").images
     ours01 = x * 0.5 + 0.5
+    keys = load_file(tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors")
+    assert any(k.startswith("text_encoder.") for k in keys) == text_encoder
     assert (theirs - before).abs().max() > 1e-3  # the LoRA changed the model
     torch.testing.assert_close(ours01, theirs.float(), atol=2e-3, rtol=0)
     assert res.steps == 4
 
 
-def test_resumed_lora_run_equals_uninterrupted_bit_exactly(sd_dir, tmp_path):
+@pytest.mark.parametrize("text_encoder", ["false", "true"])
+def test_resumed_lora_run_equals_uninterrupted_bit_exactly(sd_dir, tmp_path, text_encoder):
+    """The #12689 trap: a resumed LoRA run (the UNet's; and the text encoder's) must
+    restore the LoRA, its EMA, the optimizer, the data position and the RNG."""
     data = shapes(tmp_path / "images")
     cache = tmp_path / "cache"
-    fixed = ("optim.schedule=constant",)  # a cosine LR depends on train.steps
+    # a cosine LR depends on train.steps
+    fixed = ("optim.schedule=constant", f"adapter.text_encoder={text_encoder}")
     straight = steadydiff.train(sd_config(sd_dir, data, f"data.cache_dir={cache}", *fixed,
                                           "train.steps=6", "train.checkpoint_every=3"),
                                 out_dir=tmp_path / "straight")
@@ -238,6 +251,7 @@ def test_resumed_lora_run_equals_uninterrupted_bit_exactly(sd_dir, tmp_path):
     a = ckpt.load_checkpoint(straight.checkpoint, "cpu", weights_only=True)
     b = ckpt.load_checkpoint(resumed.checkpoint, "cpu", weights_only=True)
     assert a.model.keys() == b.model.keys() and a.model
+    assert any(k.startswith("text_encoder.") for k in a.model) == (text_encoder == "true")
     for k in a.model:
         assert torch.equal(a.model[k], b.model[k]), k
         assert torch.equal(a.ema[k], b.ema[k]), k

@@ -510,6 +510,10 @@ class AdapterConfig(Section):
     max_delta_ratio: float = Field(1.0, ge=0.0, description="|dW|/|W| above which a module's "
                                    "delta is rescaled (an incident); 0 disables the clamp")
     monitor_every: Int = Field(1, ge=0, description="steps between delta-norm checks; 0: off")
+    text_encoder: Bool = Field(
+        False, description="model.pretrained with adapter.kind=lora: also train a LoRA (same "
+        "rank/alpha/dropout) on the text encoder's attention projections; its embeddings are "
+        "then computed in the step, not cached")
     # adapter.base is required unless model.pretrained is the base: checked by Config
 
 
@@ -578,6 +582,9 @@ class Config(Section):
                              "supported yet")
         if m.pretrained and a.base:
             raise ValueError("model.pretrained is the base of the adapter: remove adapter.base")
+        if a.text_encoder and not (m.pretrained and a.kind == "lora"):
+            raise ValueError("adapter.text_encoder trains a LoRA on a Stable Diffusion text "
+                             "encoder: it needs model.pretrained and adapter.kind=lora")
         if m.pretrained and (m.text_encoder or m.vae):
             raise ValueError("model.pretrained brings its own text encoder and VAE: remove "
                              "model.text_encoder and model.vae")

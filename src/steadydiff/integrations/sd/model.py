@@ -82,9 +82,15 @@ class SDDenoiser(nn.Module):
 
     num_classes = 0
 
-    def __init__(self, unet: nn.Module, context_len: int = 77) -> None:
+    def __init__(self, unet: nn.Module, context_len: int = 77,
+                 text_encoder: nn.Module | None = None) -> None:
         super().__init__()
         self.unet = unet
+        # a text encoder with its own LoRA trains with the UNet: y is then token ids (N, L)
+        # and the context is computed here, in the step
+        self.text_encoder = text_encoder
+        if text_encoder is not None:
+            self.register_buffer("null_ids", torch.zeros(context_len, dtype=torch.long))
         c = unet.config
         dim = c.cross_attention_dim
         self.context_dim = int(dim if isinstance(dim, int) else dim[0])
@@ -99,13 +105,29 @@ class SDDenoiser(nn.Module):
                              f"{tuple(self.null_context.shape)} (tokens x width)")
         self.null_context.copy_(ctx)
 
+    def set_null_ids(self, ids: Tensor) -> None:
+        """The empty caption's token ids (a text encoder trained with its LoRA)."""
+        self.null_ids.copy_(ids.reshape(-1))
+
     def null_condition(self, y: Tensor) -> Tensor:
+        if not y.is_floating_point():  # token ids
+            return self.null_ids.expand(y.shape[0], -1)
         return self.null_context.to(y.dtype).expand(y.shape[0], -1, -1)
+
+    def encode(self, ids: Tensor) -> Tensor:
+        """(N, L) token ids -> (N, L, D) context through the trained text encoder."""
+        if self.text_encoder is None:
+            raise ValueError("token ids need the model's own text encoder (adapter."
+                             "text_encoder=true); pass the text context (N, L, D)")
+        return self.text_encoder(ids, return_dict=False)[0]
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
         n = x.shape[0]
+        if y is not None and not y.is_floating_point():
+            y = self.encode(y)
         if y is None:
-            y = self.null_context.expand(n, -1, -1)
+            y = (self.encode(self.null_ids.expand(n, -1)) if self.text_encoder is not None
+                 else self.null_context.expand(n, -1, -1))
         if y.ndim != 3 or y.shape[0] != n or y.shape[2] != self.context_dim:
             raise ValueError(f"the UNet expects a text context (N={n}, L, {self.context_dim}), "
                              f"got {tuple(y.shape)}")
@@ -137,17 +159,24 @@ def lora_targets(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
     return out
 
 
+TEXT_ENCODER_TARGETS = ("*.q_proj", "*.k_proj", "*.v_proj", "*.out_proj")  # CLIP attention
+
+
 def add_lora(unet: nn.Module, *, rank: int, alpha: float | None, dropout: float,
              targets: tuple[str, ...]) -> list[str]:
-    """Freeze ``unet`` and add a peft LoRA (A gaussian, B zero: the model is unchanged at
-    step 0) to the layers ``targets`` selects; returns their names."""
-    from peft import LoraConfig
+    """Freeze ``unet`` (or a text encoder) and add a peft LoRA (A gaussian, B zero: the model
+    is unchanged at step 0) to the layers ``targets`` selects; returns their names."""
+    from peft import LoraConfig, inject_adapter_in_model
 
     names = lora_targets(unet, targets)
     unet.requires_grad_(False)
-    unet.add_adapter(LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank,
-                                lora_dropout=dropout, init_lora_weights="gaussian",
-                                target_modules=names))
+    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank,
+                        lora_dropout=dropout, init_lora_weights="gaussian",
+                        target_modules=names)
+    if hasattr(unet, "set_adapters"):  # a diffusers model: its own peft integration
+        unet.add_adapter(config)
+    else:  # a transformers text encoder: peft's injection (what diffusers' loader uses)
+        inject_adapter_in_model(config, unet, adapter_name="default")
     for p in unet.parameters():  # trainable parameters in fp32 whatever the base's dtype
         if p.requires_grad:
             p.data = p.data.float()
@@ -155,7 +184,8 @@ def add_lora(unet: nn.Module, *, rank: int, alpha: float | None, dropout: float,
 
 
 def lora_state_dict(unet: nn.Module) -> dict[str, Tensor]:
-    """The UNet's LoRA in the diffusers format (the keys ``load_lora_weights`` reads)."""
+    """A UNet's (or text encoder's) LoRA in the diffusers format (the keys
+    ``load_lora_weights`` reads)."""
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
@@ -163,20 +193,23 @@ def lora_state_dict(unet: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
 
 
-def save_lora(unet: nn.Module, out: str | Path) -> Path:
-    """Write ``out/pytorch_lora_weights.safetensors`` (diffusers' LoRA format) atomically:
-    the previous file stays whole until the new one is complete."""
+def save_lora(unet: nn.Module, out: str | Path, text_encoder: nn.Module | None = None) -> Path:
+    """Write ``out/pytorch_lora_weights.safetensors`` (diffusers' LoRA format; with the text
+    encoder's LoRA too when given) atomically: the previous file stays whole until the new
+    one is complete."""
     from diffusers import StableDiffusionPipeline
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     sd = lora_state_dict(unet)
-    bad = [k for k, v in sd.items() if not torch.isfinite(v).all()]
+    te = lora_state_dict(text_encoder) if text_encoder is not None else None
+    bad = [k for k, v in {**sd, **(te or {})}.items() if not torch.isfinite(v).all()]
     if bad:
         raise CheckpointError(f"the LoRA has non-finite weights ({bad[0]} and {len(bad) - 1} "
                               "more): not written")
     with tempfile.TemporaryDirectory(dir=out, prefix=".lora-") as tmp:
         StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=sd,
+                                                  text_encoder_lora_layers=te,
                                                   safe_serialization=True)
         with open(Path(tmp) / LORA_FILE, "rb") as f:
             os.fsync(f.fileno())
@@ -260,7 +293,7 @@ class PeftLoraWeights(_SDWeights):
 
     def export(self, state: Any, root: Path, final: bool) -> Path | None:
         model = state.ema.module if state.cfg.sample.use_ema else state.model
-        return save_lora(model.unet, root / "lora")
+        return save_lora(model.unet, root / "lora", model.text_encoder)
 
 
 class FullUNetWeights(_SDWeights):
@@ -309,6 +342,7 @@ class TextToImage:
         self.vae = to_device(vae, device, vae_dtype).eval().requires_grad_(False) if vae else None
         self.device, self.text_dtype, self.vae_dtype = device, text_dtype, vae_dtype
         self.context_len = int(tokenizer.model_max_length)
+        self.tokens = False  # True: prompts become token ids (the model encodes them)
         self.context_dim = int(text_encoder.config.hidden_size)
         self.latent = vae is not None
         if vae is not None:
@@ -318,12 +352,19 @@ class TextToImage:
             self.latent_channels = int(vae.config.latent_channels)
 
     # -- text
+    def tokenize(self, prompts: list[str]) -> Tensor:
+        """(B, L) long token ids, padded to the max length and truncated (as diffusers)."""
+        return self.tokenizer(list(prompts), padding="max_length", truncation=True,
+                              max_length=self.context_len, return_tensors="pt").input_ids
+
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Tensor:
         """(B, L, D) float32: the text encoder's last hidden state, as diffusers'
-        StableDiffusionPipeline conditions the UNet (padding to max length, truncation)."""
-        ids = self.tokenizer(list(prompts), padding="max_length", truncation=True,
-                             max_length=self.context_len, return_tensors="pt").input_ids
+        StableDiffusionPipeline conditions the UNet; with ``tokens`` (the model trains its
+        own text encoder) the (B, L) token ids it encodes itself."""
+        ids = self.tokenize(prompts)
+        if self.tokens:
+            return ids.to(self.device)
         mask = None
         if getattr(self.text_encoder.config, "use_attention_mask", False):
             mask = (ids != self.tokenizer.pad_token_id).long().to(self.device)

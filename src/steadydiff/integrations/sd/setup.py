@@ -19,15 +19,16 @@ import torch
 from torch import nn
 
 from ...config import Config, ConfigError
-from ...data.cache import EncodedDataset, encode_latents, encode_texts, module_identity
+from ...data.cache import (EncodedDataset, TextResult, encode_latents, encode_texts,
+                           module_identity)
 from ...guard.findings import SampleQuarantined
 from ...guard.provenance import is_attention
 from ...models import build_model
 from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
 from .folder import SDFolderError, check_folder, load_parts, load_text_parts, load_vae
-from .model import (FullUNetWeights, PeftLoraWeights, SDDenoiser, TextToImage, add_lora,
-                    to_device, upcast_aware_attention)
+from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
+                    TextToImage, add_lora, to_device, upcast_aware_attention)
 
 __all__ = ["build", "encode_data", "is_text_config", "model_geometry", "record_quarantine",
            "unet_parameters", "load_trained"]
@@ -125,15 +126,24 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 if is_attention(mod):
                     mod.upcast_attention = True
         weights: Weights
+        text_encoder = None
         if a.kind == "lora":
             to_device(unet, device, frozen)
             targets = add_lora(unet, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                                targets=a.targets)
+            if a.text_encoder:  # its LoRA trains too: the model encodes token ids itself
+                text_encoder = media.text_encoder
+                targets += ["text_encoder." + n for n in add_lora(
+                    text_encoder, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
+                    targets=TEXT_ENCODER_TARGETS)]
+                media.tokens = True
             weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank)
         else:  # a full fine-tune: the UNet trains in fp32 under autocast
             to_device(unet, device, torch.float32).requires_grad_(True)
             weights = FullUNetWeights(parts.root)
-        model: nn.Module = SDDenoiser(unet, media.context_len).to(device)
+        model: nn.Module = SDDenoiser(unet, media.context_len, text_encoder).to(device)
+        if text_encoder is not None:
+            model.set_null_ids(media.tokenize([""])[0].to(device))
     else:
         tok, te = load_text_parts(m.text_encoder)
         vae = load_vae(m.vae) if m.vae else None
@@ -143,7 +153,9 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                             context_dim=g["context_dim"], context_len=g["context_len"])
         model = model.to(device)
         weights = FULL_WEIGHTS
-    model.set_null_context(media.encode_prompts([""])[0].to(device))
+    with torch.no_grad():
+        null = media.encode_prompts([""]).to(device)
+        model.set_null_context((model.encode(null) if media.tokens else null)[0].float())
     return model, weights, media
 
 
@@ -192,9 +204,12 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     dtype is encoded again in fp32; still non-finite, the sample is left out (the returned
     dataset's ``quarantined`` names it; :func:`record_quarantine` puts it in incidents)."""
     captions = list(data.captions)
-    te_id = module_identity(media.text_encoder, {"dtype": str(media.text_dtype)})
-    texts = encode_texts(captions, media.encode_prompts, encoder_id=te_id,
-                         cache_dir=cache_dir)
+    if media.tokens:  # the text encoder trains: its inputs, not its outputs, are fixed
+        texts = token_ids(media, captions)
+    else:
+        te_id = module_identity(media.text_encoder, {"dtype": str(media.text_dtype)})
+        texts = encode_texts(captions, media.encode_prompts, encoder_id=te_id,
+                             cache_dir=cache_dir)
     latents = None
     if media.latent:
         vae_id = module_identity(media.vae, {"dtype": str(media.vae_dtype)})
@@ -211,6 +226,16 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                if latents.quarantined else "")
             + (f" ({cache_dir})" if cfg.data.cache_latents else " (in memory only)"))
     return EncodedDataset(data, latents, texts)
+
+
+def token_ids(media: TextToImage, captions: list[str]) -> TextResult:
+    """The captions as token ids, one row per distinct caption (a text encoder that trains
+    with its LoRA encodes them in the step)."""
+    distinct = list(dict.fromkeys(captions))
+    row = {c: i for i, c in enumerate(distinct)}
+    return TextResult(contexts=media.tokenize(distinct), captions=distinct,
+                      caption_index=torch.tensor([row[c] for c in captions]),
+                      null=media.tokenize([""])[0])
 
 
 def record_quarantine(guard, encoded: EncodedDataset) -> None:
