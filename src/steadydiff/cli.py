@@ -230,10 +230,13 @@ def cmd_train(a: argparse.Namespace) -> int:
     cfg = load_config(a.config, a.overrides)
     if a.dry_run:
         from .lint import lint_report
-        from .preflight import check
+        from .preflight import check, resolve
 
         if a.grow_resolution:  # the config the grown run would train with
             cfg = _grown_config(cfg, a)
+        cfg, notes = resolve(cfg)  # what an SD folder's scheduler decides
+        for note in notes:
+            print(f"stable diffusion: {note}", file=sys.stderr)
 
         pre = check(cfg)  # what a run checks before its first step: fails the same way
         print(cfg.to_yaml(), end="")

@@ -125,6 +125,17 @@ def check_data(cfg: Config, dataset: Dataset | None = None) -> tuple[Dataset, in
     return data, num_classes
 
 
+def resolve(cfg: Config) -> tuple[Config, list[str]]:
+    """``cfg`` with what its model folder decides (a Stable Diffusion folder's scheduler:
+    betas, timesteps, prediction type), and a note per value changed; other configs as
+    they are. The trainer and the dry run both start here."""
+    if not cfg.model.pretrained:
+        return cfg, []
+    from .integrations.sd.folder import resolve_config  # the [sd] extra
+
+    return resolve_config(cfg)
+
+
 def text_model(cfg: Config) -> bool:
     """Whether ``cfg`` trains a text-conditioned model (a Stable Diffusion folder, or ours
     with a text encoder: integrations/sd)."""

@@ -703,12 +703,9 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     run = RunDir(run_dir)
-    if cfg.model.pretrained:  # the diffusion the UNet was trained with: its scheduler's
-        from ..integrations.sd.folder import resolve_config
-
-        cfg, notes = resolve_config(cfg)
-        for note in notes:
-            say(f"stable diffusion: {note}")
+    cfg, notes = preflight.resolve(cfg)  # an SD folder's scheduler decides the diffusion
+    for note in notes:
+        say(f"stable diffusion: {note}")
     # the checkpoint to resume, before the checks: a grown run's model is built at the new
     # size (attention by depth), and a size changed without --grow-resolution is refused
     # here, naming the flag, rather than by the model check (a restart moves files first:
