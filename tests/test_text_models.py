@@ -12,6 +12,8 @@ import pytest
 import torch
 from torch import nn
 
+from test_models import perturb  # tests/test_models.py: one copy of the helper
+
 from steadydiff.adapters import BaseWeights, tensor_hash
 from steadydiff.adapters.core import attach
 from steadydiff.config import (
@@ -61,13 +63,6 @@ def inputs(n: int = 3, seed: int = 1):
     return x, t, ctx
 
 
-def perturb(model: nn.Module, std: float = 0.05, seed: int = 2) -> nn.Module:
-    """Move every parameter off its init, so the zero-initialised paths carry signal."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * std)
-    return model
 
 
 def cross_modules(model: nn.Module) -> dict[str, Attention]:
