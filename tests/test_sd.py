@@ -497,3 +497,9 @@ def test_own_text_conditioned_model_trains_and_samples_a_prompt(sd_dir, tmp_path
     assert torch.isfinite(x).all()
     # the checkpoint carries its null condition: the empty caption's encoding
     assert pipe.model.null_context.abs().sum() > 0
+
+
+def test_a_prompt_is_refused_by_a_class_model():
+    pipe = steadydiff.load(Path(__file__).parent / "fixtures" / "v1_unet_run", device="cpu")
+    with pytest.raises(ValueError, match="not conditioned on text"):
+        pipe.sample(2, prompt="a photo of a seven", steps=2)
