@@ -377,11 +377,12 @@ def save(state: TrainState, run: RunDir | Path) -> Path | None:
     return value
 
 
-def _save(state: TrainState, run: RunDir, final: bool = False) -> Path | None:
+def _save(state: TrainState, run: RunDir) -> Path | None:
     try:
         path = CheckpointIO(state).save(run.checkpoints, keep=state.cfg.train.keep_checkpoints)
-        # verified finite: now the formats other tools load (a LoRA for diffusers)
-        state.weights.export(state, run.root, final or state.step >= state.cfg.train.steps)
+        # verified finite: now the formats other tools load (a LoRA for diffusers); the
+        # final one (a full fine-tune's multi-GB folder) at the last step
+        state.weights.export(state, run.root, state.step >= state.cfg.train.steps)
         return path
     except ckpt.CheckpointError as e:  # the only cause: non-finite weights or EMA
         prev = run.latest_good()
