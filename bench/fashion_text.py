@@ -35,8 +35,8 @@ is the reference for what "classified as k" can reach.
 
 A row whose ``OUT/ROW.json`` exists (an earlier run into the same ``--out``) is reported
 from it, not retrained: rows can be run one at a time (``--rows pixel``, then ``--rows
-pixel,latent``). Times: wall and CPU seconds (``time.process_time`` of this process, one torch thread) of
-each training and of the VAE's.
+pixel,latent``). Times: wall and CPU seconds (``time.process_time`` of this process, one
+torch thread) of each training and of the VAE's.
 """
 
 from __future__ import annotations
