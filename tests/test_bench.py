@@ -42,7 +42,8 @@ def _last_json(stdout: str) -> dict:
 @pytest.mark.parametrize("script", ["throughput.py", "samplers.py", "stability.py",
                                     "logging_overhead.py", "eval_samplers.py",
                                     "eval_sanity.py", "eval_curves.py", "posthoc_ema.py",
-                                    "grow_resolution.py", "sd_overhead.py", "sd_faults.py"])
+                                    "grow_resolution.py", "sd_overhead.py", "sd_faults.py",
+                                    "fashion_text.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -308,3 +309,36 @@ def test_sd_faults_bench_runs_its_scenarios(tmp_path):
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert res["all_ok"] and [s["scenario"] for s in res["scenarios"]] == [
         "nan_latents", "nan_latent_at_cache"]
+
+
+def test_fashion_text_smoke(tmp_path):
+    """Both rows (pixel; latent, with the VAE trained, scaled and saved by the bench) on a
+    120-image stand-in for Fashion-MNIST: prompt accuracy per class and overall, FD beside
+    the real-vs-real floor, the VAE's reconstruction error; a second call reuses the rows."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_eval import make_fashion
+
+    root = make_fashion(tmp_path / "fm", n_train=120, n_test=20)  # 12 per class: 2 x 5 real
+    args = ["--out", str(tmp_path / "b"), "--fashion-path", str(root), "--steps", "2",
+            "--num", "5", "--sample-steps", "2", "--vae-steps", "2", "--featnet-steps", "2",
+            "--json"]
+    out = _last_json(_run("fashion_text.py", *args).stdout)
+    assert set(out["rows"]) == {"pixel", "latent"} and out["text_encoder_hidden"] == 64
+    for row in out["rows"].values():
+        e = row["eval"]
+        assert row["train"]["steps"] == 2 and row["train"]["cpu_s"] > 0
+        assert len(e["per_class"]) == 10 and e["num_per_class"] == 5 and e["cfg_scale"] == 2.0
+        assert e["per_class"][7]["prompt"] == "a photo of a sneaker"
+        # ten classes of equal N: the overall accuracy is the mean of the per-class ones
+        assert math.isclose(e["prompt_accuracy"],
+                            sum(c["prompt_accuracy"] for c in e["per_class"]) / 10)
+        assert all(c["fd"] is not None and c["real_floor_fd"] is not None
+                   for c in e["per_class"])
+        assert Path(e["grid"]).stat().st_size > 0
+    vae = out["rows"]["latent"]["vae"]
+    assert vae["latent_shape"] == [4, 8, 8] and 0 < vae["test_mse_01"] < 1
+    saved = json.loads((tmp_path / "b" / "vae" / "config.json").read_text())
+    assert math.isclose(saved["scaling_factor"], 1 / vae["latent_std"], rel_tol=1e-6)
+    assert len(out["feature_net"]["real_test"]["per_class"]) == 10
+    again = _last_json(_run("fashion_text.py", *args[:-1], "--rows", "pixel", "--json").stdout)
+    assert again["rows"]["pixel"] == out["rows"]["pixel"]  # reported from OUT/pixel.json
