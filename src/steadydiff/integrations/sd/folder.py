@@ -27,8 +27,8 @@ from typing import Any
 
 from ...config import Config, ConfigError, replace
 
-__all__ = ["SDFolderError", "SD_PARTS", "check_folder", "diffusion_settings", "resolve_config",
-           "SDParts", "load_parts", "load_text_parts", "load_vae"]
+__all__ = ["SDFolderError", "SD_PARTS", "check_folder", "read_json", "diffusion_settings",
+           "resolve_config", "SDParts", "load_parts", "load_text_parts", "load_vae"]
 
 # The parts a Stable Diffusion 1.x/2.x folder must have, and the classes that may fill them
 # (model_index.json names them as [library, class]).
@@ -55,7 +55,9 @@ class SDFolderError(ConfigError):
     """A Stable Diffusion folder that cannot be used as it is (exit code 2)."""
 
 
-def _json(path: Path, what: str) -> dict[str, Any]:
+def read_json(path: Path, what: str) -> dict[str, Any]:
+    """A JSON object from ``path``; a missing, unreadable or non-object file is an
+    :class:`SDFolderError` that says what the file is for (``what``)."""
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -93,7 +95,7 @@ def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS)) -> 
                                 + CONVERT.format(f=root))
         raise SDFolderError(f"model.pretrained: {root} is a file; expected a diffusers "
                             "Stable Diffusion folder")
-    index = _json(root / "model_index.json", "every diffusers pipeline folder has one "
+    index = read_json(root / "model_index.json", "every diffusers pipeline folder has one "
                   "(written by save_pretrained); is this the right folder?")
     cls = index.get("_class_name")
     if cls in SDXL_PIPELINES:
@@ -119,7 +121,7 @@ def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS)) -> 
                                     "merges.txt")
             continue
         config = "scheduler_config.json" if part == "scheduler" else "config.json"
-        _json(sub / config, f"the {part}'s configuration")
+        read_json(sub / config, f"the {part}'s configuration")
         if part == "scheduler":
             continue
         weights = list(sub.glob("*.safetensors")) + list(sub.glob("*.safetensors.index.json"))
@@ -145,7 +147,7 @@ def diffusion_settings(root: str | Path) -> dict[str, Any]:
         SDFolderError: a beta schedule or prediction type steadydiff does not train.
     """
     path = Path(root) / "scheduler" / "scheduler_config.json"
-    s = _json(path, "the scheduler's configuration")
+    s = read_json(path, "the scheduler's configuration")
     pred = s.get("prediction_type", "epsilon")
     if pred not in _PREDICTIONS:
         raise SDFolderError(f"{path}: prediction_type {pred!r} is not one steadydiff trains; "

@@ -345,6 +345,7 @@ class TextToImage:
         self.tokens = False  # True: prompts become token ids (the model encodes them)
         self.context_dim = int(text_encoder.config.hidden_size)
         self.latent = vae is not None
+        self._other_vaes: dict[torch.dtype, nn.Module] = {}
         if vae is not None:
             self.scale = float(getattr(vae.config, "scaling_factor", 0.18215))
             self.shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
@@ -383,10 +384,13 @@ class TextToImage:
         return ((z.float() - self.shift) * self.scale)
 
     def _vae_in(self, dtype: torch.dtype) -> nn.Module:
-        """The VAE in another dtype (the fp32 re-encode of a latent fp16 made non-finite)."""
+        """The VAE in another dtype (the fp32 re-encode of a latent fp16 made non-finite),
+        made once, on the first sample that needs it."""
         import copy
 
-        return copy.deepcopy(self.vae).to(dtype)
+        if dtype not in self._other_vaes:
+            self._other_vaes[dtype] = to_device(copy.deepcopy(self.vae), self.device, dtype)
+        return self._other_vaes[dtype]
 
     @torch.no_grad()
     def decode(self, z: Tensor) -> Tensor:
@@ -396,5 +400,3 @@ class TextToImage:
         x = self.vae.decode((z / self.scale + self.shift).to(self.device, self.vae_dtype)).sample
         return x.float().clamp(-1, 1)
 
-    def autocast(self):
-        return nullcontext()

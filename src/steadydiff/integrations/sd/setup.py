@@ -11,7 +11,6 @@ latent stays non-finite are left out and named.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,7 +25,7 @@ from ...guard.provenance import is_attention
 from ...models import build_model
 from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
-from .folder import SDFolderError, check_folder, load_parts, load_text_parts, load_vae
+from .folder import check_folder, load_parts, load_text_parts, load_vae, read_json
 from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
                     TextToImage, add_lora, to_device, upcast_aware_attention)
 
@@ -44,10 +43,7 @@ def _dtype(p: str) -> torch.dtype:
 
 
 def _json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SDFolderError(f"{path} cannot be read: {e}") from None
+    return read_json(path, "a model configuration")
 
 
 def model_geometry(cfg: Config) -> dict[str, int]:
