@@ -20,13 +20,13 @@ import os
 import re
 import shutil
 import tempfile
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from ...trainer import precision as prec
 from ...trainer.hooks import Weights
 from ...trainer.checkpoint import Checkpoint, CheckpointError
 
@@ -241,8 +241,7 @@ class _SDWeights(Weights):
     def on_precision(self, state: Any) -> None:
         """A frozen fp16 base (LoRA) follows a precision fallback: cast to the new dtype,
         in place, so the EMA's copy (which shares the frozen parameters) follows too."""
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16,
-                 "fp16": torch.float16}[state.precision]
+        dtype = prec.DTYPES[state.precision]
         frozen = {n for n, p in state.model.named_parameters() if not p.requires_grad}
         for m in (state.model, state.ema.module):
             for n, p in m.named_parameters():
@@ -251,11 +250,7 @@ class _SDWeights(Weights):
 
     def sampling_context(self, state: Any):
         """Sample grids under the run's autocast: the frozen fp16/bf16 parts need it."""
-        if state.precision == "fp32":
-            return nullcontext()
-        return torch.autocast(device_type=state.device.type,
-                              dtype={"bf16": torch.bfloat16, "fp16": torch.float16}
-                              [state.precision])
+        return prec.autocast(state.precision, state.device)
 
 
 class PeftLoraWeights(_SDWeights):
