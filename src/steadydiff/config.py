@@ -462,6 +462,11 @@ class GuardConfig(Section):
     rank_check_every: Int = Field(100, ge=0, description="torchrun: every N steps compare a "
                                   "fingerprint of the weights across ranks; a mismatch is an "
                                   "incident and the ranks are resynchronized; 0 disables it")
+    check_every: Int = Field(10, ge=1, le=10_000, description="steadydiff's trainer judges "
+                             "the steps this many at a time: no host read (on a GPU, no "
+                             "sync) in between; a failed step sends the run back to the "
+                             "window's start and is judged on its own, with the outcome of "
+                             "a per-step check (docs/guard.md). 1: every step at once")
     # recovery
     snapshot_every: Int = Field(50, ge=1, description="steps between verified snapshots")
     snapshots: Int = Field(3, ge=1, le=100, description="snapshot ring size (in memory)")

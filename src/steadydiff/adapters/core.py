@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
+from .. import hostsync
 from ..config import AdapterConfig, Config, validate
 from ..guard.findings import AdapterBaseModified, AdapterDeltaClamp
 from ..guard.guard import GuardAbort
@@ -347,6 +348,10 @@ class AdapterRun(Weights):
 
     # ..................................................................... the guard
 
+    def reads_at(self, step: int) -> bool:
+        every = self.cfg.monitor_every
+        return bool(every and step % every == 0 and self.modules)
+
     @torch.no_grad()
     def after_update(self, state: Any) -> None:
         """After an applied update: |dW|/|W| per adapted module; rescale any delta past
@@ -355,7 +360,7 @@ class AdapterRun(Weights):
         if not every or state.step % every or not self.modules:
             return
         names = list(self.modules)
-        ratios = torch.stack([self.modules[n].delta_ratio() for n in names]).cpu().tolist()
+        ratios = hostsync.values(torch.stack([self.modules[n].delta_ratio() for n in names]))
         self.last_ratios = dict(zip(names, ratios))
         worst = max(range(len(names)), key=lambda i: ratios[i])
         if ratios[worst] > self.max_ratio:

@@ -17,6 +17,7 @@ from ``step`` on) and ``lr_ramp`` (a schedule bug: the LR grows by ``factor`` pe
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import time
@@ -122,6 +123,14 @@ class FaultInjector(StepHooks):
         """After a rollback, faults that already began are spent (transient events do not
         recur when the steps are redone); the lasting ones (:data:`LASTING`) stay."""
         self.spent |= {i for i in self.started if self.faults[i].kind not in LASTING}
+
+    def mark(self) -> tuple:
+        """What the injector learnt so far (a speculative window's start)."""
+        return copy.deepcopy((self.spent, self.started, self.fired, self.oom_limit))
+
+    def restore(self, mark: tuple) -> None:
+        """A rewind: the window's steps run again, and meet their faults again."""
+        self.spent, self.started, self.fired, self.oom_limit = copy.deepcopy(mark)
 
     # ---- the hooks, in the order the step calls them
 

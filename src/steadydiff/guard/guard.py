@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import distributed
+from .. import distributed, hostsync
 from ..config import GuardConfig
 from ..kinds import PRECISIONS, ClipMode, Precision
 from ..values import jsonable, num
@@ -55,6 +55,7 @@ from .findings import FindingSeverity, IncidentAction, IncidentKind, finding_fro
 from .policy import Action, History
 from .snapshots import Snapshot, SnapshotRing, restore_into
 from .update import Progress, ProgressLike, Update
+from .window import Mark, Marks, rng_states
 
 DecisionKind = Literal["step", "skip", "rollback", "abort"]
 # findings that can be the data's fault: the guard looks for the samples responsible
@@ -126,6 +127,45 @@ class Decision:
     loss_t: list[float | None] | None = None
     dropped: tuple[int, ...] = ()
     quarantined: tuple[int, ...] = ()
+    pending: bool = False  # a speculative step: judged at the next :meth:`Guard.flush`
+
+
+@dataclass
+class Rewind:
+    """A window's step failed its check: the state is back at the window's start (``step``,
+    data position ``batches_consumed``); the steps up to ``at`` run again and step ``at``
+    is judged on its own. ``why``: what the window's check saw there."""
+
+    step: int
+    batches_consumed: int
+    at: int
+    why: str
+    extra: Any = None  # what begin_step's ``mark`` returned at the window's start
+
+
+@dataclass
+class Flush:
+    """What :meth:`Guard.flush` found: the host values of the window's steps (``loss``,
+    ``grad_norm``, ``grad_norm_clipped``, ``loss_t`` per step, in order), or a ``rewind``
+    (then ``values`` is empty: the steps will be redone)."""
+
+    values: list[tuple[float, float, float, list[float | None] | None]]
+    rewind: Rewind | None = None
+    incident: Incident | None = None
+
+
+@dataclass
+class _Pending:
+    """A speculative step, judged at the next flush."""
+
+    step: int                 # the step counter after it
+    lr_now: float
+    judged_t: bool
+    n_local: int
+    has_inputs: bool
+    rows: torch.Tensor        # (world, D): the numbers before the update, every rank's
+    after: torch.Tensor       # (3,): weights finite after the update, their jump, clipped norm
+    probe_forward: Callable[[], object] | None
 
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -199,6 +239,10 @@ class Guard:
             arguments above by default.
         sample_source: ``sample_source(index)`` names a dataset item (its file path) in the
             incidents that implicate it.
+        defer: the caller can redo steps from a :class:`Rewind` (steadydiff's trainer):
+            steps are then judged ``guard.check_every`` at a time, with no host read in
+            between (:mod:`steadydiff.guard.window`), and the caller calls :meth:`flush`
+            when :meth:`due` says so. Off (every step read and judged at once) by default.
     """
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
@@ -208,7 +252,8 @@ class Guard:
                  clip: float = 1.0, num_timesteps: int = 1000, precision: Precision | None = None,
                  progress: ProgressLike | None = None, device: torch.device | None = None,
                  update: Update | None = None,
-                 sample_source: Callable[[int], str | None] | None = None):
+                 sample_source: Callable[[int], str | None] | None = None,
+                 defer: bool = False):
         if isinstance(config, dict):
             config = GuardConfig(**config)
         self.cfg = config or GuardConfig()
@@ -240,7 +285,8 @@ class Guard:
         self.max_lr = 0.0   # the largest LR applied by a healthy step so far
         self.scaler_skips = 0
         self.counts = {"skips": 0, "rollbacks": 0, "steps_redone": 0, "batches_skipped": 0,
-                       "warnings": 0, "samples_dropped": 0, "quarantined": 0}
+                       "warnings": 0, "samples_dropped": 0, "quarantined": 0,
+                       "rewinds": 0, "steps_discarded": 0}
         self.sample_source = sample_source
         self.quarantine: set[int] = set()            # dataset indices never drawn again
         self.implicated: dict[int, list[int]] = {}   # index -> steps of its data incidents
@@ -262,6 +308,16 @@ class Guard:
         self._prev_norms: torch.Tensor | None = None
         self._bad_rank: int | None = None  # the rank where this step's bad value appeared
         self._outlier_rank: int | None = None  # the rank with this step's largest input
+        # speculative windows (defer): the steps not judged yet, the state at their start,
+        # the step to judge on its own after a rewind and what the window saw there
+        self.check_every = c.check_every if defer else 1
+        self._pending: list[_Pending] = []
+        self._mark: Mark | None = None
+        self._marks = Marks()
+        self._sync_at: int | None = None
+        self._suspect: tuple[str, float, float] | None = None
+        self._rng_at_start: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
+        self._extra_at_start: Any = None
         self.snapshot()
 
     def _fresh_statistics(self) -> None:
@@ -350,6 +406,15 @@ class Guard:
             A :class:`Decision`.
         """
         c, prog = self.cfg, self.progress
+        if _retry_of is None and self._speculating():
+            return self._speculate(loss, t, per_sample_loss, inputs, after_update,
+                                   probe_forward)
+        if self._pending:
+            raise RuntimeError("Guard.step: a per-step check with speculative steps not yet "
+                               "judged; call flush() first (when due() says so)")
+        suspect = self._suspect if prog.step == self._sync_at else None
+        if prog.step == self._sync_at and _retry_of is None:
+            self._sync_at, self._suspect = None, None
         before = self._weights_before()
         gnorm = self.update.norm(prog)
         seen = self._sync(loss, gnorm, t, per_sample_loss, inputs, before)
@@ -428,6 +493,11 @@ class Guard:
         self.update.commit(prog)
         self._jump_skipped()
         transient = self._transient(_retry_of, step_done) if _retry_of is not None else None
+        if transient is None and suspect is not None and suspect[0] == "nonfinite":
+            # the window saw this step non-finite; run again on its own it is finite
+            kind = "nonfinite_loss" if not math.isfinite(suspect[1]) else "nonfinite_grad"
+            transient = self._transient(Finding(kind, "spike", evidence={
+                "loss": suspect[1], "grad_norm": suspect[2]}), step_done)
         self.grad.observe(seen.grad_norm)
         self.loss.observe(seen.buckets)
         self.max_lr = max(self.max_lr, lr_now)
@@ -446,6 +516,160 @@ class Guard:
                         incident=mismatch or transient,
                         grad_norm_clipped=self._clipped_value(seen.grad_norm, clipped, zlimit),
                         loss_t=seen.buckets if seen.judged_t else None)
+
+    # ------------------------------------------------------------------ speculative windows
+
+    def _speculating(self) -> bool:
+        """Whether this step runs speculatively: deferred checks are on, this is not the step
+        a rewind judges on its own, every weight has its optimizer state (the first step
+        creates it), and the clipping needs no statistics of the steps before (ZClip's
+        threshold is the grad-norm statistics: those steps are read every step)."""
+        if self.check_every <= 1 or self.progress.step == self._sync_at \
+                or self.update.clip_mode == "zclip":
+            return False
+        state = self.optimizer.state
+        return all(state.get(p) for p in self._params)
+
+    def begin_step(self, mark: Callable[[], Any] | None = None) -> bool:
+        """Call before a step's forward pass. When the step opens a window, the RNG states
+        are kept for the window's mark (dropout must draw the same when the window runs
+        again), and so is ``mark()``: the caller's own state (e.g. fault injection), handed
+        back in :attr:`Rewind.extra` to restore. Returns whether a window opens."""
+        if self._pending or not self._speculating():
+            return False
+        self._rng_at_start = rng_states()
+        self._extra_at_start = mark() if mark is not None else None
+        return True
+
+    @property
+    def pending(self) -> int:
+        """Speculative steps not judged yet."""
+        return len(self._pending)
+
+    def due(self) -> bool:
+        """Whether the steps so far must be judged now (:meth:`flush`): the window is full,
+        the next step is judged on its own, or a step of the guard's own cadence ends here
+        (a snapshot, a probe, a rank check: they need the verified state). A trainer also
+        flushes before anything that reads the state (a checkpoint, a log row, a sample)."""
+        if not self._pending:
+            return False
+        c, step = self.cfg, self.progress.step
+        return (len(self._pending) >= self.check_every or step == self._sync_at
+                or step % c.snapshot_every == 0
+                or bool(c.probe_every and step % c.probe_every == 0)
+                or bool(self._pending[-1].rows.shape[0] > 1 and c.rank_check_every
+                        and step % c.rank_check_every == 0))
+
+    def _speculate(self, loss: torch.Tensor, t: torch.Tensor | None,
+                   per_sample_loss: torch.Tensor | None, inputs: torch.Tensor | None,
+                   after_update: Callable[[], None] | None,
+                   probe_forward: Callable[[], object] | None) -> Decision:
+        """One step of a window: the per-step check's numbers stay on the device, the update
+        is gated there, and the step counts as done until :meth:`flush` reads them."""
+        c, prog = self.cfg, self.progress
+        if not self._pending:
+            rng = self._rng_at_start if self._rng_at_start is not None else rng_states()
+            self._mark = self._marks.take(self, rng)
+            self._mark.extra = self._extra_at_start
+        self._rng_at_start, self._extra_at_start = None, None
+        before = self._weights_before()
+        gnorm = self.update.norm(prog)
+        rows = self._rows(loss, gnorm, t, per_sample_loss, inputs, before)
+        # the device's verdict: every rank's numbers finite, the weights sound before
+        ok = (torch.isfinite(rows[:, :3]).all() & (rows[:, 4] > 0).all()
+              & (rows[:, 5] <= c.weight_jump).all())
+        factor = self._lr_factor_now()
+        lr_now = max(g["lr"] for g in self.optimizer.param_groups) * factor
+        clipped = self.update.apply(prog, gnorm, lr_factor=factor, gate=ok)
+        if after_update is not None:
+            after_update()
+        check, norms = self._weights_after(rows.shape[0])
+        self._prev_norms = norms
+        self.update.commit(prog, gate=ok & (check[0] > 0) & (check[1] <= c.weight_jump))
+        self._jump_skipped()
+        self._pending.append(_Pending(
+            step=prog.step, lr_now=lr_now, judged_t=t is not None and per_sample_loss is not None,
+            n_local=per_sample_loss.numel() if per_sample_loss is not None else 1,
+            has_inputs=inputs is not None, rows=rows,
+            after=torch.cat([check, clipped.detach().float().reshape(1).to(check.device)]),
+            probe_forward=probe_forward))
+        return Decision("step", prog.step, prog.batches_consumed, pending=True)
+
+    def flush(self) -> Flush:
+        """Judge the window's steps: one host read of all their numbers, then, step by step,
+        the same host logic as the per-step check. All healthy: the window stands (the
+        guard's own cadence runs for the last step: snapshot, probe, rank check). A step that
+        is not: the state goes back to the window's start and a :class:`Rewind` says where
+        the caller's data must continue; the guard then speculates up to that step and
+        judges it on its own."""
+        pend, mark = self._pending, self._mark
+        if not pend:
+            return Flush([])
+        host = hostsync.read(torch.cat([torch.cat([p.rows.flatten(), p.after])
+                                        for p in pend]))
+        values, off = [], 0
+        for i, p in enumerate(pend):
+            n = p.rows.numel()
+            rows, after = host[off:off + n].reshape(p.rows.shape), host[off + n:off + n + 3]
+            off += n + 3
+            seen = self._seen(rows, p.n_local, p.judged_t)
+            why = self._judge(seen, p, float(after[0]), float(after[1]))
+            if why is not None:
+                return self._rewind(mark, i, why, seen)
+            clip = self.update.clip
+            clipped = (min(seen.grad_norm, clip) if clip else seen.grad_norm) \
+                if self.update.clip_mode == "global" else float(after[2])
+            values.append((seen.loss, seen.grad_norm, clipped,
+                           seen.buckets if p.judged_t else None))
+        self._pending, self._mark = [], None
+        c, step, last = self.cfg, self.progress.step, pend[-1]
+        mismatch = None
+        if last.rows.shape[0] > 1 and c.rank_check_every and step % c.rank_check_every == 0:
+            mismatch = self.check_ranks()
+        if step % c.snapshot_every == 0:
+            self.snapshot()
+        if c.probe_every and step % c.probe_every == 0 and last.probe_forward is not None:
+            self._probe(last.probe_forward)
+        return Flush(values, incident=mismatch)
+
+    def _judge(self, seen: _Seen, p: _Pending, ok_after: float, jump_after: float
+               ) -> str | None:
+        """The per-step check's host logic for one step of a window, in its order: None when
+        the step would have been healthy (its statistics are then observed, as the per-step
+        check observes them), else what it saw."""
+        c = self.cfg
+        if not (seen.weights_ok and seen.weights_jump <= c.weight_jump):
+            return "weights_before"
+        if p.has_inputs and self._check_inputs(seen.input_max) is not None:
+            return "bad_batch"
+        if not (math.isfinite(seen.loss) and math.isfinite(seen.grad_norm)):
+            return "nonfinite"
+        if self.max_lr > 0 and p.lr_now > c.lr_jump * self.max_lr:
+            return "lr_spike"
+        if self.grad.check(seen.grad_norm) or self.loss.check(seen.buckets):
+            return "spike"
+        if not ok_after or not jump_after <= c.weight_jump:
+            return "weights_after"
+        self.grad.observe(seen.grad_norm)
+        self.loss.observe(seen.buckets)
+        self.max_lr = max(self.max_lr, p.lr_now)
+        self.trend.observe(p.step, p.lr_now, seen.grad_norm, seen.loss)
+        if self.trend.check() or self.divergence.check_and_observe(seen.loss, p.step):
+            return "trend"
+        return None
+
+    def _rewind(self, mark: Mark, i: int, why: str, seen: _Seen) -> Flush:
+        """Step ``i`` of the window failed its check: back to the window's start; steps
+        before it run again speculatively, and it runs on its own. The cost: the window's
+        steps computed so far (at most ``check_every``), counted in ``steps_discarded``."""
+        self.counts["rewinds"] += 1
+        self.counts["steps_discarded"] += len(self._pending)
+        self._marks.restore(self, mark)
+        self._pending, self._mark = [], None
+        self._sync_at = mark.step + i
+        self._suspect = (why, seen.loss, seen.grad_norm)
+        return Flush([], rewind=Rewind(mark.step, mark.batches_consumed, self._sync_at, why,
+                                       extra=mark.extra))
 
     def _transient(self, first: Finding, step: int) -> Incident:
         """The re-run of a non-finite step was finite: record the transient fault (per rank:
@@ -500,7 +724,7 @@ class Guard:
         else:
             fin, amax = torch.ones(n, dtype=torch.bool, device=ps.device), torch.zeros_like(ps)
         tt = t.detach().float().reshape(-1) if t is not None else torch.full_like(ps, -1)
-        rows = torch.stack([amax, ps, tt.to(ps.device), fin.float()], 1).cpu().tolist()
+        rows = hostsync.values(torch.stack([amax, ps, tt.to(ps.device), fin.float()], 1))
         idx = (indices.tolist() if isinstance(indices, torch.Tensor) else
                list(indices) if indices is not None else [None] * n)
         per_rank = distributed.gather_objects((rows, idx))  # incidents only
@@ -628,13 +852,14 @@ class Guard:
 
     # ------------------------------------------------------------------ inspection
 
-    def _sync(self, loss: torch.Tensor, gnorm: torch.Tensor, t: torch.Tensor | None,
+    def _rows(self, loss: torch.Tensor, gnorm: torch.Tensor, t: torch.Tensor | None,
               per_sample_loss: torch.Tensor | None, inputs: torch.Tensor | None,
-              before: torch.Tensor) -> _Seen:
-        """One host sync: loss, grad norm, input range, the weights' check before the
-        forward (``before``: all finite, largest norm ratio), per-bucket loss sums/counts.
-        Under DDP every rank's row is gathered (one collective) and every rank decides from
-        the same numbers: a NaN on one rank makes all of them skip or roll back together."""
+              before: torch.Tensor) -> torch.Tensor:
+        """The step's numbers on the device, every rank's: (world, D) rows of loss, grad
+        norm, input range, samples, the weights' check before the forward (``before``: all
+        finite, largest norm ratio), per-bucket loss sums and counts. Under DDP one
+        collective (no host read): every rank decides from the same numbers, so a NaN on one
+        rank makes all of them skip or roll back together."""
         ps = per_sample_loss.detach().float() if per_sample_loss is not None else None
         n_local = float(ps.numel()) if ps is not None else 1.0
         dev = loss.device
@@ -644,12 +869,15 @@ class Guard:
         parts.append(torch.full((1,), n_local, device=dev))
         parts.append(before.to(dev))
         nb = self.cfg.t_buckets
-        judged_t = t is not None and ps is not None
-        if judged_t:
+        if t is not None and ps is not None:
             b = (t.long() * nb // self.T).clamp_(0, nb - 1)
             parts += [torch.zeros(nb, device=ps.device).index_add_(0, b, ps),
                       torch.bincount(b, minlength=nb).float()]
-        rows = distributed.gather_rows(torch.cat(parts)).cpu()  # host sync, once per step
+        return distributed.gather_rows(torch.cat(parts))
+
+    def _seen(self, rows: torch.Tensor, n_local: int, judged_t: bool) -> _Seen:
+        """The host's view of one step from its rows (on the host)."""
+        nb = self.cfg.t_buckets
         world = rows.shape[0]
         self._bad_rank = _first_bad_rank(rows[:, :3]) if world > 1 else None
         # a finite outlier batch: the rank holding the largest input (every value finite)
@@ -664,10 +892,18 @@ class Guard:
             buckets = [s / n if n else None for s, n in zip(sums, counts)]
         jumps = rows[:, 5]
         return _Seen(loss_v, float(rows[:, 1].mean()), in_max, buckets, world, judged_t,
-                     n_local=int(n_local), n_global=int(rows[:, 3].sum()),
+                     n_local=n_local, n_global=int(rows[:, 3].sum()),
                      weights_ok=bool((rows[:, 4] > 0).all()),
                      weights_jump=float(jumps.max()) if bool(torch.isfinite(jumps).all())
                      else math.inf)
+
+    def _sync(self, loss: torch.Tensor, gnorm: torch.Tensor, t: torch.Tensor | None,
+              per_sample_loss: torch.Tensor | None, inputs: torch.Tensor | None,
+              before: torch.Tensor) -> _Seen:
+        """The step's rows, read on the host (one read, the per-step check's only one)."""
+        rows = hostsync.read(self._rows(loss, gnorm, t, per_sample_loss, inputs, before))
+        n_local = per_sample_loss.numel() if per_sample_loss is not None else 1
+        return self._seen(rows, n_local, t is not None and per_sample_loss is not None)
 
     def _inspect(self, seen: _Seen, has_inputs: bool, replay, num_micro,
                  after_backward) -> Finding | None:
@@ -764,9 +1000,11 @@ class Guard:
         norms = torch.stack(torch._foreach_norm(self._params)).float()
         return self._weights_finding(norms, seen.world, when="before_forward")
 
-    def _check_weights(self, world: int) -> Finding | None:
-        """After the update, before the EMA sees the weights: one fused reduction over them
-        (all finite? any weight's norm jumped?) and one host sync."""
+    @torch.no_grad()
+    def _weights_after(self, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """After the update, before the EMA sees the weights: one fused reduction over them,
+        on the device: ``(check, norms)``, check = (all finite, largest norm jump), reduced
+        over the ranks."""
         norms = torch.stack(torch._foreach_norm(self._params)).float()
         jump = (norms / torch.maximum(self._prev_norms, self._norm_floor)).max() \
             if self._prev_norms is not None else torch.zeros((), device=norms.device)
@@ -775,7 +1013,12 @@ class Guard:
             check[0] = -check[0]  # MAX of -ok == -(MIN of ok)
             dist.all_reduce(check, op=dist.ReduceOp.MAX)
             check[0] = -check[0]
-        ok_v, jump_v = check.cpu().tolist()  # host sync
+        return check, norms
+
+    def _check_weights(self, world: int) -> Finding | None:
+        """The after-update check of the per-step path, read on the host."""
+        check, norms = self._weights_after(world)
+        ok_v, jump_v = hostsync.values(check)  # host read
         if not ok_v or jump_v > self.cfg.weight_jump:
             return self._weights_finding(norms, world)
         self._prev_norms = norms
@@ -790,7 +1033,7 @@ class Guard:
         c = self.cfg
         ref = (torch.maximum(self._prev_norms, self._norm_floor)
                if self._prev_norms is not None else self._norm_floor)
-        ratios = (norms / ref).cpu().tolist()
+        ratios = hostsync.values(norms / ref)
         nonfinite = provenance.nonfinite_params(self.net)
         jumped = sorted(((r if math.isfinite(r) else math.inf, n)
                          for r, n in zip(ratios, self._names)
@@ -837,7 +1080,7 @@ class Guard:
             limit = (zlimit if zlimit is not None else self.update.clip) if mode == "zclip" \
                 else self.update.clip
             return min(gnorm_v, limit) if limit else gnorm_v
-        return float(clipped)  # host sync: per_layer/agc only
+        return hostsync.value(clipped)  # host read: per_layer/agc only
 
     # ------------------------------------------------------------------ actions
 
@@ -1126,7 +1369,7 @@ class Guard:
         snapshot ring restarts from it, and training goes on. Returns the incident or None.
         """
         tensors = list(self._params) + (self.ema.tensors() if self.ema else [])
-        prints = distributed.gather_rows(distributed.tensor_fingerprint(tensors)).cpu()
+        prints = hostsync.read(distributed.gather_rows(distributed.tensor_fingerprint(tensors)))
         keys = [tuple(r.tolist()) for r in prints]
         if len(set(keys)) == 1:
             return None
@@ -1149,14 +1392,15 @@ class Guard:
     def snapshot(self) -> Snapshot | None:
         """Take a snapshot if the weights and EMA are finite (else keep the older ones)."""
         tensors = list(self._params) + (self.ema.tensors() if self.ema else [])
-        if not bool(_all_finite(tensors)):
+        if not hostsync.value(_all_finite(tensors)):
             return None
-        return self.ring.take(step=self.progress.step,
-                              batches_consumed=self.progress.batches_consumed,
-                              model=self.net,
-                              ema_state=self.ema.state() if self.ema else None,
-                              optimizer=self.optimizer, scheduler=self.update.scheduler,
-                              scaler=self.progress.scaler)
+        with hostsync.allowed():  # copies to host memory: after the read, the queue is empty
+            return self.ring.take(step=self.progress.step,
+                                  batches_consumed=self.progress.batches_consumed,
+                                  model=self.net,
+                                  ema_state=self.ema.state() if self.ema else None,
+                                  optimizer=self.optimizer, scheduler=self.update.scheduler,
+                                  scaler=self.progress.scaler)
 
     def restore(self, snap: Snapshot) -> None:
         """Restore model, EMA, optimizer, scheduler, scaler and RNG from ``snap``."""
@@ -1285,6 +1529,9 @@ class Guard:
                         else ""))
         if self.scaler_skips:
             head += f", {self.scaler_skips} fp16 overflow skip(s)"
+        if c.get("rewinds"):
+            head += (f", {c['rewinds']} window(s) of the deferred check redone "
+                     f"({c['steps_discarded']} steps discarded)")
         lines = [head]
         for inc in self.incidents[-12:]:
             lines.append(f"  step {inc.step:>6}  {inc.kind:<24} -> {inc.action:<18} "

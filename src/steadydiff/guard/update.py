@@ -48,10 +48,13 @@ class EMAHandle:
     def __init__(self, ema: Any):
         self.ema = ema
 
-    def update(self, model: nn.Module, step: int) -> None:
+    def update(self, model: nn.Module, step: int, gate: torch.Tensor | None = None) -> None:
+        """Average ``model`` in. ``gate`` (0-dim bool, on the device): steadydiff's EMA moves
+        only where it is True, without a host read (the other kinds take no gate: they are
+        only updated after a step the guard read)."""
         e = self.ema
         if hasattr(e, "update") and hasattr(e, "module") and hasattr(e, "num_updates"):
-            e.update(model, step)
+            e.update(model, step, gate=gate)
         elif hasattr(e, "update_parameters"):
             e.update_parameters(model)
         elif hasattr(e, "step") and hasattr(e, "shadow_params"):
@@ -75,6 +78,17 @@ class EMAHandle:
         module = e.module if hasattr(e, "num_updates") else e
         posthoc = getattr(e, "posthoc", None)
         return [p for p in module.parameters()] + (posthoc.tensors() if posthoc else [])
+
+    def mutable_tensors(self) -> list[torch.Tensor]:
+        """The tensors an update changes (a speculative window's mark copies these): the
+        averaged ones, not the frozen parameters steadydiff's EMA shares with the model."""
+        e = self.ema
+        if hasattr(e, "num_updates") and hasattr(e, "module") and hasattr(e, "shared"):
+            shared = e.shared
+            posthoc = getattr(e, "posthoc", None)
+            return ([p for n, p in e.module.named_parameters() if n not in shared]
+                    + (posthoc.tensors() if posthoc else []))
+        return self.tensors()
 
     def state(self) -> dict[str, Any]:
         e = self.ema
@@ -134,10 +148,19 @@ class Update:
             prog.scaler.unscale_(self.optimizer)
         return clipping.total_norm(self.params)
 
+    @property
+    def fused(self) -> bool:
+        """A fused AdamW/Adam: it skips an update on the device when told ``found_inf``."""
+        return bool(self.optimizer.defaults.get("fused"))
+
     def apply(self, prog: ProgressLike, grad_norm: torch.Tensor, *, lr_factor: float = 1.0,
-              zclip: float | None = None) -> torch.Tensor:
+              zclip: float | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
         """Clip and step the optimizer (through the scaler under fp16) with the learning rate
-        times ``lr_factor``; then step the scheduler. Returns the clipped norm (0-dim)."""
+        times ``lr_factor``; then step the scheduler. Returns the clipped norm (0-dim).
+
+        ``gate`` (0-dim bool on the device, no host read): with a fused optimizer and no
+        scaler, the update happens only where it is True (the scaler gates its own
+        overflows); a speculative window is judged later and undone if it was not."""
         clipped = clipping.clip(self.params, self.clip_mode, self.clip, grad_norm,
                                 zclip_value=zclip)
         groups = self.optimizer.param_groups
@@ -148,6 +171,12 @@ class Update:
         if prog.scaler is not None:
             prog.scaler.step(self.optimizer)
             prog.scaler.update()
+        elif gate is not None and self.fused:
+            self.optimizer.found_inf = (~gate).float().reshape(1)  # read by the fused kernel
+            try:
+                self.optimizer.step()
+            finally:
+                del self.optimizer.found_inf
         else:
             self.optimizer.step()
         if lr_factor != 1.0:
@@ -157,11 +186,13 @@ class Update:
             self.scheduler.step()
         return clipped
 
-    def commit(self, prog: ProgressLike, *, ema: bool = True) -> None:
-        """The step is done: update the EMA (unless told the update did not happen), clear
-        the gradients, advance the counters by one step and one batch."""
+    def commit(self, prog: ProgressLike, *, ema: bool = True,
+               gate: torch.Tensor | None = None) -> None:
+        """The step is done: update the EMA (unless told the update did not happen; ``gate``:
+        where the device flag says so), clear the gradients, advance the counters by one
+        step and one batch."""
         if ema and self.ema is not None:
-            self.ema.update(self.net, prog.step)
+            self.ema.update(self.net, prog.step, gate=gate)
         self.optimizer.zero_grad(set_to_none=True)
         prog.step += 1
         prog.batches_consumed += 1

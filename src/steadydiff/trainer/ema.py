@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
-from .posthoc import PowerProfiles
+from .posthoc import PowerProfiles, gated_weight
 
 
 class EMA:
@@ -58,21 +58,29 @@ class EMA:
         return min(self.decay, (1 + n) / (10 + n))
 
     @torch.no_grad()
-    def update(self, model: nn.Module, step: int) -> None:
-        """Average ``model`` into the EMA; before ``start`` the EMA copies the model."""
+    def update(self, model: nn.Module, step: int, gate: torch.Tensor | None = None) -> None:
+        """Average ``model`` into the EMA; before ``start`` the EMA copies the model.
+        ``gate`` (0-dim bool on the device): False leaves the averages as they are, without
+        a host read (the speculative guard's update; the counter still advances, and the
+        guard undoes the whole step when it reads the flag)."""
         if self._src is None:  # the trainable parameters only (frozen ones are shared)
             dst = dict(self.module.named_parameters())
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             self._src = [p for _, p in named]
             self._dst = [dst[n] for n, _ in named]
         if self.posthoc is not None:
-            self.posthoc.update(self._src)
+            self.posthoc.update(self._src, gate)
         if step < self.start:
-            torch._foreach_copy_(self._dst, self._src)
+            if gate is None:
+                torch._foreach_copy_(self._dst, self._src)
+            else:  # lerp by 1 is an exact copy; by 0 no change
+                torch._foreach_lerp_(self._dst, self._src, gate.to(self._dst[0].dtype))
             return
         d = self.current_decay()
-        # ema += (1 - d) * (p - ema), one fused kernel over all tensors
-        torch._foreach_lerp_(self._dst, self._src, 1.0 - d)
+        # ema += (1 - d) * (p - ema), one fused kernel over all tensors (a tensor weight of
+        # the same value gives the same bits as the scalar one)
+        torch._foreach_lerp_(self._dst, self._src, 1.0 - d if gate is None
+                             else gated_weight(1.0 - d, gate, self._dst[0]))
         for b_ema, b in zip(self.module.buffers(), model.buffers()):
             b_ema.copy_(b)
         self.num_updates += 1

@@ -68,6 +68,14 @@ class StepHooks:
     def rollback(self) -> None:
         """The guard rolled back."""
 
+    def mark(self) -> Any:
+        """This object's state at the start of a speculative window (``guard.check_every``):
+        a rewind restores it, so the window's steps happen again as they did."""
+        return None
+
+    def restore(self, mark: Any) -> None:
+        """Back to a :meth:`mark` (a rewind)."""
+
 
 NO_FAULTS = StepHooks()
 
@@ -87,6 +95,11 @@ class Weights:
 
     def verify(self, state: TrainState) -> None:
         """Before a checkpoint is written (raise to refuse it)."""
+
+    def reads_at(self, step: int) -> bool:
+        """Whether :meth:`after_update` reads the state after step ``step`` (the speculative
+        guard judges the steps before, so it reads a verified state)."""
+        return False
 
     def after_update(self, state: TrainState) -> None:
         """After every applied update."""

@@ -149,9 +149,11 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
     faults.before_step(step, model)
     x, y = batch[0].to(state.device, non_blocking=True), batch[1].to(state.device)
     idx = batch[2] if len(batch) > 2 else None  # dataset indices (CPU)
-    if len(batch) > 3 and batch[3].any():  # images replaced because they failed to load
+    if len(batch) > 3 and batch[3].any():  # images replaced because they failed to load (CPU)
         state.bad_images.update(batch[2][batch[3]].tolist())
     y = y if is_conditional(model) else None  # class labels, or text contexts (N, L, D)
+    if guard is not None:  # a window opens: the injector's state is part of its mark
+        guard.begin_step(mark=faults.mark)
     x = faults.batch(step, x, idx)
     lr = faults.lr(step, lr_at(step, cfg.optim, cfg.train.steps))
     set_lr(state.optimizer, lr)
@@ -277,7 +279,8 @@ def handle_decision(state: TrainState, d: Decision,
         return "rolled_back"
     if d.action == "skip":
         return "skipped"
-    state.weights.after_update(state)  # an adapter's |dW|/|W| clamp
+    if not d.pending:  # a speculative step's: after the guard judged it (see _run)
+        state.weights.after_update(state)  # an adapter's |dW|/|W| clamp
     return "stepped"
 
 
@@ -348,7 +351,7 @@ def attach_guard(state: TrainState, run_dir: Path | None,
                         num_timesteps=cfg.diffusion.timesteps, progress=state,
                         device=state.device, update=state.update,
                         sample_source=(lambda i: source_of(data, i)) if data is not None
-                        else None)
+                        else None, defer=True)  # the loop redoes a window's steps
     return state.guard
 
 
@@ -787,10 +790,25 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     try:
         with out:
             stepped = False  # a step was trained since the last pass: something to report
+            agree_every = guard.check_every if guard is not None else 1
             while True:
                 done = state.step >= cfg.train.steps or state.evaluator.stopped
-                # a signal on any rank stops every rank here (one tiny all-reduce per step)
-                stop = None if done else signals.agreed(device)
+                # a signal on any rank stops every rank here (under torchrun one tiny
+                # all-reduce, read on the host: every guard.check_every steps)
+                stop = None if done or state.step % agree_every else signals.agreed(device)
+                if guard is not None and guard.pending and (
+                        done or stop is not None or guard.due() or out.due()):
+                    # the speculative steps are judged before anything reads the state
+                    flushed = guard.flush()
+                    if flushed.rewind is not None:  # a step failed: back to the window's start
+                        state.faults.restore(flushed.rewind.extra)
+                        out.rewound(flushed.rewind)
+                        batches = batches_from(state.batches_consumed)
+                        next_pos, stepped = state.batches_consumed, False
+                        continue
+                    out.verified(flushed.values)
+                    if state.weights.reads_at(state.step):
+                        state.weights.after_update(state)  # an adapter's |dW|/|W| clamp
                 if stepped:
                     done = out.report(done or stop is not None, interrupted=stop is not None)
                 if done or stop:
@@ -879,6 +897,32 @@ class _Outputs:
         """A step was applied."""
         self.window.append(out)
         self.bar.update(1)
+
+    def due(self) -> bool:
+        """Whether :meth:`report` reads the training state at this step (a metrics row, the
+        layer statistics, an evaluation, a sample grid, a post-hoc EMA snapshot, a
+        checkpoint): the guard's speculative steps are judged first."""
+        state, tcfg = self.state, self.state.cfg.train
+        step, every = state.step, state.cfg.logging.layer_stats_every
+        ph = state.ema.posthoc is not None and step % tcfg.ema_posthoc_every == 0
+        return (step % state.cfg.logging.log_every == 0 or bool(every and step % every == 0)
+                or state.evaluator.due(step) or ph
+                or bool(tcfg.sample_every and step % tcfg.sample_every == 0)
+                or bool(tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0))
+
+    def verified(self, values: list) -> None:
+        """The guard judged the last ``len(values)`` steps healthy: their host numbers."""
+        for out, (loss, gnorm, clipped, loss_t) in zip(self.window[-len(values):], values):
+            d = out.decision
+            d.loss, d.grad_norm, d.grad_norm_clipped, d.loss_t = loss, gnorm, clipped, loss_t
+            out.grad_norm, out.grad_norm_clipped = torch.tensor(gnorm), torch.tensor(clipped)
+
+    def rewound(self, rewind) -> None:
+        """The guard sent the run back to a window's start: its steps are redone."""
+        state = self.state
+        self.window = [o for o in self.window if o.decision.step <= state.step]
+        self.bar.n = state.step
+        self.bar.refresh()
 
     def rolled_back(self) -> None:
         """The guard moved the run back: the window's steps are undone."""

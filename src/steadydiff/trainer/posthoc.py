@@ -38,6 +38,12 @@ from . import checkpoint as ckpt
 SNAPSHOT_FORMAT = 1
 
 
+def gated_weight(weight: float, gate: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``weight`` where ``gate`` is True, else 0 (0-dim, ``like``'s device and dtype; no
+    host-to-device copy)."""
+    return torch.where(gate.to(like.device), weight, 0.0).to(like.dtype)
+
+
 def sigma_rel_to_gamma(sigma_rel: float) -> float:
     """The exponent ``gamma > 0`` of the power-function EMA of relative width ``sigma_rel``.
 
@@ -103,12 +109,14 @@ class PowerProfiles:
         self.snapshots: list[dict[str, Any]] = []  # the stored ones: {step, num_updates, file, ...}
 
     @torch.no_grad()
-    def update(self, src: list[torch.Tensor]) -> None:
-        """Average the current weights ``src`` (the order of ``names``) into every profile."""
+    def update(self, src: list[torch.Tensor], gate: torch.Tensor | None = None) -> None:
+        """Average the current weights ``src`` (the order of ``names``) into every profile;
+        ``gate`` (0-dim bool on the device): False leaves them as they are (no host read)."""
         t = self.num_updates + 1
         for g, avg in zip(self.gammas, self.avgs):
             # avg += (1 - beta_t) * (theta - avg); beta_1 = 0 copies theta exactly
-            torch._foreach_lerp_(avg, src, 1.0 - beta(g, t))
+            w = 1.0 - beta(g, t)
+            torch._foreach_lerp_(avg, src, w if gate is None else gated_weight(w, gate, avg[0]))
         self.num_updates = t
 
     def tensors(self) -> list[torch.Tensor]:
