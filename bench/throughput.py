@@ -9,7 +9,8 @@ off, guard, ...) so that load from other processes on the machine falls on all o
   a fused EMA lerp, and a ``.item()`` of the mean loss at each logging tick.
 - ``off``:   steadydiff's ``train_step`` with the guard disabled, plus what ``run`` does per
   step (the metrics row every ``logging.log_every`` steps, the progress bar).
-- ``guard``: the same with the guard on (its per-step host sync, weight check, snapshots
+- ``guard``: the same with the guard on, as the trainer runs it (the deferred check: one host
+  read every ``guard.check_every`` steps and at each logging tick, weight check, snapshots
   every ``guard.snapshot_every`` steps).
 
 Every variant draws from the same pre-loaded list of batches (taken from the trainer's own
@@ -127,7 +128,8 @@ class TrainerVariant(Variant):
         self.state = loop.build_state(cfg, cfg.model.num_classes, device)
         self.state.model.load_state_dict(init_state)
         self.state.ema.module.load_state_dict(init_state)
-        loop.attach_guard(self.state, None)  # None when the guard is off
+        # None when the guard is off; deferred (guard.check_every), as the trainer runs it
+        loop.attach_guard(self.state, None, defer=True)
         self.window: list = []
         self.tick = time.perf_counter()
         self.sink = open(os.devnull, "w")
@@ -146,6 +148,14 @@ class TrainerVariant(Variant):
                                    f"({d.incident.kind if d.incident else ''})")
             self.window.append(out)
             self.bar.update(1)
+            g = state.guard
+            if g is not None and g.pending and (g.due() or state.step % log_every == 0
+                                                or out.layer_grad_norms is not None):
+                flushed = g.flush()  # the loop's rule: judged before anything reads them
+                if flushed.rewind is not None:
+                    raise RuntimeError("guard intervened in the clean benchmark: "
+                                       f"{flushed.rewind.why}")
+                loop.fill_verified(self.window, flushed.values)
             if out.layer_grad_norms is not None:
                 self.sink.write(json.dumps(self.telemetry.layer_stats(state, out)) + "\n")
             if state.step % log_every == 0:  # the trainer's status tick (host sync off-guard)

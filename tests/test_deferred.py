@@ -132,7 +132,7 @@ class _Loop:
         configure_runtime(cfg, torch.device("cpu"))
         self.data = build_dataset(cfg.data)
         self.state = build_state(cfg, self.data.num_classes, torch.device("cpu"))
-        self.guard = attach_guard(self.state, None, self.data)
+        self.guard = attach_guard(self.state, None, self.data, defer=True)
         self.batches = iter(make_loader(self.data, batch_size=cfg.train.batch_size,
                                         seed=cfg.train.seed))
 
@@ -178,7 +178,7 @@ def test_cuda_steady_steps_do_not_synchronize():
     configure_runtime(cfg, dev)
     data = build_dataset(cfg.data)
     state = build_state(cfg, data.num_classes, dev)
-    guard = attach_guard(state, None, data)
+    guard = attach_guard(state, None, data, defer=True)
     batches = iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
                                pin_memory=True))
     for _ in range(2):

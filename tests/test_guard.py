@@ -40,9 +40,6 @@ TINY = TINY_MODEL + [
     "logging.log_every=1",
     # a tiny run needs the guard's clocks scaled down with it
     "guard.warmup_steps=4", "guard.snapshot_every=3",
-    # every decision visible at its step (the deferred check's equivalence to this one:
-    # tests/test_deferred.py)
-    "guard.check_every=1",
 ]
 FP16 = ["train.precision=fp16", "train.allow_slow_precision=true", "train.batch_size=4",
         "train.checkpoint_every=0"]
@@ -97,8 +94,8 @@ class Run:
                                         exclude=self.guard.quarantine if self.guard else ()))
 
     def step(self):
-        """One call of train_step; returns its decision (with ``guard.check_every > 1``,
-        the steps of a window are judged when the guard says so, as the loop does)."""
+        """One call of train_step; returns its decision (a per-step check: attach_guard's
+        default; the deferred one is tests/test_deferred.py's)."""
         s, pos = self.state, self.pos
         out = train_step(s, next(self.batches))
         self.pos += 1
@@ -111,13 +108,6 @@ class Run:
             self.trained_on.append(pos)
         if s.batches_consumed != self.pos or d.quarantined:
             self._open()  # the data continues where the guard says
-        g = self.guard
-        if g is not None and g.pending and (g.due() or s.step >= s.cfg.train.steps):
-            flushed = g.flush()
-            if flushed.rewind is not None:
-                s.faults.restore(flushed.rewind.extra)
-                del self.trained_on[s.step:]
-                self._open()
         return d
 
     def until(self, steps, every=None):

@@ -340,10 +340,14 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
 
 
 def attach_guard(state: TrainState, run_dir: Path | None,
-                 data: torch.utils.data.Dataset | None = None) -> Guard | None:
+                 data: torch.utils.data.Dataset | None = None, *,
+                 defer: bool = False) -> Guard | None:
     """Build the guard over ``state`` (after any resume: its first snapshot is this state).
     The guard reads and advances ``state``'s counters, precision and scaler, and applies the
-    state's own update; ``data`` names the files of the samples it implicates."""
+    state's own update; ``data`` names the files of the samples it implicates. ``defer``:
+    the caller flushes the guard when it is due and redoes a window after a rewind, as
+    :func:`run` does (``guard.check_every``); a caller of :func:`train_step` that does not
+    gets a per-step check."""
     cfg = state.cfg
     if not cfg.guard.enabled:
         return None
@@ -351,7 +355,7 @@ def attach_guard(state: TrainState, run_dir: Path | None,
                         num_timesteps=cfg.diffusion.timesteps, progress=state,
                         device=state.device, update=state.update,
                         sample_source=(lambda i: source_of(data, i)) if data is not None
-                        else None, defer=True)  # the loop redoes a window's steps
+                        else None, defer=defer)
     return state.guard
 
 
@@ -758,7 +762,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
                  else (None, None))
     if ctx.enabled:
         state.ddp = distributed.wrap(state.model, device)  # broadcasts rank 0's weights
-    guard = attach_guard(state, run_dir if main else None, data)
+    guard = attach_guard(state, run_dir if main else None, data, defer=True)
     if c is not None:
         CheckpointIO(state).restore_guard(c)
     if encoded is not None and c is None:  # samples left out at encoding: named, once
@@ -899,23 +903,21 @@ class _Outputs:
         self.bar.update(1)
 
     def due(self) -> bool:
-        """Whether :meth:`report` reads the training state at this step (a metrics row, the
-        layer statistics, an evaluation, a sample grid, a post-hoc EMA snapshot, a
-        checkpoint): the guard's speculative steps are judged first."""
+        """Whether the training state is read at this step (a metrics row, the layer
+        statistics, an evaluation, a sample grid, a post-hoc EMA snapshot, a checkpoint, an
+        adapter's |dW|/|W| check): the guard's speculative steps are judged first."""
         state, tcfg = self.state, self.state.cfg.train
         step, every = state.step, state.cfg.logging.layer_stats_every
         ph = state.ema.posthoc is not None and step % tcfg.ema_posthoc_every == 0
         return (step % state.cfg.logging.log_every == 0 or bool(every and step % every == 0)
+                or state.weights.reads_at(step)
                 or state.evaluator.due(step) or ph
                 or bool(tcfg.sample_every and step % tcfg.sample_every == 0)
                 or bool(tcfg.checkpoint_every and step % tcfg.checkpoint_every == 0))
 
     def verified(self, values: list) -> None:
-        """The guard judged the last ``len(values)`` steps healthy: their host numbers."""
-        for out, (loss, gnorm, clipped, loss_t) in zip(self.window[-len(values):], values):
-            d = out.decision
-            d.loss, d.grad_norm, d.grad_norm_clipped, d.loss_t = loss, gnorm, clipped, loss_t
-            out.grad_norm, out.grad_norm_clipped = torch.tensor(gnorm), torch.tensor(clipped)
+        """The guard judged the window's steps healthy: their host numbers."""
+        fill_verified(self.window, values)
 
     def rewound(self, rewind) -> None:
         """The guard sent the run back to a window's start: its steps are redone."""
@@ -994,6 +996,18 @@ class _Outputs:
         if self.last_ckpt is None:
             raise CheckpointSaveError(f"could not write the final checkpoint at step "
                                       f"{self.state.step}; see the errors above")
+
+
+def fill_verified(window: list[StepOutput], values: list) -> None:
+    """The guard's :meth:`~steadydiff.guard.Guard.flush` judged the last ``len(values)``
+    steps of ``window`` healthy: write their host numbers into them (the metrics row reads
+    these, with no read of its own)."""
+    if not values:
+        return
+    for out, (loss, gnorm, clipped, loss_t) in zip(window[-len(values):], values):
+        d = out.decision
+        d.loss, d.grad_norm, d.grad_norm_clipped, d.loss_t = loss, gnorm, clipped, loss_t
+        out.grad_norm, out.grad_norm_clipped = torch.tensor(gnorm), torch.tensor(clipped)
 
 
 def _bar_fits(stream) -> bool:
