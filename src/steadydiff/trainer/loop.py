@@ -90,9 +90,9 @@ class RunResult:
     incidents: int = 0
     guard_summary: str | None = None
     stopped_early: str | None = None  # why eval's early stopping ended the run, if it did
+    interrupted: str | None = None  # the signal that stopped the run (TrainingInterrupted)
     time_budget: str | None = None  # why the time budget (train.max_time) ended it, if it did
     train_seconds: float = 0.0  # training time used, all invocations (trainer/budget.py)
-    interrupted: str | None = None  # the signal that stopped the run (TrainingInterrupted)
 
 
 class CheckpointSaveError(RuntimeError):
