@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import re
 import types
 import typing
 from collections.abc import Iterable, Mapping
@@ -26,6 +27,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
                       ValidationInfo, field_validator, model_validator)
 
+from .durations import parse_duration
 from .kinds import (LABELLED_DATASETS, AdapterKind, CaptionSource, Channels, MissingCaption, ClipMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, LossWeighting,
                     LRSchedule, ModelKind, OnSaveError, Precision, Prediction, SamplerName,
@@ -320,6 +322,17 @@ class TrainConfig(Section):
     on_save_error: OnSaveError = Field(
         "retry", description="disk full / permission denied while saving a checkpoint: keep "
         "training and retry at the next checkpoint (retry), or stop cleanly (stop)")
+    max_time: float | None = Field(
+        None, description="a time budget (like Lightning's max_time): stop when this much "
+        "training time is used, train.steps staying the upper bound; the cosine LR decay then "
+        "follows the fraction of the budget used. Seconds, or '90s', '45m', '2h', '1d 2h', "
+        "'DD:HH:MM:SS' (stored as seconds); resume continues the budget; null: none "
+        "(docs/RELIABILITY.md, \"Time budget\")")
+
+    @field_validator("max_time", mode="before")
+    @classmethod
+    def _duration(cls, v: Any) -> float | None:
+        return None if v is None else parse_duration(v)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -748,10 +761,28 @@ def format_validation_error(err: ValidationError, source: str = "config",
                                 for item, msg in lines])
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML without base-60 numbers (as YAML 1.2): PyYAML reads ``1:00:00:00`` as the
+    integer 216000 and ``1:30`` as 90, which would silently misread a duration
+    (``train.max_time``); here they stay strings, for the duration parser to read or refuse."""
+
+    def resolve(self, kind, value, implicit):  # noqa: ANN001, ANN201 (PyYAML's signature)
+        if kind is yaml.ScalarNode and implicit[0] and _BASE_60.fullmatch(value):
+            return "tag:yaml.org,2002:str"
+        return super().resolve(kind, value, implicit)
+
+
+_BASE_60 = re.compile(r"[-+]?[0-9][0-9_]*(?::[0-5]?[0-9])+(?:\.[0-9_]*)?")
+
+
+def _yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 (a SafeLoader)
+
+
 def _parse_value(text: str) -> Any:
     """``--set`` values are YAML scalars/lists: 1e-4, true, [1,2,2], null, cosine."""
     try:
-        return yaml.safe_load(text)
+        return _yaml(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"cannot parse override value {text!r}: {e}") from None
 
@@ -803,7 +834,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file not found: {p}")
         try:
-            raw = yaml.safe_load(p.read_text())
+            raw = _yaml(p.read_text())
         except yaml.YAMLError as e:
             raise ConfigError(f"{p}: not valid YAML: {e}") from None
         if raw is None:  # an empty file (or only comments) is a mistake, not "all defaults"

@@ -20,6 +20,7 @@ from torch.utils.data import Dataset
 from .config import Config, ConfigError
 from .data import as_pairs, build_dataset, check_labels, labels_of
 from .data.captions import build_captioned
+from .durations import format_duration
 from .devices import resolve_device
 from .models import build_model
 from .trainer.precision import check_precision
@@ -53,7 +54,10 @@ class Preflight:
             lines.append(f"run:   {run_dir} (full config: {Path(run_dir) / 'config.yaml'})")
         lines += [f"model: {arch}, {cond}, {self.parameters / 1e6:.2f}M parameters",
                   f"data:  {data}",
-                  f"train: {t.steps} steps, batch {t.batch_size}, {t.precision} on "
+                  f"train: {t.steps} steps"
+                  + (f" or {format_duration(t.max_time)} of training (train.max_time), "
+                     "whichever comes first" if t.max_time is not None else "")
+                  + f", batch {t.batch_size}, {t.precision} on "
                   f"{self.device}, guard {'on' if cfg.guard.enabled else 'off'}"]
         return lines
 

@@ -141,6 +141,9 @@ def _cards(log: RunLog, ser: MetricSeries) -> str:
         mem = [v for v in ser.col("memory_mb") if math.isfinite(v)]
         if mem:
             cards.append(("peak memory MB", fmt(max(mem))))
+    if tb := log.time_budget:
+        cards.append(("training time / budget",
+                      f"{fmt(num(tb.get('used')))} s / {fmt(num(tb.get('max_time')))} s"))
     acts = Counter(str(i.get("action")) for i in log.incidents)
     cards.append(("incidents", str(len(log.incidents))))
     for a in ("skip", "rollback", "precision_fallback", "warn"):
@@ -220,7 +223,8 @@ def render(log: RunLog) -> str:
     steps = ser.steps + [int(s) for i in log.incidents if (s := num(i.get("step"))) is not None]
     steps += [r["step"] for r in log.layers if isinstance(r.get("step"), int)]
     lo, hi = (min(steps), max(steps)) if steps else (0, 1)
-    if log.planned_steps and log.summary and log.summary.get("status") == "finished":
+    if log.planned_steps and log.summary and log.summary.get("status") == "finished" \
+            and not (log.time_budget or {}).get("ended"):  # a time budget ended it early
         hi = max(hi, log.planned_steps)
     pad = max(0.5, 0.01 * (hi - lo))
     xlim = (lo - pad, hi + pad)

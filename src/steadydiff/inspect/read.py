@@ -67,6 +67,13 @@ class RunLog:
         return int(v) if isinstance(v, (int, float)) else None
 
     @property
+    def time_budget(self) -> dict[str, Any] | None:
+        """summary.json's ``time_budget`` (``train.max_time`` set): ``{max_time, used,
+        ended}``, seconds; ``ended`` when the budget ended the run."""
+        tb = (self.summary or {}).get("time_budget")
+        return tb if isinstance(tb, dict) else None
+
+    @property
     def last_step(self) -> int | None:
         steps = [r["step"] for r in self.metrics if isinstance(r.get("step"), int)]
         if self.summary and isinstance(self.summary.get("steps"), int):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from ..guard.findings import finding_from_row
-from ..values import finite
+from ..values import finite, fmt, num
 from .read import RunLog
 
 VerdictState = Literal["healthy", "recovered", "aborted", "diverged", "incomplete"]
@@ -82,10 +82,18 @@ def verdict(log: RunLog) -> Verdict:
 
     n = sum(acts.values())
     steps = s.get("steps", last)
+    tb = log.time_budget
+    if tb:
+        details.append(f"time budget (train.max_time): {fmt(num(tb.get('used')))} s of "
+                       f"{fmt(num(tb.get('max_time')))} s of training used")
+    # a run its time budget ended: fewer steps than planned, on purpose
+    at_budget = (" at its time budget (train.max_time" + (f", of {planned} planned" if planned
+                                                            else "") + ")"
+                 if tb and tb.get("ended") else "")
     if n:
         return Verdict("recovered", f"Recovered from {n} incident{'s' if n != 1 else ''}; "
-                       f"finished {steps} steps", details)
-    head = f"Healthy: finished {steps} steps with no guard intervention"
+                       f"finished {steps} steps{at_budget}", details)
+    head = f"Healthy: finished {steps} steps{at_budget} with no guard intervention"
     if warns:
         head += f" ({warns} health warning{'s' if warns != 1 else ''})"
     return Verdict("healthy", head, details)

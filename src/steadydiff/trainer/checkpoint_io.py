@@ -31,6 +31,7 @@ class CheckpointIO:
         return {
             "step": s.step, "batches_consumed": s.batches_consumed,
             "images_seen": s.step * s.cfg.train.batch_size,
+            "train_seconds": s.train_seconds,  # the time budget used (trainer/budget.py)
             "ema": s.ema.state(),
             "scaler": s.scaler.state_dict() if s.scaler else None,
             "precision": s.precision, "grad_accum": s.grad_accum,
@@ -80,6 +81,7 @@ class CheckpointIO:
             s.scaler.load_state_dict(c.state["scaler"])
         s.step = int(c.state["step"])
         s.batches_consumed = int(c.state["batches_consumed"])
+        s.train_seconds = float(c.state.get("train_seconds", 0.0))  # older checkpoints: 0
         s.grad_accum = int(c.state.get("grad_accum") or s.grad_accum)
         s.bad_images = set(c.state.get("bad_images", []))
         s.resolution_history = [dict(r) for r in c.state.get("resolution_history", [])]

@@ -37,6 +37,7 @@ from ..config import Config, ConfigError, config_diff, validate
 from ..data import make_loader, source_of
 from ..diffusion import Draws, diffusion_loss, draw, make_schedule, sample
 from ..diffusion.objectives import is_conditional
+from ..durations import format_duration
 from ..eval.during import make_evaluator
 from ..eval.grid import grid_nrow, save_grid
 from ..guard import Decision, Guard, GuardAbort
@@ -47,6 +48,7 @@ from ..devices import resolve_device
 from ..models import build_model
 from ..report import write_report
 from ..rundir import JSONL_LOGS, RunDir, RunDirError
+from . import budget
 from . import checkpoint as ckpt
 from . import precision as prec
 from . import telemetry
@@ -67,7 +69,8 @@ __all__ = ["RunResult", "StepOutput", "TrainState", "attach_guard", "build_state
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
 RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
-               "data.path", "data.cache_dir", "train.on_save_error", "sample.", "logging.",
+               "data.path", "data.cache_dir", "train.on_save_error", "train.max_time",
+               "sample.", "logging.",
                "faults", "eval.",
                "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every",
                "guard.probe_every")  # the probes read the model (no grad, no RNG draw)
@@ -88,6 +91,8 @@ class RunResult:
     guard_summary: str | None = None
     stopped_early: str | None = None  # why eval's early stopping ended the run, if it did
     interrupted: str | None = None  # the signal that stopped the run (TrainingInterrupted)
+    time_budget: str | None = None  # why the time budget (train.max_time) ended it, if it did
+    train_seconds: float = 0.0  # training time used, all invocations (trainer/budget.py)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -155,7 +160,7 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
     if guard is not None:  # a window opens: the injector's state is part of its mark
         guard.begin_step(mark=faults.mark)
     x = faults.batch(step, x, idx)
-    lr = faults.lr(step, lr_at(step, cfg.optim, cfg.train.steps))
+    lr = faults.lr(step, lr_at(step, cfg.optim, cfg.train.steps, budget.progress(state)))
     set_lr(state.optimizer, lr)
 
     draws, total = step_draws(state, step, x)
@@ -389,7 +394,8 @@ def _save(state: TrainState, run: RunDir) -> Path | None:
         path = CheckpointIO(state).save(run.checkpoints, keep=state.cfg.train.keep_checkpoints)
         # verified finite: now the formats other tools load (a LoRA for diffusers); the
         # final one (a full fine-tune's multi-GB folder) at the last step
-        state.weights.export(state, run.root, state.step >= state.cfg.train.steps)
+        state.weights.export(state, run.root,
+                             state.step >= state.cfg.train.steps or budget.spent(state))
         return path
     except ckpt.CheckpointError as e:  # the only cause: non-finite weights or EMA
         prev = run.latest_good()
@@ -517,12 +523,17 @@ def check_resume_config(saved: Config, cfg: Config, allow_change: bool,
     grown = grow and saved.data.image_size != cfg.data.image_size
     growth = {k for k in notes if grown and k in GROW_KEYS}
     unsafe = {k for k in notes if not k.startswith(RESUME_SAFE) and k not in growth}
-    # the cosine schedule (and an unfinished warmup) is a function of train.steps
+    # the cosine schedule (and an unfinished warmup) is a function of train.steps, or of
+    # train.max_time when both runs have a time budget (trainer/budget.py)
+    timed = saved.train.max_time is not None and cfg.train.max_time is not None
     if "train.steps" in notes and (
-            cfg.optim.schedule != "constant" or cfg.optim.warmup_steps > min(saved.train.steps,
-                                                                           cfg.train.steps)):
+            cfg.optim.schedule != "constant" and not timed
+            or cfg.optim.warmup_steps > min(saved.train.steps, cfg.train.steps)):
         unsafe.add("train.steps")
         notes["train.steps"] = "  (changes the LR schedule of the remaining steps)"
+    if "train.max_time" in notes and cfg.optim.schedule != "constant":
+        unsafe.add("train.max_time")
+        notes["train.max_time"] = "  (changes the LR schedule of the remaining time)"
     alter = [f"    {k}: {a!r} -> {b!r}{notes[k]}" for k, a, b in changes if k in unsafe]
     grew = [f"    {k}: {a!r} -> {b!r}" for k, a, b in changes if k in growth]
     keep = [f"    {k}: {a!r} -> {b!r}" for k, a, b in changes
@@ -686,13 +697,17 @@ def _resume(state: TrainState, source: Path, allow_config_change: bool,
             "evaluation; resume from the run's checkpoints/step_* (rerun without --resume)")
     saved_cfg = validate(c.state["config"], f"{source}/state.json config")
     # a finished run trains no further step: its config changes cannot break anything
-    done = c.step >= cfg.train.steps
+    budget_s = cfg.train.max_time
+    done = c.step >= cfg.train.steps or (
+        budget_s is not None and float(c.state.get("train_seconds", 0.0)) >= budget_s)
     changes = check_resume_config(saved_cfg, cfg, allow_config_change or done, grow=grow)
     old = int(c.state.get("image_size") or saved_cfg.data.image_size)
     growth = Growth(old, cfg.data.image_size, c.step) if grow and old != cfg.data.image_size \
         else None
     CheckpointIO(state).restore(c)
     say(f"resumed from {source} at step {state.step}"
+        + (f", {format_duration(state.train_seconds)} of the time budget "
+           f"{format_duration(budget_s)} used" if budget_s is not None else "")
         + (" (the run is already complete)" if done else "")
         + ("; config changes:\n" + "\n".join(changes) if changes else ""))
     saved_world = int(c.state.get("world_size", 1))
@@ -796,10 +811,18 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
             stepped = False  # a step was trained since the last pass: something to report
             agree_every = guard.check_every if guard is not None else 1
             while True:
-                done = state.step >= cfg.train.steps or state.evaluator.stopped
-                # a signal on any rank stops every rank here (under torchrun one tiny
-                # all-reduce, read on the host: every guard.check_every steps)
-                stop = None if done or state.step % agree_every else signals.agreed(device)
+                # a signal on any rank stops every rank here, and every rank records the same
+                # training seconds (the time budget and its LR): under torchrun one tiny
+                # all-reduce, read on the host, every guard.check_every steps (the clock
+                # keeps counting in between; single process: every step, no collective)
+                if not distributed.active() or state.step % agree_every == 0:
+                    stop, state.train_seconds = signals.agreed(
+                        device, state.train_seconds + out.clock.lap())
+                else:
+                    stop = None
+                done = (state.step >= cfg.train.steps or state.evaluator.stopped
+                        or budget.spent(state))
+                stop = None if done else stop
                 if guard is not None and guard.pending and (
                         done or stop is not None or guard.due() or out.due()):
                     # the speculative steps are judged before anything reads the state
@@ -843,17 +866,19 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         distributed.barrier()
         raise
     stopped = state.evaluator.stop_reason() if state.evaluator.stopped else None
-    if stopped:
-        say(stopped)
+    timed_out = budget.reason(state) if budget.ended_run(state) else None
+    if stopped or timed_out:
+        say(stopped or timed_out)
     signame = signal_name(stop) if stop else None
     status = "interrupted" if stop else "finished"
-    reason = f"{signame} at step {state.step}" if stop else stopped
+    reason = f"{signame} at step {state.step}" if stop else stopped or timed_out
     summary = _finish(state, run, status, reason=reason, tb=out.tb, signal=signame) \
         if main else None
     result = RunResult(run_dir, state.step, out.last_loss, out.last_ckpt, out.samples,
                        c.path if c else None, time.perf_counter() - t_start,
                        incidents=guard.num_incidents if guard else 0, guard_summary=summary,
-                       stopped_early=stopped, interrupted=signame)
+                       stopped_early=stopped, interrupted=signame, time_budget=timed_out,
+                       train_seconds=state.train_seconds)
     if stop:
         # torchrun ends the other workers as soon as one exits non-zero: every rank waits
         # here until rank 0 has written summary.json and the report
@@ -886,6 +911,7 @@ class _Outputs:
         self.samples: list[Path] = []
         self.last_ckpt, self.saved = source, state.step
         self._files = contextlib.ExitStack()
+        self.clock = budget.Clock()  # training time not yet recorded (train.max_time)
 
     def __enter__(self) -> "_Outputs":
         if self.main:
@@ -961,6 +987,7 @@ class _Outputs:
                           f"{row['sec_per_step']:.3g} s/step", file=sys.stderr, flush=True)
                 else:
                     self.bar.set_postfix_str(_status(row), refresh=False)
+        self.clock.pause()  # evaluation, grids, snapshots, checkpoints: not training time
         if state.evaluator.due(step):
             # before the checkpoint, which holds the result; rank 0 measures, every rank
             # takes its best/patience state, so all stop early together
@@ -986,6 +1013,7 @@ class _Outputs:
             written = save(state, self.run)
             if written is not None:
                 self.last_ckpt, self.saved = written, step
+        self.clock.resume()
         return done
 
     def final_checkpoint(self) -> None:
@@ -1041,7 +1069,7 @@ def _finish(state: TrainState, run: RunDir, status: str, reason: str | None = No
     steps = abort["step"] if abort else state.step  # the abort point moved the state back
     telemetry.write_summary(run.root, status, steps,
                             state.guard.num_incidents if state.guard else 0, summary, reason,
-                            signal=signal, abort=abort)
+                            signal=signal, abort=abort, time_budget=budget.summary(state))
     if summary:
         print(summary)
     if tb:

@@ -54,15 +54,25 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
 
-def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+def lr_at(step: int, cfg: OptimConfig, total_steps: int,
+          progress: float | None = None) -> float:
     """Learning rate for optimizer step ``step`` (0-based): linear warmup, then constant or
-    cosine decay to ``min_lr_ratio * lr`` at ``total_steps``."""
+    cosine decay to ``min_lr_ratio * lr`` at ``total_steps``.
+
+    ``progress`` (a time budget, ``train.max_time``: the fraction of it used, recorded in the
+    training state, see trainer/budget.py) replaces the step-based progress of the decay,
+    which then reaches the floor when the budget is used. The warmup stays in steps, and the
+    decay starts at the progress where the warmup ended: after a warmup that used a fraction
+    p of the budget, the LR above the floor drops by about 2.5 p^2 (0.6% at p = 0.05).
+    """
     if cfg.warmup_steps and step < cfg.warmup_steps:
         return cfg.lr * (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
         return cfg.lr
-    span = max(1, total_steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if progress is None:
+        span = max(1, total_steps - cfg.warmup_steps)
+        progress = (step - cfg.warmup_steps) / span
+    progress = min(1.0, max(0.0, progress))
     floor = cfg.lr * cfg.min_lr_ratio
     return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 

@@ -14,8 +14,9 @@ then exits ``EXIT_INTERRUPTED``; rerunning it resumes bit for bit.
   taken as the same request: Ctrl-C reaches torchrun and its workers together, and torchrun
   forwards it to the workers once more.
 - **Under torchrun every rank stops at the same step**, whether the signal reached one rank
-  or all of them: each pass of the loop all-reduces the local request (MAX of one int), so
-  the ranks agree before anyone acts (the design rule of distributed.py).
+  or all of them: each pass of the loop all-reduces the local request (MAX, in the same
+  collective as the time budget's clock), so the ranks agree before anyone acts (the design
+  rule of distributed.py).
 - **Nothing is clobbered for good**: handlers are installed only in the main thread (Python
   allows no other), and the previous ones are restored when the loop ends. A forked data
   loader worker inherits the handler and ignores the signal (the main process stops it).
@@ -37,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import distributed
+from .. import distributed, hostsync
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # exit status of a run stopped by one of STOP_SIGNALS after writing its checkpoint
@@ -102,16 +103,20 @@ class StopSignals:
                  "resume.\n")
             os._exit(128 + signum)
 
-    def agreed(self, device: torch.device) -> int | None:
-        """The stop request every rank acts on: the largest signal number any rank has
-        received (None: no stop). Single process: this process's request, no collective.
-        Under torchrun: one all-reduce of one int, on ``device`` (NCCL needs a CUDA tensor;
-        reading it back is a host sync per step)."""
+    def agreed(self, device: torch.device, seconds: float = 0.0) -> tuple[int | None, float]:
+        """What every rank acts on: the stop request, the largest signal number any rank
+        has received (None: no stop), and the training seconds, the largest of the ranks'
+        ``seconds`` (the time budget's clock, trainer/budget.py). Single process: this
+        process's values, no collective. Under torchrun: one all-reduce of two float64s, on
+        ``device`` (NCCL needs a CUDA tensor; reading it back is a host sync: the loop agrees
+        every ``guard.check_every`` steps)."""
         if not distributed.active():
-            return self.requested
-        flag = torch.tensor([self.requested or 0], dtype=torch.int32, device=device)
+            return self.requested, seconds
+        flag = torch.tensor([self.requested or 0, seconds], dtype=torch.float64,
+                            device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item()) or None
+        signum, agreed_seconds = hostsync.values(flag)  # host read
+        return int(signum) or None, agreed_seconds
 
 
 def signal_name(signum: int) -> str:

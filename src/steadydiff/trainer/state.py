@@ -39,6 +39,9 @@ class TrainState:
     update: Update                # the one optimizer update (guard on or off)
     step: int = 0                 # optimizer steps completed
     batches_consumed: int = 0     # data position: global batches drawn from the stream
+    # training seconds used, every rank's same value: the time budget's clock and the LR's
+    # progress under train.max_time (trainer/budget.py); a rollback does not move it back
+    train_seconds: float = 0.0
     bad_images: set[int] = field(default_factory=set)  # indices found unloadable in training
     # every --grow-resolution change of this run: [{step, from, to}] (trainer/resolution.py)
     resolution_history: list[dict[str, int]] = field(default_factory=list)

@@ -160,11 +160,14 @@ class TensorBoard:
 
 def write_summary(run_dir: Path, status: str, steps: int, incidents: int,
                   guard_summary: str | None, reason: str | None = None,
-                  signal: str | None = None, abort: dict[str, Any] | None = None) -> None:
+                  signal: str | None = None, abort: dict[str, Any] | None = None,
+                  time_budget: dict[str, Any] | None = None) -> None:
     """summary.json: how the run ended (``finished``, ``interrupted`` by ``signal``, or
     ``aborted``, with ``abort``: the abort point's checkpoint and the command to resume from
-    it, see ``loop.abort_point``; read by the report and the doctor). Written to a temporary
-    file and renamed, so a second signal (an immediate exit) never leaves half a summary."""
+    it, see ``loop.abort_point``; read by the report and the doctor); ``time_budget``
+    (``train.max_time`` set): ``{max_time, used, ended}`` in seconds, ``ended`` when the
+    budget ended the run. Written to a temporary file and renamed, so a second signal (an
+    immediate exit) never leaves half a summary."""
     summary: dict[str, Any] = {"status": status, "steps": steps, "incidents": incidents,
                                "guard_summary": guard_summary}
     if reason:
@@ -173,6 +176,8 @@ def write_summary(run_dir: Path, status: str, steps: int, incidents: int,
         summary["signal"] = signal
     if abort:
         summary["abort"] = abort
+    if time_budget:
+        summary["time_budget"] = time_budget
     path = RunDir(run_dir).summary
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(summary, indent=1))
