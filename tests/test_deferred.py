@@ -79,6 +79,10 @@ SCENARIOS = {
     "weight_jump": ([{"kind": "param_huge", "step": 14}], ()),
     "two_in_a_window": ([{"kind": "nan_batch", "step": 17},
                          {"kind": "grad_nan", "step": 19}], ()),
+    # the grad scaler's own state (scale, growth tracker) is part of the window's mark
+    "fp16_overflow": ([{"kind": "fp16_overflow", "step": 10}],
+                      ("train.precision=fp16", "train.allow_slow_precision=true",
+                       "train.batch_size=4")),
 }
 
 

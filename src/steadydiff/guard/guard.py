@@ -406,7 +406,7 @@ class Guard:
             A :class:`Decision`.
         """
         c, prog = self.cfg, self.progress
-        if _retry_of is None and self._speculating():
+        if _retry_of is None and self._speculating() and (self._pending or self._open()):
             return self._speculate(loss, t, per_sample_loss, inputs, after_update,
                                    probe_forward)
         if self._pending:
@@ -560,6 +560,22 @@ class Guard:
                 or bool(self._pending[-1].rows.shape[0] > 1 and c.rank_check_every
                         and step % c.rank_check_every == 0))
 
+    def _open(self) -> bool:
+        """Open a window: mark the state at its start. False (and the per-step check from
+        now on) when the mark's copy does not fit on the device."""
+        rng = self._rng_at_start if self._rng_at_start is not None else rng_states()
+        mark = self._marks.take(self, rng)
+        extra, self._rng_at_start, self._extra_at_start = self._extra_at_start, None, None
+        if mark is None:
+            print("warning: guard: no room on the device for the deferred check's copy of the "
+                  "trainable state (more than half its free memory): checking every step "
+                  "from now on, as guard.check_every=1 does")
+            self.check_every = 1
+            return False
+        mark.extra = extra
+        self._mark = mark
+        return True
+
     def _speculate(self, loss: torch.Tensor, t: torch.Tensor | None,
                    per_sample_loss: torch.Tensor | None, inputs: torch.Tensor | None,
                    after_update: Callable[[], None] | None,
@@ -567,11 +583,6 @@ class Guard:
         """One step of a window: the per-step check's numbers stay on the device, the update
         is gated there, and the step counts as done until :meth:`flush` reads them."""
         c, prog = self.cfg, self.progress
-        if not self._pending:
-            rng = self._rng_at_start if self._rng_at_start is not None else rng_states()
-            self._mark = self._marks.take(self, rng)
-            self._mark.extra = self._extra_at_start
-        self._rng_at_start, self._extra_at_start = None, None
         before = self._weights_before()
         gnorm = self.update.norm(prog)
         rows = self._rows(loss, gnorm, t, per_sample_loss, inputs, before)

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from .. import distributed, hostsync
+
 # the guard's attributes a healthy step changes on the host (everything else only changes
 # on an incident, which never happens inside a window)
 HOST_FIELDS = ("grad", "loss", "divergence", "trend", "inputs", "overflow", "max_lr",
@@ -82,6 +84,21 @@ class Mark:
     extra: Any = None  # the caller's own state (Guard.begin_step's mark)
 
 
+def fits(tensors: list[torch.Tensor], fraction: float = 0.5) -> bool:
+    """Whether copies of ``tensors`` take at most ``fraction`` of the free memory of each
+    CUDA device they are on (always True on the CPU)."""
+    need: dict[torch.device, int] = {}
+    for t in tensors:
+        if t.device.type == "cuda":
+            need[t.device] = need.get(t.device, 0) + t.numel() * t.element_size()
+    ok = all(n <= fraction * torch.cuda.mem_get_info(d)[0] for d, n in need.items())
+    if distributed.active():  # every rank speculates, or none (they redo steps together)
+        flag = torch.tensor([float(ok)], device=tensors[0].device if tensors else "cpu")
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        ok = hostsync.value(flag) > 0
+    return ok
+
+
 def rng_states() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
     """The CPU and CUDA RNG states (host-side: no device read)."""
     return (torch.get_rng_state(),
@@ -94,15 +111,20 @@ class Marks:
     def __init__(self) -> None:
         self._buffers: list[torch.Tensor] = []
 
-    def take(self, guard: Any, rng: tuple[torch.Tensor, list[torch.Tensor] | None]) -> Mark:
+    def take(self, guard: Any, rng: tuple[torch.Tensor, list[torch.Tensor] | None]
+             ) -> Mark | None:
         """The guard's state now; ``rng``: the RNG states from before the step's forward
-        (dropout draws from them: the step must draw the same again)."""
+        (dropout draws from them: the step must draw the same again). None when the copy
+        does not fit in the accelerator's free memory (a full fine-tune of a model near the
+        memory limit): the caller checks every step instead."""
         g = guard
         live = device_tensors(g._params, g.optimizer, g.ema, g.progress.scaler)
         bufs = self._buffers
         same = len(bufs) == len(live) and all(
             b.shape == t.shape and b.dtype == t.dtype and b.device == t.device
             for b, t in zip(bufs, live))
+        if not same and not fits(live):
+            return None
         if not same:
             bufs = self._buffers = [torch.empty_like(t) for t in live]
         with torch.no_grad():
