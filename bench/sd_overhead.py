@@ -11,10 +11,12 @@ the machine falls on all of them alike:
   scheduler's target, backward, ``clip_grad_norm_(1.0)``, ``optimizer.step()``,
   ``lr_scheduler.step()``, ``zero_grad()``, and a ``.item()`` of the loss every 10 steps;
 - ``steadydiff``: the trainer's own ``train_step`` + ``handle_decision`` on a TrainState
-  built from a folder holding the same UNet (the real SD loading code, guard on, EMA);
+  built from a folder holding the same UNet (the real SD loading code, guard on, EMA), with
+  the deferred check as the trainer runs it (one host read every ``guard.check_every``
+  steps);
 - ``guard``: the same with ``guard.step(loss, t=, per_sample_loss=, inputs=, indices=)`` in
   place of the clip, the optimizer and scheduler steps and ``zero_grad`` (the guard clips at
-  1.0 too), default guard config: its one host sync per step, the weight checks before the
+  1.0 too), the guard in somebody else's loop: its one host read per step, the weight checks before the
   forward and after the update, a snapshot of the LoRA every 50 steps.
 
 Each variant builds its own UNet (same seed: same weights and LoRA) and optimizer; step ``i``
@@ -245,13 +247,15 @@ def steadydiff_step(s: Setup, clock: Clock) -> Step:
     state = build_state(cfg, 0, s.device)
     from steadydiff.trainer.loop import attach_guard
 
-    attach_guard(state, None)
+    guard = attach_guard(state, None, defer=True)  # the deferred check, as the trainer runs it
 
     def step(i: int) -> None:
         idx = s.indices(i)
         out = train_step(state, (s.latents[idx.to(s.device)], s.text[idx.to(s.device)], idx))
         if handle_decision(state, out.decision, say=lambda *_: None) != "stepped":
             raise RuntimeError(f"the trainer did not step a healthy step {i}")
+        if guard.due() and guard.flush().rewind is not None:
+            raise RuntimeError(f"the guard redid a window of a healthy run at step {i}")
     return step
 
 

@@ -882,8 +882,9 @@ class Guard:
         nb = self.cfg.t_buckets
         if t is not None and ps is not None:
             b = (t.long() * nb // self.T).clamp_(0, nb - 1)
+            # (index_add_ of ones, not bincount: bincount's output size is read on the host)
             parts += [torch.zeros(nb, device=ps.device).index_add_(0, b, ps),
-                      torch.bincount(b, minlength=nb).float()]
+                      torch.zeros(nb, device=ps.device).index_add_(0, b, torch.ones_like(ps))]
         return distributed.gather_rows(torch.cat(parts))
 
     def _seen(self, rows: torch.Tensor, n_local: int, judged_t: bool) -> _Seen:
