@@ -183,9 +183,15 @@ def _cpu_attention_flops() -> dict:
     return {fwd: raw(fcm.sdpa_flop), bwd: raw(fcm.sdpa_backward_flop)}
 
 
-def step_flops(cfg, batch: tuple[torch.Tensor, ...], device: torch.device) -> int:
+def step_flops(cfg, batch: tuple[torch.Tensor, ...], device: torch.device,
+               count_on: int = 8) -> int:
     """FLOPs of one forward + backward of ``cfg``'s model on ``batch`` (FlopCounterMode:
-    matmuls, convolutions, attention; counted once, on a throw-away eager copy)."""
+    matmuls, convolutions, attention; counted once, on a throw-away eager copy). Every
+    counted operation's FLOPs are proportional to the batch, so they are counted on the
+    first ``count_on`` samples and scaled: DiT-B/2's 256 in fp32 would need ~50 GB."""
+    n = batch[0].shape[0]
+    k = min(n, count_on)
+    batch = tuple(t[:k] for t in batch)
     from torch.utils.flop_counter import FlopCounterMode
 
     from steadydiff.diffusion import diffusion_loss, make_schedule
@@ -198,7 +204,7 @@ def step_flops(cfg, batch: tuple[torch.Tensor, ...], device: torch.device) -> in
         loss = diffusion_loss(model, batch[0], y, make_schedule(cfg.diffusion), cfg.diffusion,
                               gen).loss
         loss.backward()
-    return int(fc.get_total_flops())
+    return int(fc.get_total_flops()) * n // k
 
 
 # --------------------------------------------------------------------------- variants
@@ -299,14 +305,14 @@ def count_cuda_syncs(v, batches: list, pos: dict, n: int, device: torch.device) 
     synchronising call) plus the deliberate ``hostsync`` reads (exempt from the mode)."""
     from steadydiff import hostsync
     _sync(device)
-    before = hostsync.reads()
+    before, mode = hostsync.reads(), torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")  # not once per call site: every sync counts
         torch.cuda.set_sync_debug_mode("warn")
         try:
             v.run(batches, pos[v.name], n)
         finally:
-            torch.cuda.set_sync_debug_mode(0)
+            torch.cuda.set_sync_debug_mode(mode)
     _sync(device)
     pos[v.name] += n
     warned = sum("synchroniz" in str(w.message) for w in caught)
@@ -504,10 +510,22 @@ def main(argv: list[str] | None = None) -> int:
                                              f"{budget:.0f}"})
             continue
         peak = a.peak_tflops or peak_tflops(gpu_name, pr)
-        g = bench_group(cfgs[(m, pr)], compile=c, device=device, batches=batches[m],
-                        flops=flops[m], peak=peak,
-                        allot_s=left * weight(c) / sum(weight(c2) for *_, c2 in plan[k:]),
-                        steps=steps, repeats=repeats, warmup=warmup, max_steps=a.max_steps)
+        try:
+            g = bench_group(cfgs[(m, pr)], compile=c, device=device, batches=batches[m],
+                            flops=flops[m], peak=peak,
+                            allot_s=left * weight(c) / sum(weight(c2) for *_, c2 in plan[k:]),
+                            steps=steps, repeats=repeats, warmup=warmup,
+                            max_steps=a.max_steps)
+        except torch.OutOfMemoryError as e:  # three models' state + one step's activations
+            oom = str(e).splitlines()[0]
+        else:
+            oom = ""
+        if oom:  # out of the except clause: its traceback no longer holds the variants
+            gc.collect()
+            torch.cuda.empty_cache()
+            result["skipped"].append({"model": m, "precision": pr, "compile": c,
+                                      "why": f"out of memory (try --batch-size): {oom}"})
+            continue
         result["groups"].append({"model": m, "precision": pr, "compile": c, **g})
     result["elapsed_s"] = time.perf_counter() - t_start
 
