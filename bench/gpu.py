@@ -188,7 +188,8 @@ def step_flops(cfg, batch: tuple[torch.Tensor, ...], device: torch.device,
     """FLOPs of one forward + backward of ``cfg``'s model on ``batch`` (FlopCounterMode:
     matmuls, convolutions, attention; counted once, on a throw-away eager copy). Every
     counted operation's FLOPs are proportional to the batch, so they are counted on the
-    first ``count_on`` samples and scaled: DiT-B/2's 256 in fp32 would need ~50 GB."""
+    first ``count_on`` samples and scaled (DiT-B/2's 256 at once in fp32 would hold tens of
+    GB of activations)."""
     n = batch[0].shape[0]
     k = min(n, count_on)
     batch = tuple(t[:k] for t in batch)
