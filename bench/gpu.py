@@ -321,10 +321,10 @@ def count_cuda_syncs(v, batches: list, pos: dict, n: int, device: torch.device) 
 
 
 def bench_group(cfg, *, compile: bool, device: torch.device, batches: list, flops: int,
-                peak: float | None, allot_s: float, steps: int | None, repeats: int,
+                peak: float | None, allot_s: float, steps: int, repeats: int,
                 warmup: int, max_steps: int) -> dict[str, Any]:
     """Time bare, off and guard for one (model, precision, compile) of the validated config
-    ``cfg``; ``steps`` None plans the steps per repeat so that the group takes about
+    ``cfg``; ``steps`` 0 plans the steps per repeat so that the group takes about
     ``allot_s`` seconds."""
     from steadydiff import hostsync
     from steadydiff.models import build_model
@@ -349,11 +349,11 @@ def bench_group(cfg, *, compile: bool, device: torch.device, batches: list, flop
         resident[v.name] = (torch.cuda.memory_allocated(device) - a0) if cuda else None
         setup_s[v.name] = time.perf_counter() - t0
         vs.append(v)
-    if steps is None:  # fill the rest of the allotment: R timed runs + one counting run
+    if not steps:  # fill the rest of the allotment: R timed runs + one counting run
         probe = {v.name: _timed(v, batches, pos, 2, device) / 2 for v in vs}
         left = allot_s - (time.perf_counter() - t_group)
         runs = repeats + (1 if cuda else 0)
-        steps = int(max(3, min(max_steps, left / (runs * sum(probe.values())))))
+        steps = int(min(max_steps, max(10, left / (runs * sum(probe.values())))))
     times: dict[str, list[float]] = {v.name: [] for v in vs}
     step_peak: dict[str, float] = {v.name: 0.0 for v in vs}
     reads = {v.name: 0 for v in vs}
@@ -394,10 +394,6 @@ def bench_group(cfg, *, compile: bool, device: torch.device, batches: list, flop
            "batch_size": batch, "flops_per_step": flops, "peak_tflops": peak,
            "log_every": cfg.logging.log_every, "variants": rows, "notes": notes,
            "seconds": time.perf_counter() - t_group}
-    del vs, makers
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
     return out
 
 
@@ -442,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"every model's batch (default: unet {MODELS['unet'][2]}, dit "
                         f"{MODELS['dit'][2]} on a GPU; {TINY_BATCH} tiny)")
     p.add_argument("--steps", type=int, default=None,
-                   help="timed steps per repeat (default: planned to fit --budget-s on "
-                        "CUDA, 3 on a CPU)")
+                   help="timed steps per repeat; 0: planned (at least 10, at most "
+                        "--max-steps) to fit --budget-s (default: 0 on CUDA, 3 on a CPU)")
     p.add_argument("--max-steps", type=int, default=200, help="cap of the planned --steps")
     p.add_argument("--repeats", type=int, default=None, help="timed runs per variant "
                    "(default 5 on CUDA, 2 on a CPU)")
@@ -472,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                 "both": [False, True]}[a.compile]
     repeats = a.repeats or (5 if cuda else 2)
     warmup = a.warmup if a.warmup is not None else (5 if cuda else 1)
-    steps = a.steps if a.steps is not None else (None if cuda else 3)
+    steps = a.steps if a.steps is not None else (0 if cuda else 3)
     budget = a.budget_s or (280.0 if cuda else 60.0)
     models = [m for m in a.models.split(",") if m]
     for m in models:
@@ -521,9 +517,12 @@ def main(argv: list[str] | None = None) -> int:
             oom = str(e).splitlines()[0]
         else:
             oom = ""
-        if oom:  # out of the except clause: its traceback no longer holds the variants
-            gc.collect()
+        # the group's variants are gone (its frame; out of the except clause, the traceback
+        # too): free their memory before the next group builds its own
+        gc.collect()
+        if cuda:
             torch.cuda.empty_cache()
+        if oom:
             result["skipped"].append({"model": m, "precision": pr, "compile": c,
                                       "why": f"out of memory (try --batch-size): {oom}"})
             continue

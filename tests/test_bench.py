@@ -348,8 +348,9 @@ def test_fashion_text_smoke(tmp_path):
 def test_gpu_bench_cpu_tiny():
     """bench/gpu.py on a CPU with tiny models: every group runs its three variants, and the
     figures are the stated functions of the timings and of the FLOP count."""
-    p = _run("gpu.py", "--device", "cpu", "--tiny", "--steps", "1", "--repeats", "2",
-             "--warmup", "0", "--json", timeout=120)
+    # --steps 0: planned from a two-step probe (as on a GPU), here capped at 1
+    p = _run("gpu.py", "--device", "cpu", "--tiny", "--steps", "0", "--max-steps", "1",
+             "--repeats", "2", "--warmup", "0", "--json", timeout=120)
     out = _last_json(p.stdout)
     assert out["bench"] == "gpu" and out["tiny"] is True and out["skipped"] == []
     groups = out["groups"]
