@@ -30,9 +30,10 @@ What is measured, per variant:
 - ms/step and images/s: the median of ``--repeats`` timed runs of ``--steps`` steps (the
   device synchronised around each run); ``--steps`` is planned from a short timed probe so
   that the whole grid fits ``--budget-s``; groups that would not fit are skipped, and said so;
-- host syncs per step: on CUDA counted in one extra untimed run of the same length under
+- host syncs per step: on CUDA counted in one extra untimed run under
   ``torch.cuda.set_sync_debug_mode("warn")`` (each warning one sync) plus the deliberate reads
-  through ``steadydiff.hostsync`` (which lifts the debug mode for them); on every device the
+  through ``steadydiff.hostsync`` (which lifts the debug mode for them), over a multiple of
+  the periodic events' periods (:func:`sync_window`); on every device the
   ``hostsync.reads()`` difference over the timed steps;
 - peak memory (CUDA): the variant's own resident memory (weights, gradients, AdamW moments,
   EMA, guard snapshots: allocated while it was built and warmed up) plus its largest step peak
@@ -320,6 +321,17 @@ def count_cuda_syncs(v, batches: list, pos: dict, n: int, device: torch.device) 
     return warned + hostsync.reads() - before
 
 
+def sync_window(cfg, cap: int = 200) -> int:
+    """Steps of the sync-counting run: a multiple of every periodic host-side event's period
+    (the status tick, the guard's snapshots and, where the key exists, its checks), so that
+    count / steps is their long-run average; the largest period when the multiple is over
+    ``cap``."""
+    periods = [cfg.logging.log_every, cfg.guard.snapshot_every,
+               getattr(cfg.guard, "check_every", 1) or 1]
+    n = math.lcm(*periods)
+    return n if n <= cap else max(periods)
+
+
 def bench_group(cfg, *, compile: bool, device: torch.device, batches: list, flops: int,
                 peak: float | None, allot_s: float, steps: int, repeats: int,
                 warmup: int, max_steps: int) -> dict[str, Any]:
@@ -349,11 +361,12 @@ def bench_group(cfg, *, compile: bool, device: torch.device, batches: list, flop
         resident[v.name] = (torch.cuda.memory_allocated(device) - a0) if cuda else None
         setup_s[v.name] = time.perf_counter() - t0
         vs.append(v)
-    if not steps:  # fill the rest of the allotment: R timed runs + one counting run
+    count_n = sync_window(cfg) if cuda else 0
+    if not steps:  # fill the rest of the allotment: R timed runs + the counting run
         probe = {v.name: _timed(v, batches, pos, 2, device) / 2 for v in vs}
         left = allot_s - (time.perf_counter() - t_group)
-        runs = repeats + (1 if cuda else 0)
-        steps = int(min(max_steps, max(10, left / (runs * sum(probe.values())))))
+        per_variant = left / sum(probe.values()) - count_n  # steps left for each variant
+        steps = int(min(max_steps, max(10, per_variant / repeats)))
     times: dict[str, list[float]] = {v.name: [] for v in vs}
     step_peak: dict[str, float] = {v.name: 0.0 for v in vs}
     reads = {v.name: 0 for v in vs}
@@ -369,7 +382,7 @@ def bench_group(cfg, *, compile: bool, device: torch.device, batches: list, flop
             if cuda:
                 step_peak[v.name] = max(step_peak[v.name],
                                         torch.cuda.max_memory_allocated(device) - a0)
-    syncs = {v.name: count_cuda_syncs(v, batches, pos, steps, device) / steps
+    syncs = {v.name: count_cuda_syncs(v, batches, pos, count_n, device) / count_n
              for v in vs} if cuda else {}
     batch = cfg.train.batch_size
     base = statistics.median(times["bare"])
@@ -392,7 +405,8 @@ def bench_group(cfg, *, compile: bool, device: torch.device, batches: list, flop
     notes = sorted({v.compile_note for v in vs if getattr(v, "compile_note", "")})
     out = {"steps_per_repeat": steps, "repeats": repeats, "warmup": warmup,
            "batch_size": batch, "flops_per_step": flops, "peak_tflops": peak,
-           "log_every": cfg.logging.log_every, "variants": rows, "notes": notes,
+           "log_every": cfg.logging.log_every, "sync_count_steps": count_n or None,
+           "variants": rows, "notes": notes,
            "seconds": time.perf_counter() - t_group}
     return out
 

@@ -405,3 +405,25 @@ def test_gpu_bench_peak_table_matches_device_names():
     assert gpu.peak_tflops("NVIDIA H100 80GB HBM3", "fp32") is None
     assert gpu.peak_tflops("Some Future GPU", "bf16") is None and gpu.peak_tflops(None, "bf16") \
         is None
+
+
+def test_gpu_bench_sync_window_spans_every_period():
+    """The CUDA sync count runs over a multiple of every periodic event's period, so that
+    syncs per step is their long-run average and not the luck of one window."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(BENCH))
+    from steadydiff.config import replace
+    for name in gpu.MODELS:
+        cfg = gpu.model_cfg(name, tiny=True, batch=None, precision="fp32", device="cpu")
+        n = gpu.sync_window(cfg)
+        periods = [cfg.logging.log_every, cfg.guard.snapshot_every,
+                   getattr(cfg.guard, "check_every", 1)]
+        assert all(n % p == 0 for p in periods) or n == max(periods), (name, n, periods)
+    cfg = replace(gpu.model_cfg("dit", tiny=True, batch=None, precision="fp32", device="cpu"),
+                  {"logging.log_every": 25, "guard.snapshot_every": 40})
+    assert gpu.sync_window(cfg) % 200 == 0 or gpu.sync_window(cfg) == 40
+    cfg = replace(cfg, {"logging.log_every": 7, "guard.snapshot_every": 50})
+    assert gpu.sync_window(cfg) == 50  # lcm 350 is over the cap: the longest period
