@@ -45,8 +45,11 @@ What is measured, per variant:
   peak (:data:`PEAK_TFLOPS`, or ``--peak-tflops``); on a CPU the achieved GFLOP/s only.
 
 Compile: the bare loop compiles its model (``model.compile()``); the trainer variants use
-``train.compile`` where this version's config has that key, and otherwise the bench compiles
-``state.model`` itself the same way (``compile_source`` in the JSON says which).
+``train.compile`` where this version's config has that key (set up as ``loop.run`` does, by
+``trainer.compilation.compile_forward``: the training forward and backward compiled, the
+guard's replays and probes on the plain module), and otherwise the bench compiles the whole
+``state.model`` in place (``compile_source`` in the JSON says which; the table marks it
+``on (bench)``).
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ MODELS: dict[str, tuple[Path, dict[str, Any], int]] = {
     "dit": (REPO / "configs" / "dit.yaml",
             {"model.dit.preset": "B", "model.dit.patch_size": 2, "model.num_classes": 1000}, 256),
 }
-# --tiny: a few thousand parameters' worth of each shape, for a CPU (CI) in seconds
+# --tiny: narrow, shallow versions of each shape, for a CPU (CI) in seconds
 TINY: dict[str, dict[str, Any]] = {
     "unet": {"model.unet.channels": 8, "model.unet.channel_mult": [1, 2],
              "model.unet.num_res_blocks": 1, "model.unet.attention_resolutions": [8],
@@ -91,14 +94,15 @@ TINY_SIZE, TINY_BATCH = 16, 8
 SIZE = 32
 
 # Dense (no 2:4 sparsity) tensor-core peak TFLOPS, bf16 and fp16 with fp32 accumulation, from
-# the vendors' datasheets and architecture whitepapers; None: no native support. First match
-# of the regular expression in torch.cuda.get_device_name() wins (so PCIe/NVL before SXM).
+# the vendors' datasheets and architecture whitepapers (half the "with sparsity" figure where
+# a datasheet gives only that); None: no native support. First match of the regular
+# expression in torch.cuda.get_device_name() wins (so PCIe/NVL before SXM).
 PEAK_TFLOPS: list[tuple[str, float | None, float | None]] = [
-    (r"H100.*PCIe", 756.0, 756.0),
+    (r"H100.*PCIe", 756.5, 756.5),
     (r"H100.*NVL", 835.5, 835.5),
-    (r"H100|GH200", 989.4, 989.4),      # SXM5 ("H100 80GB HBM3")
+    (r"H100|GH200", 989.5, 989.5),      # SXM5 ("H100 80GB HBM3")
     (r"H200.*NVL", 835.5, 835.5),
-    (r"H200", 989.4, 989.4),            # SXM
+    (r"H200", 989.5, 989.5),            # SXM
     (r"A100", 312.0, 312.0),            # SXM4 and PCIe alike
     (r"L40S", 362.0, 362.0),
     (r"\bL4\b", 121.0, 121.0),
@@ -149,11 +153,6 @@ def model_cfg(name: str, *, tiny: bool, batch: int | None, precision: str, devic
 
 def has_compile_key(cfg) -> bool:
     return "compile" in type(cfg.train).model_fields
-
-
-def is_compiled(model: torch.nn.Module) -> bool:
-    return (getattr(model, "_compiled_call_impl", None) is not None
-            or isinstance(model, torch._dynamo.eval_frame.OptimizedModule))
 
 
 def make_batches(cfg, n: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
@@ -220,7 +219,6 @@ class Bare(BareVariant):
         self.precision = cfg.train.precision
         self.scaler = torch.amp.GradScaler(device.type) if self.precision == "fp16" else None
         self.conditional = cfg.model.num_classes > 0
-        self.interventions = 0  # a bare loop does not intervene (fp16: the scaler skips)
         self.compile_source = "bench" if compile else None
         if compile:
             self.model.compile()  # in place: the state dict keeps its keys
@@ -260,29 +258,40 @@ class Bare(BareVariant):
 
 
 class Trainer(TrainerVariant):
-    """steadydiff's step (bench/throughput.py's ``TrainerVariant``), optionally compiled."""
+    """steadydiff's step: bench/throughput.py's ``TrainerVariant`` (its ``run`` is the loop
+    body of ``loop.run``), set up here on the latent config, which ``replace`` (in
+    ``TrainerVariant.__init__``) would refuse; optionally compiled."""
+
+    strict = False  # count fp16's scaler skips, do not fail on them
 
     def __init__(self, cfg, device: torch.device, init_state: dict, guard: bool,
                  compile: bool):
-        from steadydiff.config import ConfigError, replace
+        from tqdm import tqdm
+
+        from steadydiff.config import replace
+        from steadydiff.trainer import loop, telemetry
         changes: dict[str, Any] = {"guard.enabled": guard}
-        self.compile_source: str | None = None
-        self.compile_note = ""
         if compile and has_compile_key(cfg):
-            try:
-                cfg = replace(cfg, {**changes, "train.compile": True})
-                changes = {}
-            except ConfigError as e:
-                self.compile_note = f"train.compile=true refused ({e}); compiled by the bench"
-        if changes:
-            cfg = replace(cfg, changes)
-        self._build(latent_cfg(cfg), device, init_state, strict=False)
+            changes["train.compile"] = True
+        cfg = self.cfg = latent_cfg(replace(cfg, changes))
+        self.loop, self.telemetry, self.name = loop, telemetry, "guard" if guard else "off"
+        state = self.state = loop.build_state(cfg, cfg.model.num_classes, device)
+        state.model.load_state_dict(init_state)
+        state.ema.module.load_state_dict(init_state)
+        self.compile_source: str | None = None
         if compile:
-            if is_compiled(self.state.model):
+            if "train.compile" in changes:  # as loop.run sets it up (after any DDP wrap)
+                from steadydiff.trainer.compilation import compile_forward
+                compile_forward(state)
                 self.compile_source = "train.compile"
-            else:  # no train.compile in this version, or build_state does not apply it
-                self.state.model.compile()
+            else:  # this version has no train.compile: the whole model, in place
+                state.model.compile()
                 self.compile_source = "bench"
+        loop.attach_guard(state, None)  # None when the guard is off
+        self.window: list = []
+        self.tick = time.perf_counter()
+        self.sink = open(os.devnull, "w")
+        self.bar = tqdm(total=10**9, file=self.sink, dynamic_ncols=False, desc="train")
 
 
 # --------------------------------------------------------------------------- one group
@@ -402,11 +411,10 @@ def bench_group(cfg, *, compile: bool, device: torch.device, batches: list, flop
             "setup_s": setup_s[v.name], "compile_source": v.compile_source,
             "interventions": v.interventions,
         })
-    notes = sorted({v.compile_note for v in vs if getattr(v, "compile_note", "")})
     out = {"steps_per_repeat": steps, "repeats": repeats, "warmup": warmup,
            "batch_size": batch, "flops_per_step": flops, "peak_tflops": peak,
            "log_every": cfg.logging.log_every, "sync_count_steps": count_n or None,
-           "variants": rows, "notes": notes,
+           "variants": rows,
            "seconds": time.perf_counter() - t_group}
     return out
 
@@ -553,8 +561,6 @@ def main(argv: list[str] | None = None) -> int:
           "peak" + ("" if cuda or a.peak_tflops else " (n/a: no peak for a CPU; "
                                                      "--peak-tflops)"))
     for g in result["groups"]:
-        for n in g["notes"]:
-            print(f"note ({g['model']} {g['precision']}): {n}")
         if any(r["interventions"] for r in g["variants"]):
             print(f"note ({g['model']} {g['precision']} compile={g['compile']}): steps not "
                   "applied: " + ", ".join(f"{r['variant']} {r['interventions']}"

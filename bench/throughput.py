@@ -108,6 +108,10 @@ class Variant:
     """One training loop, advanced ``n`` steps at a time over a shared list of batches."""
 
     name: str
+    # strict: a step the guard did not apply is an error (a clean fp32 run has none);
+    # otherwise it is counted (bench/gpu.py: fp16's scaler skips while its scale calibrates)
+    strict = True
+    interventions = 0
 
     def run(self, batches: list, start: int, n: int) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -117,22 +121,15 @@ class TrainerVariant(Variant):
     """steadydiff's ``train_step`` plus the per-step bookkeeping of ``loop.run``."""
 
     def __init__(self, cfg, device: torch.device, init_state: dict, guard: bool):
-        from steadydiff.config import replace
-        self._build(replace(cfg, {"guard.enabled": guard}), device, init_state)
-
-    def _build(self, cfg, device: torch.device, init_state: dict,
-               strict: bool = True) -> None:
-        """The state for ``cfg`` (whose ``guard.enabled`` names the variant). ``strict``: a
-        step the guard did not apply is an error (a clean fp32 run has none); otherwise it is
-        counted in ``interventions`` (fp16's scaler skips while its scale calibrates)."""
         from tqdm import tqdm
 
+        from steadydiff.config import replace
         from steadydiff.trainer import loop
-        self.loop, self.strict, self.interventions = loop, strict, 0
-        self.name = "guard" if cfg.guard.enabled else "off"
-        self.cfg = cfg
+        self.loop = loop
+        self.name = "guard" if guard else "off"
+        cfg = self.cfg = replace(cfg, {"guard.enabled": guard})
         self.state = loop.build_state(cfg, cfg.model.num_classes, device)
-        getattr(self.state.model, "_orig_mod", self.state.model).load_state_dict(init_state)
+        self.state.model.load_state_dict(init_state)
         self.state.ema.module.load_state_dict(init_state)
         loop.attach_guard(self.state, None)  # None when the guard is off
         self.window: list = []

@@ -393,8 +393,8 @@ def test_gpu_bench_peak_table_matches_device_names():
         import gpu
     finally:
         sys.path.remove(str(BENCH))
-    names = {"NVIDIA H100 80GB HBM3": 989.4, "NVIDIA H100 PCIe": 756.0,
-             "NVIDIA H100 NVL": 835.5, "NVIDIA H200": 989.4, "NVIDIA A100-SXM4-80GB": 312.0,
+    names = {"NVIDIA H100 80GB HBM3": 989.5, "NVIDIA H100 PCIe": 756.5,
+             "NVIDIA H100 NVL": 835.5, "NVIDIA H200": 989.5, "NVIDIA A100-SXM4-80GB": 312.0,
              "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA A10": 125.0, "NVIDIA L4": 121.0,
              "NVIDIA L40S": 362.0, "NVIDIA GeForce RTX 4090": 165.2}
     for name, tflops in names.items():
