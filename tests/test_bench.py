@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import math
+import statistics
 
 import pytest
 
@@ -43,7 +44,7 @@ def _last_json(stdout: str) -> dict:
                                     "logging_overhead.py", "eval_samplers.py",
                                     "eval_sanity.py", "eval_curves.py", "posthoc_ema.py",
                                     "grow_resolution.py", "sd_overhead.py", "sd_faults.py",
-                                    "fashion_text.py"])
+                                    "fashion_text.py", "gpu.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -342,3 +343,87 @@ def test_fashion_text_smoke(tmp_path):
     assert len(out["feature_net"]["real_test"]["per_class"]) == 10
     again = _last_json(_run("fashion_text.py", *args[:-1], "--rows", "pixel", "--json").stdout)
     assert again["rows"]["pixel"] == out["rows"]["pixel"]  # reported from OUT/pixel.json
+
+
+def test_gpu_bench_cpu_tiny():
+    """bench/gpu.py on a CPU with tiny models: every group runs its three variants, and the
+    figures are the stated functions of the timings and of the FLOP count."""
+    # --steps 0: planned from a two-step probe (as on a GPU), here capped at 1
+    p = _run("gpu.py", "--device", "cpu", "--tiny", "--steps", "0", "--max-steps", "1",
+             "--repeats", "2", "--warmup", "0", "--json", timeout=120)
+    out = _last_json(p.stdout)
+    assert out["bench"] == "gpu" and out["tiny"] is True and out["skipped"] == []
+    groups = out["groups"]
+    assert [(g["model"], g["precision"], g["compile"]) for g in groups] == \
+        [("unet", "fp32", False), ("dit", "fp32", False)]
+    for g in groups:
+        rows = {r["variant"]: r for r in g["variants"]}
+        assert list(rows) == ["bare", "off", "guard"]
+        assert g["steps_per_repeat"] == 1 and g["repeats"] == 2 and g["batch_size"] == 8
+        for r in rows.values():
+            assert len(r["repeats_ms_per_step"]) == 2
+            assert r["ms_per_step"] == pytest.approx(statistics.median(
+                r["repeats_ms_per_step"]), rel=1e-9) and 0 < r["ms_per_step"] < 60_000
+            assert r["images_per_sec"] == pytest.approx(8e3 / r["ms_per_step"], rel=1e-9)
+            ratio = r["ms_per_step"] / rows["bare"]["ms_per_step"]
+            assert math.isfinite(r["ratio_vs_bare"]) and r["ratio_vs_bare"] == \
+                pytest.approx(ratio, rel=1e-9)
+            assert r["achieved_tflops"] == pytest.approx(
+                g["flops_per_step"] / r["ms_per_step"] * 1e-9, rel=1e-9)
+            assert r["hostsync_reads_per_step"] >= 0 and r["interventions"] == 0
+            # CPU: no sync-debug count, no allocator peak, no datasheet peak for MFU
+            assert r["cuda_syncs_per_step"] is None and r["peak_mib"] is None
+            assert r["mfu"] is None and r["compile_source"] is None
+        assert rows["bare"]["ratio_vs_bare"] == 1.0
+    # FLOPs of one forward + backward of the tiny DiT (B=8, 64 tokens of width 64, depth 2):
+    # 3x (2 x 12 d^2 per token of the linears) + 3.5x the attention's 4 T^2 d (FlopCounter's
+    # backward counts 2.5 forwards), +2.4% for adaLN, embeddings and the final layer
+    b, t, d, depth = 8, 64, 64, 2
+    dominant = (6 * b * t * 12 * d * d + 14 * b * t * t * d) * depth
+    assert 1.0 < out["flops_per_step"]["dit"] / dominant < 1.05
+    assert out["flops_per_step"]["unet"] > 0
+    assert "| variant | model | precision | compile | ms/step |" in p.stdout  # Markdown
+
+
+def test_gpu_bench_peak_table_matches_device_names():
+    """torch.cuda.get_device_name() strings -> the datasheet peak: the first match wins, so
+    the PCIe/NVL rows must come before the SXM ones, and A10 must not take an A100."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(BENCH))
+    names = {"NVIDIA H100 80GB HBM3": 989.5, "NVIDIA H100 PCIe": 756.5,
+             "NVIDIA H100 NVL": 835.5, "NVIDIA H200": 989.5, "NVIDIA A100-SXM4-80GB": 312.0,
+             "NVIDIA A100 80GB PCIe": 312.0, "NVIDIA A10": 125.0, "NVIDIA L4": 121.0,
+             "NVIDIA L40S": 362.0, "NVIDIA GeForce RTX 4090": 165.2}
+    for name, tflops in names.items():
+        assert gpu.peak_tflops(name, "bf16") == tflops, name
+    assert gpu.peak_tflops("Tesla V100-SXM2-32GB", "fp16") == 125.0
+    assert gpu.peak_tflops("Tesla V100-PCIE-16GB", "fp16") == 112.0
+    assert gpu.peak_tflops("Tesla V100-SXM2-32GB", "bf16") is None  # no native bf16
+    assert gpu.peak_tflops("NVIDIA H100 80GB HBM3", "fp32") is None
+    assert gpu.peak_tflops("Some Future GPU", "bf16") is None and gpu.peak_tflops(None, "bf16") \
+        is None
+
+
+def test_gpu_bench_sync_window_spans_every_period():
+    """The CUDA sync count runs over a multiple of every periodic event's period, so that
+    syncs per step is their long-run average and not the luck of one window."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import gpu
+    finally:
+        sys.path.remove(str(BENCH))
+    from steadydiff.config import replace
+    for name in gpu.MODELS:
+        cfg = gpu.model_cfg(name, tiny=True, batch=None, precision="fp32", device="cpu")
+        n = gpu.sync_window(cfg)
+        periods = [cfg.logging.log_every, cfg.guard.snapshot_every,
+                   getattr(cfg.guard, "check_every", 1)]
+        assert all(n % p == 0 for p in periods) or n == max(periods), (name, n, periods)
+    cfg = replace(gpu.model_cfg("dit", tiny=True, batch=None, precision="fp32", device="cpu"),
+                  {"logging.log_every": 25, "guard.snapshot_every": 40})
+    assert gpu.sync_window(cfg) % 200 == 0 or gpu.sync_window(cfg) == 40
+    cfg = replace(cfg, {"logging.log_every": 7, "guard.snapshot_every": 50})
+    assert gpu.sync_window(cfg) == 50  # lcm 350 is over the cap: the longest period
