@@ -287,7 +287,7 @@ class Trainer(TrainerVariant):
             else:  # this version has no train.compile: the whole model, in place
                 state.model.compile()
                 self.compile_source = "bench"
-        loop.attach_guard(state, None)  # None when the guard is off
+        loop.attach_guard(state, None, defer=True)  # None when off; deferred, as loop.run runs it
         self.window: list = []
         self.tick = time.perf_counter()
         self.sink = open(os.devnull, "w")
