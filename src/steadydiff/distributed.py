@@ -105,8 +105,27 @@ def _context_of_group() -> DistContext:
     return DistContext(dist.get_rank(), dist.get_world_size())
 
 
+_control: Any = None  # the gloo group of control_group() (None: not made yet)
+
+
+def control_group() -> Any:
+    """The process group for the loop's host-side agreements (stop signals, the time
+    budget's clock): a gloo group, so they are CPU all-reduces that never wait for the GPU
+    (an NCCL all-reduce's result read on the host would drain the launch queue every step).
+    The default group when it is gloo already. Made on first use, which every rank reaches
+    at the same point of the loop (its first pass)."""
+    global _control
+    if dist.get_backend() == "gloo":
+        return None
+    if _control is None:
+        _control = dist.new_group(backend="gloo")
+    return _control
+
+
 def teardown() -> None:
     """Leave the process group (at the end of a run, or on the way out of a failure)."""
+    global _control
+    _control = None
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()

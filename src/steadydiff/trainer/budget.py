@@ -20,11 +20,10 @@ The clock is the host's (:func:`now`, monotonic): no device sync is added. On a 
 host runs ahead of the device by at most its launch queue; a pause whose work syncs anyway
 (a checkpoint copies the weights) may absorb that queue's tail, a small fraction of a step.
 
-Under torchrun every rank records the same value: the loop's agreement
-(:meth:`~steadydiff.trainer.preempt.StopSignals.agreed`, every ``guard.check_every`` steps,
-so that steady steps make no host read) takes the largest of the ranks' clocks, in the same
-all-reduce as the stop signals, so every rank computes the same LR and stops at the same
-step; between agreements the recorded seconds (and the LR's progress) stand still.
+Under torchrun every rank records the same value: the loop's one per-step agreement
+(:meth:`~steadydiff.trainer.preempt.StopSignals.agreed`, a CPU all-reduce on a gloo group:
+no device sync) takes the largest of the ranks' clocks, in the same all-reduce as the stop
+signals, so every rank computes the same LR and stops at the same step.
 """
 
 from __future__ import annotations

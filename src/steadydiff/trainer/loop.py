@@ -809,17 +809,12 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     try:
         with out:
             stepped = False  # a step was trained since the last pass: something to report
-            agree_every = guard.check_every if guard is not None else 1
             while True:
                 # a signal on any rank stops every rank here, and every rank records the same
                 # training seconds (the time budget and its LR): under torchrun one tiny
-                # all-reduce, read on the host, every guard.check_every steps (the clock
-                # keeps counting in between; single process: every step, no collective)
-                if not distributed.active() or state.step % agree_every == 0:
-                    stop, state.train_seconds = signals.agreed(
-                        device, state.train_seconds + out.clock.lap())
-                else:
-                    stop = None
+                # all-reduce per step, on the CPU (a gloo group: no device sync)
+                stop, state.train_seconds = signals.agreed(
+                    device, state.train_seconds + out.clock.lap())
                 done = (state.step >= cfg.train.steps or state.evaluator.stopped
                         or budget.spent(state))
                 stop = None if done else stop

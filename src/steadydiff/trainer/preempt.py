@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import distributed, hostsync
+from .. import distributed
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 # exit status of a run stopped by one of STOP_SIGNALS after writing its checkpoint
@@ -107,15 +107,14 @@ class StopSignals:
         """What every rank acts on: the stop request, the largest signal number any rank
         has received (None: no stop), and the training seconds, the largest of the ranks'
         ``seconds`` (the time budget's clock, trainer/budget.py). Single process: this
-        process's values, no collective. Under torchrun: one all-reduce of two float64s, on
-        ``device`` (NCCL needs a CUDA tensor; reading it back is a host sync: the loop agrees
-        every ``guard.check_every`` steps)."""
+        process's values, no collective. Under torchrun: one all-reduce of two float64s on
+        the CPU (``distributed.control_group``, gloo: no device sync under NCCL either).
+        ``device`` is kept for callers; the agreement does not touch it."""
         if not distributed.active():
             return self.requested, seconds
-        flag = torch.tensor([self.requested or 0, seconds], dtype=torch.float64,
-                            device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        signum, agreed_seconds = hostsync.values(flag)  # host read
+        flag = torch.tensor([self.requested or 0, seconds], dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=distributed.control_group())
+        signum, agreed_seconds = flag.tolist()  # a CPU tensor: no device read
         return int(signum) or None, agreed_seconds
 
 
