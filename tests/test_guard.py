@@ -29,6 +29,7 @@ from steadydiff.guard import Guard, GuardAbort, clipping, probes, provenance
 from steadydiff.guard.detectors import BucketLossSpike, Divergence, GradSpike, RunningStats
 from steadydiff.models import build_model
 from steadydiff.trainer import checkpoint as ckpt
+from steadydiff.trainer import speed
 from steadydiff.trainer.loop import attach_guard, build_state, configure_runtime, \
     handle_decision, train_step
 from steadydiff.trainer.optim import lr_at
@@ -558,8 +559,9 @@ def test_faults_leave_the_config_unchanged(tmp_path):
     assert res.steps == 3 and [r["action"] for r in incidents(tmp_path / "run")] == [
         "microbatch_backoff"]
     assert cfg.to_dict() == before and cfg.faults[0].factor == 0
-    assert ckpt.load_checkpoint(res.checkpoint).state["config"] == before
-    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text()) == before
+    saved = speed.resolve(cfg, torch.device("cpu"))[0].to_dict()  # its `auto`s resolved only
+    assert ckpt.load_checkpoint(res.checkpoint).state["config"] == saved
+    assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text()) == saved
 
     faults = tiny(faults=[{"kind": "oom", "step": 0}, {"kind": "outlier_batch", "step": 0}]).faults
     inj = FaultInjector(faults)

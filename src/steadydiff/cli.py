@@ -229,19 +229,26 @@ def cmd_train(a: argparse.Namespace) -> int:
                           "starts fresh)")
     cfg = load_config(a.config, a.overrides)
     if a.dry_run:
+        from .devices import resolve_device
         from .lint import lint_report
         from .preflight import check, resolve
+        from .trainer import speed
 
         if a.grow_resolution:  # the config the grown run would train with
             cfg = _grown_config(cfg, a)
         cfg, notes = resolve(cfg)  # what an SD folder's scheduler decides
         for note in notes:
             print(f"stable diffusion: {note}", file=sys.stderr)
+        device = resolve_device(cfg.train.device, what="train.device")
+        cfg, chosen = speed.resolve(cfg, device)  # the `auto` speed settings, as a run would
 
-        pre = check(cfg)  # what a run checks before its first step: fails the same way
+        # what a run checks before its first step: fails the same way
+        pre = check(cfg, device=device)
         print(cfg.to_yaml(), end="")
         # stdout stays valid YAML: the summary is a comment
-        print("".join(f"# {line}\n" for line in ["dry run: ok", *pre.header(cfg)]), end="")
+        print("".join(f"# {line}\n" for line in ["dry run: ok", *pre.header(cfg),
+                                                   *([speed.describe(chosen, device)]
+                                                     if chosen else [])]), end="")
         # stderr, like the trainer's own warnings
         print(lint_report(cfg, pre.device), end="", file=sys.stderr)
         return EXIT_OK

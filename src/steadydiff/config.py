@@ -28,16 +28,26 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       ValidationInfo, field_validator, model_validator)
 
 from .durations import parse_duration
-from .kinds import (LABELLED_DATASETS, AdapterKind, CaptionSource, Channels, MissingCaption, ClipMode, DatasetName,
+from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, CaptionSource, Channels, MissingCaption, ClipMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, LossWeighting,
-                    LRSchedule, ModelKind, OnSaveError, Precision, Prediction, SamplerName,
-                    ScheduleName, TimestepSampling)
+                    LRSchedule, ModelKind, OnSaveError, Precision, PrecisionSetting,
+                    Prediction, SamplerName, ScheduleName, TimestepSampling)
 
 
 # Counts and switches are strict: YAML's `true` is not the integer 1, nor 1 the boolean true,
 # and 2.5 steps is not 2. Float fields stay lax, so `lr: 1` is 1.0.
 Int = StrictInt
 Bool = StrictBool
+# A speed switch: on, off, or ``auto`` (chosen for the device at the start of a run by
+# trainer/speed.py; docs/speed.md has each one's choice on the CPU and on CUDA).
+AutoBool = Auto | Bool
+
+
+def _auto_bool(v: Any) -> Any:
+    # one message instead of pydantic's two (one per member of the union)
+    if v == "auto" or isinstance(v, bool):
+        return v
+    raise ValueError(f"expected auto, true or false, got {v!r}")
 
 # sigma_rel of the power-function EMA with gamma = 0 (a uniform average over the whole run):
 # sigma_rel^2 = (gamma+1) / ((gamma+2)^2 (gamma+3)) = 1/12 there, and below it for gamma > 0
@@ -135,6 +145,12 @@ class DataConfig(Section):
         True, description="latent-space models: keep the latents (encoded once, before "
         "training, each checked finite) in data.cache_dir for later runs; false: in memory "
         "for this run only")
+    pin_memory: AutoBool = Field(
+        "auto", description="page-locked batches, so the host-to-GPU copy of each batch "
+        "(images, labels, text contexts) runs without blocking the host; auto: on for CUDA, "
+        "off on the CPU (docs/speed.md)")
+
+    _pin_memory = field_validator("pin_memory", mode="before")(_auto_bool)
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
@@ -272,6 +288,13 @@ class OptimConfig(Section):
         "max ratio |g|/|w| per unit (agc); zclip: the max norm while its statistics warm up "
         "(its z-threshold is guard.grad_z); 0 disables clipping")
     clip_mode: ClipMode = "global"
+    fused: AutoBool = Field(
+        "auto", description="torch's fused AdamW kernel (one kernel for all parameters; the "
+        "grad scaler's inf check is applied inside it); auto: fused wherever torch has the "
+        "kernel (CUDA, and the CPU, where its step measured 2.4-5x faster than torch's "
+        "per-parameter loop); false: torch's default implementation (docs/speed.md)")
+
+    _fused = field_validator("fused", mode="before")(_auto_bool)
 
     @model_validator(mode="after")
     def _check(self) -> "OptimConfig":
@@ -292,9 +315,20 @@ class TrainConfig(Section):
     checkpoint_every: Int = Field(500, ge=0, description="0: only at the end")
     keep_checkpoints: Int = Field(3, ge=1, le=1000)
     sample_every: Int = Field(500, ge=0, description="0: only at the end")
-    precision: Precision = "fp32"
+    precision: PrecisionSetting = Field(
+        "auto", description="autocast dtype of the forward pass (weights and optimizer stay "
+        "fp32); auto: bf16 on a GPU with native bf16, else fp16 with the grad scaler on "
+        "CUDA, fp32 on the CPU; resolved once at start and printed (docs/speed.md)")
     allow_slow_precision: Bool = Field(
         False, description="run bf16/fp16 on a device without native support anyway")
+    channels_last: AutoBool = Field(
+        "auto", description="convolution weights and input batches in channels-last (NHWC) "
+        "memory format, which cuDNN's tensor-core convolutions run fastest in; auto: on "
+        "for convolutional models (UNets) on CUDA, off on the CPU and for DiT "
+        "(docs/speed.md)")
+    tf32: Bool = Field(
+        True, description="CUDA: let fp32 matmuls and convolutions use TF32 tensor cores "
+        "(10-bit mantissa inputs, fp32 accumulation); no effect on the CPU (docs/speed.md)")
     device: DeviceName = "auto"
     deterministic: Bool = False
     num_threads: Int = Field(0, ge=0, le=1024, description="torch CPU threads; 0: torch default")
@@ -333,6 +367,8 @@ class TrainConfig(Section):
     @classmethod
     def _duration(cls, v: Any) -> float | None:
         return None if v is None else parse_duration(v)
+
+    _channels_last = field_validator("channels_last", mode="before")(_auto_bool)
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
@@ -622,7 +658,9 @@ class Config(Section):
             raise ValueError("data.hflip flips images, but a latent-space model trains on "
                              "latents encoded once, before the first step: set "
                              "data.hflip=false (or flip the image files themselves)")
-        if a.kind != "none" and a.base_precision not in ("fp32", self.train.precision):
+        # (train.precision=auto is checked once resolved: trainer/speed.py validates again)
+        if a.kind != "none" and self.train.precision != "auto" \
+                and a.base_precision not in ("fp32", self.train.precision):
             raise ValueError(
                 f"adapter.base_precision={a.base_precision} needs autocast in that dtype: set "
                 f"train.precision={a.base_precision} (now {self.train.precision}), or "

@@ -90,6 +90,16 @@ CLIP_MODES: tuple[ClipMode, ...] = get_args(ClipMode)
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
+# ``train.precision`` also takes ``auto``, resolved once per run to a :data:`Precision` on
+# the device (trainer/speed.py: bf16 where native, else fp16 on CUDA; fp32 on the CPU).
+PrecisionSetting = Literal["auto", "fp32", "bf16", "fp16"]
+PRECISION_SETTINGS: tuple[PrecisionSetting, ...] = get_args(PrecisionSetting)
+
+# The third value of an on/off speed switch (optim.fused, train.channels_last,
+# data.pin_memory): chosen for the device at the start of a run (trainer/speed.py).
+Auto = Literal["auto"]
+AUTO: tuple[Auto, ...] = get_args(Auto)
+
 DeviceName = Literal["auto", "cpu", "cuda"]
 DEVICE_NAMES: tuple[DeviceName, ...] = get_args(DeviceName)
 
@@ -121,7 +131,8 @@ FAULT_WHERES: tuple[FaultWhere, ...] = get_args(FaultWhere)
 __all__ = [
     "ADAPTER_KINDS", "CAPTION_SOURCES", "CHANNELS", "MISSING_CAPTIONS", "CLIP_MODES", "DATASETS", "DEVICE_NAMES", "DIT_PRESETS",
     "EVAL_METRICS", "FAULT_KINDS", "FAULT_WHERES", "LABELLED_DATASETS", "LOSS_WEIGHTINGS",
-    "LR_SCHEDULES", "MODEL_KINDS", "ON_SAVE_ERRORS", "PRECISIONS", "PREDICTIONS",
+    "LR_SCHEDULES", "MODEL_KINDS", "ON_SAVE_ERRORS", "PRECISIONS", "PRECISION_SETTINGS",
+    "PREDICTIONS", "AUTO", "Auto", "PrecisionSetting",
     "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS",
     "AdapterKind", "CaptionSource", "Channels", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
     "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "LabelledDataset", "LossWeighting",

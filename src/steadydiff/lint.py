@@ -59,6 +59,17 @@ class LintCheck:
 # --------------------------------------------------------------------------- the checks
 
 
+def _precision(cfg: Config, dev: "torch.device | None") -> str:
+    """``train.precision``, with ``auto`` resolved when the device is known (the trainer
+    lints the resolved config; a caller may pass an unresolved one)."""
+    p = cfg.train.precision
+    if p != "auto" or dev is None:
+        return p
+    from .trainer.speed import resolve_precision  # deferred: --dry-run stays torch-free
+
+    return resolve_precision(p, dev)
+
+
 def _lr_high(cfg: Config, _dev) -> str | None:
     kind, lr = cfg.model.kind, cfg.optim.lr
     limit = LR_CEILING[kind]
@@ -98,16 +109,16 @@ def _clip_off(cfg: Config, _dev) -> str | None:
             "that clipping hurts")
 
 
-def _fp16_unguarded(cfg: Config, _dev) -> str | None:
-    if cfg.train.precision != "fp16" or cfg.guard.enabled:
+def _fp16_unguarded(cfg: Config, dev) -> str | None:
+    if _precision(cfg, dev) != "fp16" or cfg.guard.enabled:
         return None
     return ("train.precision=fp16 with guard.enabled=false: fp16 overflows at 65504, and "
             "without the guard a persistent overflow is skipped step after step by the grad "
             "scaler with no precision fallback and no report; enable the guard or use bf16")
 
 
-def _fp16_attention(cfg: Config, _dev) -> str | None:
-    if cfg.train.precision != "fp16" or cfg.model.qk_norm or cfg.model.upcast_attention:
+def _fp16_attention(cfg: Config, dev) -> str | None:
+    if _precision(cfg, dev) != "fp16" or cfg.model.qk_norm or cfg.model.upcast_attention:
         return None
     if cfg.model.kind == "unet" and not cfg.model.unet.attention_resolutions:
         return None  # no attention layers
@@ -117,8 +128,8 @@ def _fp16_attention(cfg: Config, _dev) -> str | None:
             "in fp32; the guard does it per layer after an overflow), or use bf16")
 
 
-def _norm_eps_low(cfg: Config, _dev) -> str | None:
-    p = cfg.train.precision
+def _norm_eps_low(cfg: Config, dev) -> str | None:
+    p = _precision(cfg, dev)
     floor = NORM_EPS_FLOOR.get(p)
     if floor is None:
         return None
@@ -223,7 +234,7 @@ def _hflip_digits(cfg: Config, _dev) -> str | None:
 
 
 def _emulated_precision(cfg: Config, dev: "torch.device | None") -> str | None:
-    p = cfg.train.precision
+    p = _precision(cfg, dev)
     if dev is None or p == "fp32" or not cfg.train.allow_slow_precision:
         return None  # unknown device, or the trainer refuses outright (a clear error)
     from .trainer.precision import native_support  # deferred: --dry-run stays torch-free
@@ -234,6 +245,57 @@ def _emulated_precision(cfg: Config, dev: "torch.device | None") -> str | None:
             f"than fp32 for matmuls, ~150x for a whole fp16 UNet step measured on a 2-core CPU) "
             f"and is allowed only by "
             f"train.allow_slow_precision=true; use fp32 here, or a device with native {p}")
+
+
+# ---- speed on CUDA: a big speed-up left off (docs/speed.md). Each needs the device, so
+# --dry-run on a machine without the GPU stays quiet; torch is imported only then.
+# Rates of one A100 (NVIDIA's A100 datasheet, dense): fp32 19.5 TFLOPS, TF32 156, bf16 312.
+
+
+def _cuda_tensor_cores(dev: "torch.device | None") -> bool:
+    """A CUDA device with bf16/TF32 tensor cores (Ampere or later, or ROCm)."""
+    if dev is None or dev.type != "cuda":
+        return False
+    from .trainer.precision import native_support  # deferred: --dry-run stays torch-free
+
+    return native_support("bf16", dev)
+
+
+def _speed_precision(cfg: Config, dev: "torch.device | None") -> str | None:
+    if not _cuda_tensor_cores(dev) or _precision(cfg, dev) != "fp32":
+        return None
+    return ("train.precision=fp32 on a GPU with native bf16: bf16 autocast runs the matmuls "
+            "and convolutions at twice the TF32 tensor-core rate (16x plain fp32 on an "
+            "A100) and halves activation memory, with fp32's exponent range (weights and "
+            "optimizer stay fp32); set train.precision=bf16 (or auto)")
+
+
+def _speed_tf32(cfg: Config, dev: "torch.device | None") -> str | None:
+    if cfg.train.tf32 or not _cuda_tensor_cores(dev) or _precision(cfg, dev) != "fp32":
+        return None
+    return ("train.tf32=false with fp32 on a GPU with tensor cores: fp32 matmuls and "
+            "convolutions then skip the tensor cores (19.5 vs 156 TFLOPS on an A100); set "
+            "train.tf32=true (10-bit mantissa inputs, fp32 accumulation), or use bf16")
+
+
+def _speed_fused(cfg: Config, dev: "torch.device | None") -> str | None:
+    if dev is None or dev.type != "cuda" or cfg.optim.fused is not False:
+        return None
+    return ("optim.fused=false on CUDA: torch's default (foreach) AdamW makes about ten "
+            "passes over the parameters and their optimizer state each step, the fused kernel "
+            "one; set optim.fused=true (or auto)")
+
+
+def _speed_channels_last(cfg: Config, dev: "torch.device | None") -> str | None:
+    if dev is None or dev.type != "cuda" or cfg.train.channels_last is not False:
+        return None
+    from .trainer.speed import conv_model
+
+    if not conv_model(cfg):
+        return None
+    return ("train.channels_last=false for a convolutional model on CUDA: cuDNN's "
+            "tensor-core convolutions work in NHWC, so NCHW activations are transposed "
+            "around every convolution; set train.channels_last=true (or auto)")
 
 
 CHECKS: tuple[LintCheck, ...] = (
@@ -258,6 +320,11 @@ CHECKS: tuple[LintCheck, ...] = (
     LintCheck("hflip_digits", "data.hflip, data.dataset", _hflip_digits),
     LintCheck("emulated_precision", "train.precision, train.allow_slow_precision, device",
               _emulated_precision),
+    LintCheck("speed_precision", "train.precision, device", _speed_precision),
+    LintCheck("speed_tf32", "train.tf32, train.precision, device", _speed_tf32),
+    LintCheck("speed_fused", "optim.fused, device", _speed_fused),
+    LintCheck("speed_channels_last", "train.channels_last, model.kind, device",
+              _speed_channels_last),
 )
 
 

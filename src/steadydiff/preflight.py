@@ -24,6 +24,7 @@ from .durations import format_duration
 from .devices import resolve_device
 from .models import build_model
 from .trainer.precision import check_precision
+from .trainer.speed import resolve_precision
 
 
 @dataclass
@@ -242,7 +243,8 @@ def check(cfg: Config, dataset: Dataset | None = None, *,
     """
     device = device if device is not None else resolve_device(cfg.train.device,
                                                              what="train.device")
-    check_precision(cfg.train.precision, device, cfg.train.allow_slow_precision)
+    check_precision(resolve_precision(cfg.train.precision, device), device,
+                    cfg.train.allow_slow_precision)
     parameters = check_model(cfg)  # before the data: it may take a while to read
     data, num_classes = check_data(cfg, dataset)
     return Preflight(device, data, num_classes, parameters)

@@ -99,5 +99,7 @@ class CheckpointIO:
         if s.guard is None or not c.state.get("guard"):
             return
         s.guard.load_state_dict(c.state["guard"])
-        if c.state["config"]["optim"] != s.cfg.optim.model_dump(mode="json"):
+        # optim.fused picks a kernel, not an LR (and checkpoints before it lack the key)
+        saved = {k: v for k, v in c.state["config"]["optim"].items() if k != "fused"}
+        if saved != s.cfg.optim.model_dump(mode="json", exclude={"fused"}):
             s.guard.max_lr = 0.0  # an LR change the user accepted is not an lr_spike

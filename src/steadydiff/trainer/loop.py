@@ -51,7 +51,7 @@ from ..rundir import JSONL_LOGS, RunDir, RunDirError
 from . import budget
 from . import checkpoint as ckpt
 from . import precision as prec
-from . import telemetry
+from . import speed, telemetry
 from .checkpoint_io import CheckpointIO
 from .ema import EMA
 from .hooks import FULL_WEIGHTS, PIXELS
@@ -73,7 +73,9 @@ RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints"
                "sample.", "logging.",
                "faults", "eval.",
                "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every",
-               "guard.probe_every")  # the probes read the model (no grad, no RNG draw)
+               "guard.probe_every",  # the probes read the model (no grad, no RNG draw)
+               # speed only: the same math, rounded differently at most (docs/speed.md)
+               "optim.fused", "train.channels_last", "train.tf32", "data.pin_memory")
 
 
 @dataclass
@@ -152,7 +154,8 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
     step = state.step
     faults.kill(step, "before_step")
     faults.before_step(step, model)
-    x, y = batch[0].to(state.device, non_blocking=True), batch[1].to(state.device)
+    x = batch[0].to(state.device, non_blocking=True, memory_format=speed.memory_format(cfg))
+    y = batch[1].to(state.device, non_blocking=True)  # pinned (data.pin_memory): async
     idx = batch[2] if len(batch) > 2 else None  # dataset indices (CPU)
     if len(batch) > 3 and batch[3].any():  # images replaced because they failed to load (CPU)
         state.bad_images.update(batch[2][batch[3]].tolist())
@@ -294,7 +297,8 @@ def handle_decision(state: TrainState, d: Decision,
 
 def configure_runtime(cfg: Config, device: torch.device,
                       ctx: distributed.DistContext = distributed.DistContext()) -> None:
-    """Threads, seeds and the deterministic mode, before anything random happens."""
+    """Threads, seeds, the deterministic mode and TF32 (``train.tf32``, CUDA), before
+    anything random happens."""
     if cfg.train.num_threads:
         torch.set_num_threads(cfg.train.num_threads)
     elif ctx.enabled and device.type == "cpu":
@@ -308,15 +312,17 @@ def configure_runtime(cfg: Config, device: torch.device,
         torch.backends.cudnn.benchmark = False
     elif device.type == "cuda":
         torch.backends.cudnn.benchmark = True
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda":
+        speed.set_tf32(cfg.train.tf32)
     seeding.seed_everything(cfg.train.seed)
 
 
 def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
                 ctx: distributed.DistContext = distributed.DistContext()) -> TrainState:
     """Model, EMA, optimizer, scaler and schedule for ``cfg`` (fresh, not resumed; not yet
-    wrapped in DDP)."""
+    wrapped in DDP). ``cfg``'s ``auto`` speed settings are resolved on ``device`` first
+    (silently: :func:`run` has already resolved and printed them)."""
+    cfg, _ = speed.resolve(cfg, device)
     preflight.check_classes(cfg, num_classes_in_data)
     media = PIXELS
     if preflight.text_model(cfg):
@@ -331,6 +337,8 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
         # frozen base + trainable adapter (docs/adapters.md), or the whole model
         weights = AdapterRun.prepare(cfg, model) if cfg.adapter.kind != "none" \
             else FULL_WEIGHTS
+    if cfg.train.channels_last:  # conv weights NHWC (4-D tensors only), before EMA copies
+        model = model.to(memory_format=torch.channels_last)
     ema = EMA.from_config(model, cfg.train)
     optimizer = build_optimizer(model, cfg.optim)
     return TrainState(
@@ -729,6 +737,9 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     cfg, notes = preflight.resolve(cfg)  # an SD folder's scheduler decides the diffusion
     for note in notes:
         say(f"stable diffusion: {note}")
+    cfg, chosen = speed.resolve(cfg, device)  # every `auto` speed setting, once, for device
+    if chosen:
+        say(speed.describe(chosen, device))
     # the checkpoint to resume, before the checks: a grown run's model is built at the new
     # size (attention by depth), and a size changed without --grow-resolution is refused
     # here, naming the flag, rather than by the model check (a restart moves files first:
@@ -799,7 +810,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         return iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
                                 start_batch=position, hflip=cfg.data.hflip,
                                 num_workers=cfg.data.num_workers, rank=ctx.rank,
-                                world_size=ctx.world_size, pin_memory=device.type == "cuda",
+                                world_size=ctx.world_size, pin_memory=cfg.data.pin_memory,
                                 exclude=guard.quarantine if guard else (),
                                 num_classes=cfg.model.num_classes))
 

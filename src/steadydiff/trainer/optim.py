@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ..config import OptimConfig
+from .speed import optimizer_kwargs
 
 
 def _no_decay(module: nn.Module, name: str, p: nn.Parameter) -> bool:
@@ -47,11 +48,19 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups`. The LR is set each step by :func:`set_lr`."""
+    """AdamW over :func:`param_groups`. The LR is set each step by :func:`set_lr`.
+
+    ``cfg.fused`` (``auto`` resolved on the parameters' device, trainer/speed.py) picks
+    torch's fused kernel: one launch for every parameter instead of one per tensor, and
+    under the grad scaler the unscale and the inf check run inside it (the optimizer's
+    ``grad_scale`` / ``found_inf``), so the step itself needs no host sync.
+    """
     groups = param_groups(model, cfg)
     if not groups:
         raise ValueError("the model has no trainable parameters")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
+    device = groups[0]["params"][0].device
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                             **optimizer_kwargs(cfg.fused, device))
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int,

@@ -41,7 +41,9 @@ def native_support(precision: Precision, device: torch.device) -> bool:
         return True
     if device.type == "cuda":
         if precision == "bf16":
-            return torch.cuda.is_bf16_supported()
+            # tensor-core bf16 from Ampere (sm_80) on, and on ROCm; torch's own
+            # is_bf16_supported() also says yes where bf16 is only emulated (sm_75, sm_70)
+            return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
         return True
     flags = _cpu_flags()
     if precision == "bf16":
