@@ -129,9 +129,9 @@ def test_a_rewind_costs_at_most_the_window(tmp_path):
 class _Loop:
     """The trainer's step and the loop's flush rule, opened up to count host reads."""
 
-    def __init__(self, check_every: int, *extra: str):
+    def __init__(self, check_every: int, *extra: str, faults=()):
         cfg = _cfg(check_every, "guard.snapshot_every=1000", "guard.probe_every=0",
-                   "logging.log_every=1000", *extra)
+                   "logging.log_every=1000", *extra, faults=faults)
         torch.set_num_threads(1)
         configure_runtime(cfg, torch.device("cpu"))
         self.data = build_dataset(cfg.data)
@@ -163,6 +163,28 @@ def test_no_host_read_per_steady_step():
     lp = _Loop(1)
     lp.step()
     assert all(s >= 1 for s, _ in (lp.step() for _ in range(4)))
+
+
+def test_a_bad_step_is_gated_on_the_device_until_the_window_is_judged():
+    # NaN gradients at step 5, inside a window: the fused AdamW skips itself (found_inf) and
+    # the EMA's weight is 0, so nothing non-finite is written before the host reads the flag
+    lp = _Loop(8, faults=[{"kind": "grad_nan", "step": 5}])
+    assert lp.state.update.fused  # optim.fused=auto: a fused AdamW on the CPU too
+    while lp.state.step < 5:
+        lp.step()
+    params = [p.detach().clone() for p in lp.state.update.params]
+    moments = [v.clone() for p in lp.state.update.params
+               for v in lp.state.optimizer.state[p].values()]
+    ema = [p.detach().clone() for p in lp.state.ema.module.parameters()]
+    out = train_step(lp.state, next(lp.batches))
+    assert out.decision.pending and lp.guard.pending
+    assert all(torch.equal(a, p) for a, p in zip(params, lp.state.update.params))
+    assert all(torch.equal(a, v) for a, v in zip(moments, (
+        v for p in lp.state.update.params for v in lp.state.optimizer.state[p].values())))
+    assert all(torch.equal(a, p) for a, p in zip(ema, lp.state.ema.module.parameters()))
+    flushed = lp.guard.flush()
+    assert flushed.rewind is not None and flushed.rewind.at == 5 and \
+        flushed.rewind.why == "nonfinite"
 
 
 def test_zclip_is_read_every_step():

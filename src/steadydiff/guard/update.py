@@ -172,7 +172,7 @@ class Update:
             prog.scaler.step(self.optimizer)
             prog.scaler.update()
         elif gate is not None and self.fused:
-            self.optimizer.found_inf = (~gate).float().reshape(1)  # read by the fused kernel
+            self.optimizer.found_inf = (~gate).float()  # 0-dim, read by the fused kernel
             try:
                 self.optimizer.step()
             finally:
