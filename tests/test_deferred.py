@@ -86,9 +86,9 @@ SCENARIOS = {
 }
 
 
-# in the default suite: one of each outcome (drop samples, roll back, re-run, two faults in
-# one window); the rest under `make test-slow`
-FAST = {"nan_batch", "param_nan", "transient", "two_in_a_window"}
+# in the default suite: a healthy run and one of each outcome (drop samples, roll back, re-run,
+# two faults in one window); the rest under `make test-slow`
+FAST = {"healthy", "nan_batch", "param_nan", "transient", "two_in_a_window"}
 
 
 @pytest.mark.parametrize("scenario", [s if s in FAST else pytest.param(s, marks=pytest.mark.slow)
