@@ -5,7 +5,8 @@ Three training variants run side by side in one process, interleaved (bare, off,
 off, guard, ...) so that load from other processes on the machine falls on all of them alike:
 
 - ``bare``:  a plain PyTorch loop with the same model (same init), batches, objective and
-  AdamW (same parameter groups): forward, backward, ``clip_grad_norm_(1.0)``, ``opt.step()``,
+  AdamW (same parameter groups and kernel, ``optim.fused``): forward, backward,
+  ``clip_grad_norm_(1.0)``, ``opt.step()``,
   a fused EMA lerp, and a ``.item()`` of the mean loss at each logging tick.
 - ``off``:   steadydiff's ``train_step`` with the guard disabled, plus what ``run`` does per
   step (the metrics row every ``logging.log_every`` steps, the progress bar).
@@ -191,13 +192,16 @@ class BareVariant(Variant):
         from steadydiff.diffusion import make_schedule
         from steadydiff.models import build_model
         from steadydiff.trainer.optim import lr_at, param_groups
+        from steadydiff.trainer.speed import optimizer_kwargs
         self.cfg, self.device, self.lr_at = cfg, device, lr_at
         self.model = build_model(cfg.model, image_size=cfg.data.image_size,
                                  channels=cfg.data.channels).to(device)
         self.model.load_state_dict(init_state)
         self.ema = copy.deepcopy(self.model).eval().requires_grad_(False)
+        # the trainer's kernel (optim.fused): the comparison is of the loops, not of AdamWs
         self.opt = torch.optim.AdamW(param_groups(self.model, cfg.optim), lr=cfg.optim.lr,
-                                     betas=tuple(cfg.optim.betas), eps=cfg.optim.eps)
+                                     betas=tuple(cfg.optim.betas), eps=cfg.optim.eps,
+                                     **optimizer_kwargs(cfg.optim.fused, device))
         self.params = list(self.model.parameters())
         self.ema_params = list(self.ema.parameters())
         self.schedule = make_schedule(cfg.diffusion)
