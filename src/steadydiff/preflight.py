@@ -22,6 +22,7 @@ from .data import as_pairs, build_dataset, check_labels, labels_of
 from .data.captions import build_captioned
 from .devices import resolve_device
 from .models import build_model
+from .trainer.compilation import check_toolchain
 from .trainer.precision import check_precision
 
 
@@ -239,6 +240,7 @@ def check(cfg: Config, dataset: Dataset | None = None, *,
     device = device if device is not None else resolve_device(cfg.train.device,
                                                              what="train.device")
     check_precision(cfg.train.precision, device, cfg.train.allow_slow_precision)
+    check_toolchain(cfg.train, device)  # train.compile: a C++ compiler (CPU), Triton (CUDA)
     parameters = check_model(cfg)  # before the data: it may take a while to read
     data, num_classes = check_data(cfg, dataset)
     return Preflight(device, data, num_classes, parameters)
