@@ -66,23 +66,23 @@ def compiled_graphs() -> int:
 
 
 def test_compiled_training_matches_eager_resumes_both_ways_and_saves_plain_keys(tmp_path):
-    """A UNet run that trains steps 0-1 compiled, step 2 eager (resumed from the compiled
-    checkpoint), step 3 compiled again (resumed from the eager one) ends where the eager
-    run does; its checkpoints hold the plain module's keys; the step with a forward fault
-    (hooks on a submodule) runs the plain model, so the fault fires and the guard's rerun
-    repairs it as in the eager run."""
+    """A UNet run that trains steps 0-1 eager, 2-3 compiled (resumed from the eager
+    checkpoint), step 4 eager again (resumed from the compiled one) ends where the straight
+    eager run does; the compiled run's checkpoint holds the plain module's keys; its step
+    with a forward fault (hooks on a submodule) runs the plain model, so the fault fires and
+    the guard's rerun repairs it as in the eager run."""
     fault = [{"kind": "transient_nan", "step": 3}]
-    eager = steadydiff.train(cfg(4, faults=fault), out_dir=tmp_path / "eager")
+    eager = steadydiff.train(cfg(5, faults=fault), out_dir=tmp_path / "eager")
     run = tmp_path / "mixed"
+    steadydiff.train(cfg(2, faults=fault), out_dir=run)
     torch._dynamo.reset()
-    steadydiff.train(cfg(2, *AOT, faults=fault), out_dir=run)
-    assert compiled_graphs() >= 1  # the training forward went through dynamo
-    c2 = final(run)
-    assert set(c2.model) == set(c2.ema) == plain_keys()  # no "_orig_mod." anywhere
-    # compile off and on again: both resumes accepted as bookkeeping changes
-    steadydiff.train(cfg(3, faults=fault), out_dir=run)
     res = steadydiff.train(cfg(4, *AOT, faults=fault), out_dir=run)
-    assert res.resumed_from.name == "step_00000003" and res.steps == 4
+    assert res.resumed_from.name == "step_00000002"  # compile on: a bookkeeping change
+    assert compiled_graphs() >= 1  # the training forward went through dynamo
+    c4 = final(run)
+    assert set(c4.model) == set(c4.ema) == plain_keys()  # no "_orig_mod." anywhere
+    res = steadydiff.train(cfg(5, faults=fault), out_dir=run)  # and off again
+    assert res.resumed_from.name == "step_00000004" and res.steps == 5
     assert_close(final(run), final(tmp_path / "eager"), atol=1e-5)
     assert losses(run) == pytest.approx(losses(tmp_path / "eager"), rel=1e-5)
     # the fault's hook fired in the compiled segment: a compiled graph would have run

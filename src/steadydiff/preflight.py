@@ -55,7 +55,9 @@ class Preflight:
         lines += [f"model: {arch}, {cond}, {self.parameters / 1e6:.2f}M parameters",
                   f"data:  {data}",
                   f"train: {t.steps} steps, batch {t.batch_size}, {t.precision} on "
-                  f"{self.device}, guard {'on' if cfg.guard.enabled else 'off'}"]
+                  f"{self.device}, guard {'on' if cfg.guard.enabled else 'off'}"
+                  + (f", torch.compile ({t.compile_backend}, mode {t.compile_mode}: the "
+                     "first step compiles)" if t.compile else "")]
         return lines
 
 
