@@ -13,6 +13,10 @@ off, guard, ...) so that load from other processes on the machine falls on all o
 - ``guard``: the same with the guard on, as the trainer runs it (the deferred check: one host
   read every ``guard.check_every`` steps and at each logging tick, weight check, snapshots
   every ``guard.snapshot_every`` steps).
+- ``compile`` (opt-in: ``--variants bare,off,guard,compile``): ``guard`` with
+  ``train.compile=true`` (torch.compile of the training forward, inductor, ``--compile-mode``).
+  Its first step traces and builds the kernels: it is always an untimed step, and reported
+  apart as ``first_step_sec`` and ``compile_sec`` (the first step less a median step).
 
 Every variant draws from the same pre-loaded list of batches (taken from the trainer's own
 loader), so data loading is excluded from all three; its cost per batch is reported apart.
@@ -33,6 +37,7 @@ step, probe, ...; the median of each and the per-step overhead at a few cadences
     python bench/throughput.py                    # full run (~6 minutes on 2 cores)
     python bench/throughput.py --variants '' --samplers '' --probe-repeats 20   # probe only
     python bench/throughput.py --steps 2 --repeats 1 --warmup 1 --sample-steps-scale 0.02 --json
+    python bench/throughput.py --variants bare,off,guard,compile --samplers '' --json   # compile
 """
 
 from __future__ import annotations
@@ -122,17 +127,23 @@ class Variant:
 class TrainerVariant(Variant):
     """steadydiff's ``train_step`` plus the per-step bookkeeping of ``loop.run``."""
 
-    def __init__(self, cfg, device: torch.device, init_state: dict, guard: bool):
+    def __init__(self, cfg, device: torch.device, init_state: dict, guard: bool,
+                 compile_mode: str | None = None):
         from tqdm import tqdm
 
         from steadydiff.config import replace
         from steadydiff.trainer import loop
+        from steadydiff.trainer.compilation import compile_forward
         self.loop = loop
-        self.name = "guard" if guard else "off"
-        cfg = self.cfg = replace(cfg, {"guard.enabled": guard})
+        self.name = "compile" if compile_mode else "guard" if guard else "off"
+        overrides: dict[str, Any] = {"guard.enabled": guard}
+        if compile_mode:  # train.compile, as loop.run sets it up (after any DDP wrap)
+            overrides.update({"train.compile": True, "train.compile_mode": compile_mode})
+        cfg = self.cfg = replace(cfg, overrides)
         self.state = loop.build_state(cfg, cfg.model.num_classes, device)
         self.state.model.load_state_dict(init_state)
         self.state.ema.module.load_state_dict(init_state)
+        compile_forward(self.state)  # sets nothing without train.compile
         # None when the guard is off; deferred (guard.check_every), as the trainer runs it
         loop.attach_guard(self.state, None, defer=True)
         self.window: list = []
@@ -235,8 +246,10 @@ class BareVariant(Variant):
 
 
 def bench_training(cfg, *, steps: int, repeats: int, warmup: int, variants: list[str],
-                   num_batches: int, device: torch.device) -> dict[str, Any]:
-    """Median sec/step of each variant, measured interleaved."""
+                   num_batches: int, device: torch.device,
+                   compile_mode: str = "default") -> dict[str, Any]:
+    """Median sec/step of each variant, measured interleaved; the first (untimed) step of
+    each on its own, which for ``compile`` holds the compilation."""
     from steadydiff.data import build_dataset, make_loader
     from steadydiff.models import build_model
 
@@ -254,12 +267,20 @@ def bench_training(cfg, *, steps: int, repeats: int, warmup: int, variants: list
         "bare": lambda: BareVariant(cfg, device, init),
         "off": lambda: TrainerVariant(cfg, device, init, guard=False),
         "guard": lambda: TrainerVariant(cfg, device, init, guard=True),
+        "compile": lambda: TrainerVariant(cfg, device, init, guard=True,
+                                          compile_mode=compile_mode),
     }
     vs = [make[v]() for v in variants]
     pos = {v.name: 0 for v in vs}
+    first: dict[str, float] = {}
     for v in vs:  # warm-up: allocator, kernels, first snapshots, guard detector warm-up
-        v.run(batches, 0, warmup)
-        pos[v.name] = warmup
+        n = max(warmup, 1) if v.name == "compile" else warmup  # never time the compile
+        if n:
+            t0 = time.perf_counter()
+            v.run(batches, 0, 1)  # the first step: for compile, tracing and kernel builds
+            first[v.name] = time.perf_counter() - t0
+            v.run(batches, 1, n - 1)
+        pos[v.name] = n
     times: dict[str, list[float]] = {v.name: [] for v in vs}
     for _ in range(repeats):
         for v in vs:  # interleaved: bare, off, guard, bare, off, guard, ...
@@ -271,8 +292,16 @@ def bench_training(cfg, *, steps: int, repeats: int, warmup: int, variants: list
     out: dict[str, Any] = {"sec_per_step": med, "repeats_sec_per_step": times,
                            "mean_sec_per_step": {k: statistics.fmean(t) for k, t in times.items()},
                            "data_loading_sec_per_batch": load_s,
+                           "first_step_sec": first,
                            "steps_per_repeat": steps, "repeats": repeats, "warmup": warmup,
                            "batch_size": cfg.train.batch_size}
+    if "compile" in med:
+        out["compile_mode"] = compile_mode
+        out["compile_sec"] = first["compile"] - med["compile"]
+    if "guard" in med and "compile" in med:
+        out["speedup_compile_vs_guard"] = med["guard"] / med["compile"]
+        out["speedup_compile_vs_guard_paired_median"] = statistics.median(
+            g / c for g, c in zip(times["guard"], times["compile"]))
     if "bare" in med and "guard" in med:
         out["ratio_guard_vs_bare"] = med["guard"] / med["bare"]
     if "bare" in med and "off" in med:
@@ -384,7 +413,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=10, help="timed repeats per variant")
     p.add_argument("--warmup", type=int, default=10, help="untimed steps per variant first")
     p.add_argument("--variants", default="bare,off,guard",
-                   help="comma list of bare, off (guard off), guard (guard on)")
+                   help="comma list of bare, off (guard off), guard (guard on), compile "
+                        "(guard on, train.compile=true)")
+    p.add_argument("--compile-mode", default="default",
+                   help="train.compile_mode of the compile variant")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (1: the machine is shared; 0 keeps torch's default)")
     p.add_argument("--samplers", default=",".join(SAMPLER_STEPS),
@@ -415,7 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     if variants:
         num_batches = max(8, min(64, a.warmup + a.steps * a.repeats))
         tr = bench_training(cfg, steps=a.steps, repeats=a.repeats, warmup=a.warmup,
-                            variants=variants, num_batches=num_batches, device=device)
+                            variants=variants, num_batches=num_batches, device=device,
+                            compile_mode=a.compile_mode)
         result["training"] = tr
         med = tr["sec_per_step"]
         print(f"training step, {cfg.train.batch_size} images of "
@@ -431,6 +464,13 @@ def main(argv: list[str] | None = None) -> int:
         if "guard_overhead" in tr:
             print(f"guard overhead (on vs off): {tr['guard_overhead']:+.1%} "
                   f"(paired median {tr['guard_overhead_paired_median']:+.1%}; aim <= 3%)")
+        if "compile_sec" in tr:
+            vs = (f" vs guard on: {tr['speedup_compile_vs_guard']:.3f}x faster per step (paired "
+                  f"median {tr['speedup_compile_vs_guard_paired_median']:.3f}x)"
+                  if "speedup_compile_vs_guard" in tr else "")
+            print(f"compile (guard on, train.compile=true, mode {tr['compile_mode']}){vs}; "
+                  f"its first step took {tr['first_step_sec']['compile']:.1f} s (compile "
+                  f"~{tr['compile_sec']:.1f} s, excluded above)")
         print(f"data loading (excluded above): {tr['data_loading_sec_per_batch'] * 1000:.1f} "
               "ms/batch")
 

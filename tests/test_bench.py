@@ -78,6 +78,21 @@ def test_throughput_smoke():
     assert "trainer (guard on) vs bare loop" in p.stdout  # the human-readable table
 
 
+@pytest.mark.slow  # inductor builds the quick-start UNet's C++ kernels: minutes cold
+def test_throughput_compile_smoke():
+    p = _run("throughput.py", "--variants", "guard,compile", "--steps", "1", "--repeats", "1",
+             "--warmup", "0", "--samplers", "", "--json", timeout=1200)
+    tr = _last_json(p.stdout)["training"]
+    sec, first = tr["sec_per_step"], tr["first_step_sec"]
+    assert set(sec) == {"guard", "compile"} and set(first) == {"compile"}  # warmup 0
+    # the compile variant's first step is untimed even at --warmup 0, and reported apart
+    assert tr["compile_sec"] == pytest.approx(first["compile"] - sec["compile"], rel=1e-9)
+    assert first["compile"] > sec["compile"] > 0
+    assert tr["speedup_compile_vs_guard"] == pytest.approx(sec["guard"] / sec["compile"],
+                                                           rel=1e-9)
+    assert tr["compile_mode"] == "default" and "compile (guard on" in p.stdout
+
+
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory) -> Path:
     """A digits checkpoint after two steps of a narrow quick-start model (seconds)."""

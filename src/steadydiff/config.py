@@ -28,7 +28,8 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       ValidationInfo, field_validator, model_validator)
 
 from .durations import parse_duration
-from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, CaptionSource, Channels, MissingCaption, ClipMode, DatasetName,
+from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, CaptionSource, Channels, MissingCaption, ClipMode,
+                    CompileBackend, CompileMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, LossWeighting,
                     LRSchedule, ModelKind, OnSaveError, Precision, PrecisionSetting,
                     Prediction, SamplerName, ScheduleName, TimestepSampling)
@@ -332,6 +333,20 @@ class TrainConfig(Section):
     device: DeviceName = "auto"
     deterministic: Bool = False
     num_threads: Int = Field(0, ge=0, le=1024, description="torch CPU threads; 0: torch default")
+    compile: Bool = Field(
+        False, description="torch.compile the model for the training forward and backward "
+        "(inductor fuses kernels: faster steps once compiled, the first steps slow while it "
+        "compiles; on CPU it needs a C++ compiler, on CUDA Triton). Checkpoints, EMA, sample "
+        "grids, evaluation and the guard's replays and probes use the plain model "
+        "(docs/compile.md)")
+    compile_mode: CompileMode = Field(
+        "default", description="torch.compile mode (inductor): default | reduce-overhead "
+        "(CUDA graphs on CUDA) | max-autotune (times kernel choices: a much longer compile) | "
+        "max-autotune-no-cudagraphs")
+    compile_backend: CompileBackend = Field(
+        "inductor", description="inductor (generated kernels: the speed-up); aot_eager or "
+        "eager trace the model but run PyTorch's own kernels (no compiler needed, no "
+        "speed-up: to find which stage of a failing compile breaks)")
     ema_decay: float = Field(0.999, ge=0.0, lt=1.0)
     ema_warmup: Bool = Field(True, description="decay ramps as min(decay, (1+n)/(10+n))")
     ema_start: Int = Field(0, ge=0, description="first optimizer step that updates EMA")
@@ -372,6 +387,11 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "TrainConfig":
+        if self.compile_mode != "default" and self.compile_backend != "inductor":
+            raise ValueError(
+                f"train.compile_mode={self.compile_mode} needs train.compile_backend=inductor "
+                f"(got {self.compile_backend}); the modes are inductor's: set "
+                "train.compile_mode=default or train.compile_backend=inductor")
         if self.batch_size % self.grad_accum:
             raise ValueError(
                 f"train.batch_size ({self.batch_size}) must be divisible by train.grad_accum "

@@ -106,6 +106,13 @@ DEVICE_NAMES: tuple[DeviceName, ...] = get_args(DeviceName)
 OnSaveError = Literal["retry", "stop"]
 ON_SAVE_ERRORS: tuple[OnSaveError, ...] = get_args(OnSaveError)
 
+# torch.compile's modes (inductor only) and the backends train.compile may use
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+COMPILE_MODES: tuple[CompileMode, ...] = get_args(CompileMode)
+
+CompileBackend = Literal["inductor", "aot_eager", "eager"]
+COMPILE_BACKENDS: tuple[CompileBackend, ...] = get_args(CompileBackend)
+
 # --------------------------------------------------------------------------- eval
 
 EvalMetric = Literal["fd", "kid", "precision", "recall", "class_accuracy"]
@@ -129,12 +136,12 @@ FAULT_WHERES: tuple[FaultWhere, ...] = get_args(FaultWhere)
 
 
 __all__ = [
-    "ADAPTER_KINDS", "CAPTION_SOURCES", "CHANNELS", "MISSING_CAPTIONS", "CLIP_MODES", "DATASETS", "DEVICE_NAMES", "DIT_PRESETS",
+    "ADAPTER_KINDS", "CAPTION_SOURCES", "CHANNELS", "COMPILE_BACKENDS", "COMPILE_MODES", "MISSING_CAPTIONS", "CLIP_MODES", "DATASETS", "DEVICE_NAMES", "DIT_PRESETS",
     "EVAL_METRICS", "FAULT_KINDS", "FAULT_WHERES", "LABELLED_DATASETS", "LOSS_WEIGHTINGS",
     "LR_SCHEDULES", "MODEL_KINDS", "ON_SAVE_ERRORS", "PRECISIONS", "PRECISION_SETTINGS",
     "PREDICTIONS", "AUTO", "Auto", "PrecisionSetting",
     "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS",
-    "AdapterKind", "CaptionSource", "Channels", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
+    "AdapterKind", "CaptionSource", "Channels", "CompileBackend", "CompileMode", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
     "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "LabelledDataset", "LossWeighting",
     "ModelKind", "OnSaveError", "Precision", "Prediction", "SamplerName", "ScheduleName",
     "Spacing", "Split", "TimestepSampling",

@@ -23,6 +23,7 @@ from .data.captions import build_captioned
 from .durations import format_duration
 from .devices import resolve_device
 from .models import build_model
+from .trainer.compilation import check_toolchain
 from .trainer.precision import check_precision
 from .trainer.speed import resolve_precision
 
@@ -59,7 +60,9 @@ class Preflight:
                   + (f" or {format_duration(t.max_time)} of training (train.max_time), "
                      "whichever comes first" if t.max_time is not None else "")
                   + f", batch {t.batch_size}, {t.precision} on "
-                  f"{self.device}, guard {'on' if cfg.guard.enabled else 'off'}"]
+                  f"{self.device}, guard {'on' if cfg.guard.enabled else 'off'}"
+                  + (f", torch.compile ({t.compile_backend}, mode {t.compile_mode}: the "
+                     "first step compiles)" if t.compile else "")]
         return lines
 
 
@@ -245,6 +248,7 @@ def check(cfg: Config, dataset: Dataset | None = None, *,
                                                              what="train.device")
     check_precision(resolve_precision(cfg.train.precision, device), device,
                     cfg.train.allow_slow_precision)
+    check_toolchain(cfg.train, device)  # train.compile: a C++ compiler (CPU), Triton (CUDA)
     parameters = check_model(cfg)  # before the data: it may take a while to read
     data, num_classes = check_data(cfg, dataset)
     return Preflight(device, data, num_classes, parameters)

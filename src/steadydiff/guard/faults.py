@@ -247,7 +247,8 @@ class FaultInjector(StepHooks):
             unfused.append((module, module.fused))
             module.fused = False
         try:
-            yield
+            yield bool(handles)  # hooked: the step runs the plain model (a compiled one
+            # would not run hooks added after it was traced: trainer/compilation.py)
         finally:
             for h in handles:
                 h.remove()

@@ -50,7 +50,9 @@ class StepHooks:
     def micro_batch(self, step: int, size: int) -> None:
         """Before a micro-batch's forward pass (a simulated memory limit raises here)."""
 
-    def forward(self, step: int, model: nn.Module) -> ContextManager[None]:
+    def forward(self, step: int, model: nn.Module) -> ContextManager[bool | None]:
+        """Around the forward pass; entered, it gives True when it hooked modules of
+        ``model`` (the forward must then run ``model`` itself, not a compiled copy)."""
         return contextlib.nullcontext()
 
     def loss(self, step: int, loss: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,7 @@ from . import checkpoint as ckpt
 from . import precision as prec
 from . import speed, telemetry
 from .checkpoint_io import CheckpointIO
+from .compilation import compile_failure, compile_forward, training_module
 from .ema import EMA
 from .hooks import FULL_WEIGHTS, PIXELS
 from .optim import build_optimizer, lr_at, set_lr
@@ -75,7 +76,9 @@ RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints"
                "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every",
                "guard.probe_every",  # the probes read the model (no grad, no RNG draw)
                # speed only: the same math, rounded differently at most (docs/speed.md)
-               "optim.fused", "train.channels_last", "train.tf32", "data.pin_memory")
+               "optim.fused", "train.channels_last", "train.tf32", "data.pin_memory",
+               # the same math in other kernels: a resumed run matches to rounding
+               "train.compile")
 
 
 @dataclass
@@ -112,12 +115,14 @@ class TrainingDiverged(GuardAbort):
 def _micro_loss(state: TrainState, xm: torch.Tensor, ym: torch.Tensor | None,
                 draws: Draws, step: int, weight: float, local: bool = False):
     """Forward pass of one micro-batch with its slice of the step's draws, so calling it
-    again replays it exactly (the guard's provenance does). ``local`` runs the unwrapped
-    model: a replay or probe on one rank must not enter DDP's collectives."""
+    again replays it exactly (the guard's provenance does). ``local`` runs the plain
+    model: a replay or probe on one rank must not enter DDP's collectives, and its hooks
+    must fire (not a compiled graph's: trainer/compilation.py)."""
     faults = state.faults
-    model = state.model if local or state.ddp is None else state.ddp
     faults.micro_batch(step, xm.shape[0])
-    with prec.autocast(state.precision, state.device), faults.forward(step, state.model):
+    with prec.autocast(state.precision, state.device), \
+            faults.forward(step, state.model) as hooked:
+        model = training_module(state, local=local, hooked=bool(hooked))
         out = diffusion_loss(model, xm, ym, state.schedule, state.cfg.diffusion, draws=draws)
     loss, per_sample = out.loss.float() * weight, out.per_sample.detach().float()
     return faults.loss(step, loss), faults.loss(step, per_sample), out.t
@@ -624,6 +629,8 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     except RuntimeError as e:
         if ctx.enabled and _is_collective_failure(e):
             raise distributed.DistributedError(distributed.describe_failure(e, ctx)) from e
+        if (failed := compile_failure(e, cfg.train)) is not None:  # say so, and the way out
+            raise failed from e
         raise
     finally:
         if owned:
@@ -788,6 +795,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
                  else (None, None))
     if ctx.enabled:
         state.ddp = distributed.wrap(state.model, device)  # broadcasts rank 0's weights
+    compile_forward(state)  # train.compile: lazy, the first step compiles
     guard = attach_guard(state, run_dir if main else None, data, defer=True)
     if c is not None:
         CheckpointIO(state).restore_guard(c)

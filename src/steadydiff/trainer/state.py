@@ -48,6 +48,9 @@ class TrainState:
     rank: int = 0
     world_size: int = 1
     ddp: nn.Module | None = None  # the DistributedDataParallel wrapper under torchrun
+    # torch.compile of the training forward (train.compile; trainer/compilation.py): shares
+    # the model's parameters, is never saved
+    compiled: nn.Module | None = None
     guard: Guard | None = None
     faults: StepHooks = NO_FAULTS            # fault injection (docs/faults.md)
     weights: Weights = FULL_WEIGHTS          # the full model, or an adapter over a base
