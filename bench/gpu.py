@@ -148,7 +148,12 @@ def model_cfg(name: str, *, tiny: bool, batch: int | None, precision: str, devic
     from steadydiff.trainer.precision import native_support
     if not native_support(precision, device):
         changes["train.allow_slow_precision"] = True
-    return replace(cfg, changes)
+    cfg = replace(cfg, changes)
+    if hasattr(cfg.optim, "fused"):  # the `auto` speed keys resolved here, as a run does,
+        from steadydiff.trainer import speed  # so build_state has nothing to re-validate
+        cfg, _ = speed.resolve(cfg, torch.device(device) if isinstance(device, str)
+                               else device)
+    return cfg
 
 
 def has_compile_key(cfg) -> bool:
