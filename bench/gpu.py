@@ -228,38 +228,20 @@ class Bare(BareVariant):
         if compile:
             self.model.compile()  # in place: the state dict keeps its keys
 
-    def run(self, batches: list, start: int, n: int) -> None:
-        from steadydiff.diffusion import diffusion_loss
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
         from steadydiff.trainer.precision import autocast
-        cfg, model, opt, scaler = self.cfg, self.model, self.opt, self.scaler
-        for i in range(start, start + n):
-            x, y, _ = batches[i % len(batches)]
-            lr = self.lr_at(self.step, cfg.optim, cfg.train.steps)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            with autocast(self.precision, self.device):
-                loss = diffusion_loss(model, x, y if self.conditional else None,
-                                      self.schedule, cfg.diffusion, self.gen).loss
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                scaler.unscale_(opt)
-            else:
-                loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
-            if scaler is not None:
-                scaler.step(opt)  # skips the step on inf/NaN gradients (a host sync)
-                scaler.update()
-            else:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
-            with torch.no_grad():
-                d = min(cfg.train.ema_decay, (1 + self.step) / (10 + self.step))
-                torch._foreach_lerp_(self.ema_params, self.params, 1.0 - d)
-            self.losses.append(loss.detach())
-            self.step += 1
-            if self.step % cfg.logging.log_every == 0:
-                self.last_loss = torch.stack(self.losses).mean().item()  # host sync
-                self.losses = []
+        with autocast(self.precision, self.device):
+            return super().forward(x, y if self.conditional else None)
+
+    def update(self, loss: torch.Tensor) -> None:
+        scaler = self.scaler
+        if scaler is None:
+            return super().update(loss)
+        scaler.scale(loss).backward()
+        scaler.unscale_(self.opt)
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
+        scaler.step(self.opt)  # skips the step on inf/NaN gradients (a host sync)
+        scaler.update()
 
 
 class Trainer(TrainerVariant):

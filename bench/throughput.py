@@ -222,18 +222,15 @@ class BareVariant(Variant):
         self.last_loss = float("nan")
 
     def run(self, batches: list, start: int, n: int) -> None:
-        from steadydiff.diffusion import diffusion_loss
-        cfg, model, opt = self.cfg, self.model, self.opt
+        cfg, opt = self.cfg, self.opt
         for i in range(start, start + n):
             batch = batches[i % len(batches)]
             x, y = batch[0].to(self.device), batch[1].to(self.device)
             lr = self.lr_at(self.step, cfg.optim, cfg.train.steps)
             for g in opt.param_groups:
                 g["lr"] = lr
-            loss = diffusion_loss(model, x, y, self.schedule, cfg.diffusion, self.gen).loss
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(self.params, cfg.optim.grad_clip)
-            opt.step()
+            loss = self.forward(x, y)
+            self.update(loss)
             opt.zero_grad(set_to_none=True)
             with torch.no_grad():
                 d = min(cfg.train.ema_decay, (1 + self.step) / (10 + self.step))
@@ -243,6 +240,18 @@ class BareVariant(Variant):
             if self.step % cfg.logging.log_every == 0:
                 self.last_loss = torch.stack(self.losses).mean().item()  # host sync
                 self.losses = []
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor | None) -> torch.Tensor:
+        """The loss of one batch (bench/gpu.py adds autocast)."""
+        from steadydiff.diffusion import diffusion_loss
+        return diffusion_loss(self.model, x, y, self.schedule, self.cfg.diffusion,
+                              self.gen).loss
+
+    def update(self, loss: torch.Tensor) -> None:
+        """Backward, clip, optimizer step (bench/gpu.py adds the fp16 grad scaler)."""
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, self.cfg.optim.grad_clip)
+        self.opt.step()
 
 
 def bench_training(cfg, *, steps: int, repeats: int, warmup: int, variants: list[str],
