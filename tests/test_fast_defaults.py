@@ -343,3 +343,24 @@ def test_speed_warnings_follow_the_hardware_and_the_model(gpu):
     assert by["speed_tf32"](bf16, new) is None  # the matmuls run in bf16 anyway
     dit = load_config(None, DIT + ["train.channels_last=false"])
     assert by["speed_channels_last"](dit, new) is None  # not a convolutional model
+
+
+def test_resume_takes_this_runs_adamw_kernel(tmp_path):
+    # optim.fused is safe to change on resume: the resumed optimizer uses the new setting,
+    # not the saved groups' (which load_state_dict would put back), and trains
+    from steadydiff.trainer import checkpoint as ckpt
+    from steadydiff.trainer.checkpoint_io import CheckpointIO
+
+    base = TINY_MODEL + ["train.device=cpu", "train.checkpoint_every=0",
+                         "logging.report=false", "sample.num=2", "sample.steps=2"]
+    run = tmp_path / "run"
+    steadydiff.train(load_config(None, base + ["train.steps=2", "optim.fused=false"]),
+                     out_dir=run)
+    for fused in (True, False):
+        cfg = load_config(None, base + ["train.steps=4", f"optim.fused={str(fused).lower()}"])
+        state = loop.build_state(cfg, 10, torch.device("cpu"))
+        CheckpointIO(state).restore(ckpt.load_checkpoint(ckpt.latest_good(run / "checkpoints")))
+        assert all(bool(g.get("fused")) is fused for g in state.optimizer.param_groups)
+        batch = next(iter(make_loader(DigitsDataset(8), batch_size=8, seed=0)))
+        loop.train_step(state, batch)
+        assert state.step == 3

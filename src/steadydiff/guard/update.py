@@ -151,7 +151,8 @@ class Update:
     @property
     def fused(self) -> bool:
         """A fused AdamW/Adam: it skips an update on the device when told ``found_inf``."""
-        return bool(self.optimizer.defaults.get("fused"))
+        groups = self.optimizer.param_groups
+        return bool(groups) and all(g.get("fused") for g in groups)
 
     def apply(self, prog: ProgressLike, grad_norm: torch.Tensor, *, lr_factor: float = 1.0,
               zclip: float | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:

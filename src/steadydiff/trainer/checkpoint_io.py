@@ -73,7 +73,17 @@ class CheckpointIO:
         counters, and the parts that keep their own state)."""
         s = self.state
         s.weights.restore(s, c)
+        # the AdamW kernel is this run's (optim.fused, a speed key safe to change on resume),
+        # not the checkpoint's: load_state_dict would put the saved groups' choice back
+        kernel = [{k: g[k] for k in ("fused", "foreach") if k in g}
+                  for g in s.optimizer.param_groups]
         s.optimizer.load_state_dict(c.optimizer)
+        for g, k in zip(s.optimizer.param_groups, kernel):
+            g.update(k)
+            for p in g["params"] if g.get("fused") else ():  # fused: steps on the device
+                st = s.optimizer.state.get(p, {})
+                if isinstance(st.get("step"), torch.Tensor) and st["step"].device != p.device:
+                    st["step"] = st["step"].to(p.device, torch.float32)
         s.ema.load_state(c.state["ema"])
         if s.ema.posthoc is not None and "posthoc.safetensors" in c.extra:
             s.ema.posthoc.load_tensor_dict(c.extra["posthoc.safetensors"])
