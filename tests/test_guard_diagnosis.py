@@ -123,8 +123,8 @@ def test_bad_sample_in_a_micro_batch_is_named_and_the_rest_trains(tmp_path):
 
 
 def test_lr_ramp_is_named_lr_too_high_rolled_back_before_it_and_capped(tmp_path):
-    """An LR that grows 10% per step (a scheduler bug) from step 30: the spikes it ends in
-    are named for their cause, the run rolls back to a snapshot from before the growth,
+    """An LR that grows 10% per step (a scheduler bug) from step 30: the growth (or the spikes
+    it ends in) is named for its cause, the run rolls back to a snapshot from before the growth,
     the LR is capped at half the last stable one (saved in the checkpoint), and the run
     finishes without skipping data or aborting."""
     run = tmp_path / "run"
@@ -136,7 +136,9 @@ def test_lr_ramp_is_named_lr_too_high_rolled_back_before_it_and_capped(tmp_path)
     rows = incidents(run)
     (lr,) = [r for r in rows if r["kind"] == "lr_too_high"]
     e, cost, diag = lr["evidence"], lr["cost"], lr["diagnosis"]
-    assert lr["action"] == "rollback" and e["symptom"] in ("grad_spike", "loss_spike")
+    # named by the trend itself, or by the spikes it ended in (which of the two comes first
+    # depends on the optimizer kernel's rounding: the fused AdamW's run rises steadily)
+    assert lr["action"] == "rollback" and e.get("symptom") in (None, "grad_spike", "loss_spike")
     assert e["lr_start"] < e["lr_end"] and 30 <= e["trend_start_step"] <= lr["step"]
     assert cost["restored_step"] <= e["trend_start_step"] and cost["batches_skipped"] == 0
     assert diag["lr_cap"] == pytest.approx(0.5 * e["lr_start"])

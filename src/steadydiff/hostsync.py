@@ -2,8 +2,10 @@
 
 On a GPU every read of a device value on the host (``.item()``, ``.cpu()``, ``.tolist()``,
 ``float(t)``, ``bool(t)``) waits for every kernel queued before it: the launch queue drains
-and the GPU idles while Python catches up. The guard, the update and the loop make those
-reads through :func:`read` (and :func:`values`), and nowhere else, so that
+and the GPU idles while Python catches up. The guard (its per-step or windowed check, its
+snapshots, its incident evidence), the adapter's |ΔW| check and the loop's telemetry (the
+metrics row, layer statistics) make those reads through :func:`read` (and :func:`values`,
+:func:`value`), so that
 
 - the reads per step can be counted (:func:`reads`): a CPU test proves the guarded path makes
   none in steady state, where a CPU cannot tell a sync from any other call;
@@ -11,7 +13,8 @@ reads through :func:`read` (and :func:`values`), and nowhere else, so that
   does make are the deliberate ones, every ``guard.check_every`` steps.
 
 The counter counts calls, on every device (a CPU read costs nothing, but it is where a GPU
-would stall).
+would stall). Reads that happen inside PyTorch stay outside it: ``GradScaler.get_scale()`` in
+an fp16 run's metrics row, and ``GradScaler.step`` with a non-fused optimizer.
 """
 
 from __future__ import annotations

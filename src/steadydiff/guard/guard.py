@@ -823,7 +823,7 @@ class Guard:
         loss, ps, t = rerun(keep_dev, seen.n_global - len(samples))
         kept_idx = (None if indices is None else
                     indices[keep_dev.to(indices.device)] if isinstance(indices, torch.Tensor)
-                    else [i for i, k in zip(indices, keep.tolist()) if k])
+                    else [i for i, k in zip(indices, hostsync.values(keep)) if k])
         d = self.step(loss, t=t, per_sample_loss=ps,
                       inputs=inputs[keep_dev] if inputs is not None else None,
                       indices=kept_idx, num_micro=num_micro, after_update=after_update,
@@ -1288,18 +1288,17 @@ class Guard:
         named = [(n, p) for n, p in self.net.named_parameters() if p.grad is not None]
         out: dict[str, Any] = {}
         if named:
-            norms = torch.stack(torch._foreach_norm([p.grad for _, p in named])).cpu().tolist()
+            norms = hostsync.values(torch.stack(torch._foreach_norm([p.grad for _, p in named])))
             top = sorted(zip(norms, (n for n, _ in named)), reverse=True)[:3]
             out["top_grad_layers"] = [{"param": n, "grad_norm": g} for g, n in top]
         snap = self.ring.newest()
         if snap is not None:
-            ratios = []
-            for n, p in self.net.named_parameters():
-                ref = snap.model.get(n)
-                if ref is None:
-                    continue
-                a, b = p.detach().float().norm().item(), ref.float().norm().item()
-                ratios.append((a / max(b, 1e-12), n))
+            pairs = [(n, p, snap.model[n]) for n, p in self.net.named_parameters()
+                     if n in snap.model]
+            now = hostsync.values(torch.stack([p.detach().float().norm() for _, p, _ in pairs])) \
+                if pairs else []
+            ratios = [(a / max(float(ref.float().norm()), 1e-12), n)  # the snapshot: on the CPU
+                      for a, (n, _, ref) in zip(now, pairs)]
             ratios.sort(reverse=True)
             out["weight_growth_since_snapshot"] = [{"param": n, "norm_ratio": r}
                                                    for r, n in ratios[:3]]

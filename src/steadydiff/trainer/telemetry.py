@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .. import distributed
+from .. import distributed, hostsync
 from ..config import ConfigError
 from ..guard import probes
 from ..rundir import RunDir
@@ -48,9 +48,9 @@ def _bucket_means(window: list[StepOutput], buckets: int, T: int) -> list[float 
                 if m is not None:
                     sums[b] += m
                     counts[b] += 1
-    else:  # host sync here, at the logging tick
-        ps = torch.cat([o.per_sample_loss for o in window]).float().cpu()
-        t = torch.cat([o.t for o in window]).cpu()
+    else:  # host reads here, at the logging tick
+        ps = hostsync.read(torch.cat([o.per_sample_loss for o in window]).float())
+        t = hostsync.read(torch.cat([o.t for o in window]))
         b = (t.long() * buckets // T).clamp(0, buckets - 1)
         s = torch.zeros(buckets).index_add_(0, b, ps)
         n = torch.bincount(b, minlength=buckets)
@@ -73,7 +73,7 @@ def metrics_row(state: TrainState, window: list[StepOutput], sec_per_step: float
         if distributed.active():  # without the guard, each rank only has its own share
             torch.distributed.all_reduce(stats)
             stats /= torch.distributed.get_world_size()
-        loss, gnorm, clipped = stats.tolist()
+        loss, gnorm, clipped = hostsync.values(stats)
     g, cfg = state.guard, state.cfg
     row = {
         "step": state.step, "images_seen": state.step * cfg.train.batch_size,
@@ -114,11 +114,11 @@ def layer_stats(state: TrainState, out: StepOutput) -> dict[str, Any]:
     the step), weight norms, and the attention/normalization probes (one extra forward)."""
     names = [n for n, p in state.model.named_parameters() if p.requires_grad]
     params = [p for p in state.model.parameters() if p.requires_grad]
-    weights = torch.stack(torch._foreach_norm(params)).float().cpu().tolist()
+    weights = hostsync.values(torch.stack(torch._foreach_norm(params)).float())
     row: dict[str, Any] = {"step": state.step,
                            "weight_norm": dict(zip(names, weights))}
     if out.layer_grad_norms is not None:
-        row["grad_norm"] = dict(zip(names, out.layer_grad_norms.float().cpu().tolist()))
+        row["grad_norm"] = dict(zip(names, hostsync.values(out.layer_grad_norms.float())))
     if out.probe_forward is not None:
         g = state.guard
         if g is not None and g.last_probe_step == state.step and g.last_probe is not None:
