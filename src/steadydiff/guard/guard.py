@@ -318,6 +318,7 @@ class Guard:
         self._suspect: tuple[str, float, float] | None = None
         self._rng_at_start: tuple[torch.Tensor, list[torch.Tensor] | None] | None = None
         self._extra_at_start: Any = None
+        self._state_ready = False  # every weight has its optimizer state (after step 1)
         self.snapshot()
 
     def _fresh_statistics(self) -> None:
@@ -527,8 +528,10 @@ class Guard:
         if self.check_every <= 1 or self.progress.step == self._sync_at \
                 or self.update.clip_mode == "zclip":
             return False
-        state = self.optimizer.state
-        return all(state.get(p) for p in self._params)
+        if not self._state_ready:  # once there, the state stays (a rollback reloads it)
+            state = self.optimizer.state
+            self._state_ready = all(state.get(p) for p in self._params)
+        return self._state_ready
 
     def begin_step(self, mark: Callable[[], Any] | None = None) -> bool:
         """Call before a step's forward pass. When the step opens a window, the RNG states

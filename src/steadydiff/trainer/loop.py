@@ -843,7 +843,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
                     flushed = guard.flush()
                     if flushed.rewind is not None:  # a step failed: back to the window's start
                         state.faults.restore(flushed.rewind.extra)
-                        out.rewound(flushed.rewind)
+                        out.rewound()
                         batches = batches_from(state.batches_consumed)
                         next_pos, stepped = state.batches_consumed, False
                         continue
@@ -959,7 +959,7 @@ class _Outputs:
         """The guard judged the window's steps healthy: their host numbers."""
         fill_verified(self.window, values)
 
-    def rewound(self, rewind) -> None:
+    def rewound(self) -> None:
         """The guard sent the run back to a window's start: its steps are redone."""
         state = self.state
         self.window = [o for o in self.window if o.decision.step <= state.step]
