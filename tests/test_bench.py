@@ -67,6 +67,12 @@ def test_throughput_smoke():
     assert tr["ratio_off_vs_bare"] == pytest.approx(sec["off"] / sec["bare"], rel=1e-9)
     assert tr["guard_overhead"] == pytest.approx(sec["guard"] / sec["off"] - 1, rel=1e-9)
     assert tr["guard_overhead"] > -1 and tr["ratio_guard_vs_bare"] > 0
+    # this process's CPU time per step, measured with the wall time of the same repeats
+    cpu = tr["cpu_sec_per_step"]
+    for k, v in cpu.items():
+        assert tr["repeats_cpu_sec_per_step"][k] == [v] and 0 < v < 60, (k, v)
+    assert tr["ratio_guard_vs_bare_cpu"] == pytest.approx(cpu["guard"] / cpu["bare"], rel=1e-9)
+    assert tr["ratio_off_vs_bare_cpu"] == pytest.approx(cpu["off"] / cpu["bare"], rel=1e-9)
     assert 0 < tr["data_loading_sec_per_batch"] < 10  # seconds per batch of 8x8 digits
     # --sample-steps-scale 0.01 of 1000 (ddpm) and 50 or 20 (the others) rounds to 10, 1
     assert {k: v["steps"] for k, v in out["sampling"].items()} == \
