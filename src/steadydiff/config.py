@@ -31,7 +31,7 @@ from .durations import parse_duration
 from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, CaptionSource, Channels, MissingCaption, ClipMode,
                     CompileBackend, CompileMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, LossWeighting,
-                    LRSchedule, ModelKind, OnSaveError, Precision, PrecisionSetting,
+                    LRSchedule, ModelKind, OnSaveError, OptimizerName, Precision, PrecisionSetting,
                     Prediction, SamplerName, ScheduleName, TimestepSampling)
 
 
@@ -275,6 +275,10 @@ class DiffusionConfig(Section):
 
 
 class OptimConfig(Section):
+    optimizer: OptimizerName = Field(
+        "adamw", description="adamw: torch's AdamW; adamw8bit: bitsandbytes' 8-bit AdamW "
+        "(block-wise quantised moments: about a quarter of AdamW's state memory; CUDA and "
+        "`pip install bitsandbytes` only; docs/speed.md)")
     lr: float = Field(2e-4, gt=0.0, le=10.0)
     weight_decay: float = Field(0.0, ge=0.0, le=10.0)
     betas: tuple[float, float] = (0.9, 0.999)
@@ -302,6 +306,10 @@ class OptimConfig(Section):
         for b in self.betas:
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"optim.betas must both be in [0, 1), got {list(self.betas)}")
+        if self.optimizer == "adamw8bit" and self.fused is True:
+            raise ValueError("optim.fused=true picks torch's fused AdamW kernel, but optim."
+                             "optimizer=adamw8bit is bitsandbytes' own kernel: set optim.fused"
+                             " to auto or false, or optim.optimizer to adamw")
         return self
 
 
@@ -327,6 +335,12 @@ class TrainConfig(Section):
         "memory format, which cuDNN's tensor-core convolutions run fastest in; auto: on "
         "for convolutional models (UNets) on CUDA, off on the CPU and for DiT "
         "(docs/speed.md)")
+    gradient_checkpointing: Bool = Field(
+        False, description="recompute each block's activations in the backward pass instead "
+        "of keeping them: our UNet's residual/attention blocks, the DiT's blocks, a Stable "
+        "Diffusion UNet's blocks (diffusers) and a text encoder trained with its LoRA "
+        "(transformers); about one more forward per step for much less activation memory, "
+        "the same gradients (docs/speed.md)")
     tf32: Bool = Field(
         True, description="CUDA: let fp32 matmuls and convolutions use TF32 tensor cores "
         "(10-bit mantissa inputs, fp32 accumulation); no effect on the CPU (docs/speed.md)")

@@ -82,6 +82,8 @@ SPACINGS: tuple[Spacing, ...] = get_args(Spacing)
 
 LRSchedule = Literal["constant", "cosine"]
 LR_SCHEDULES: tuple[LRSchedule, ...] = get_args(LRSchedule)
+OptimizerName = Literal["adamw", "adamw8bit"]
+OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
 
 # ``optim.grad_clip = 0`` disables clipping, so there is no "none" mode.
 ClipMode = Literal["global", "per_layer", "agc", "zclip"]
@@ -142,7 +144,7 @@ __all__ = [
     "PREDICTIONS", "AUTO", "Auto", "PrecisionSetting",
     "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS",
     "AdapterKind", "CaptionSource", "Channels", "CompileBackend", "CompileMode", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
-    "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "LabelledDataset", "LossWeighting",
+    "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "OPTIMIZERS", "OptimizerName", "LabelledDataset", "LossWeighting",
     "ModelKind", "OnSaveError", "Precision", "Prediction", "SamplerName", "ScheduleName",
     "Spacing", "Split", "TimestepSampling",
 ]

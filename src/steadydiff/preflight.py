@@ -24,6 +24,7 @@ from .durations import format_duration
 from .devices import resolve_device
 from .models import build_model
 from .trainer.compilation import check_toolchain
+from .trainer.optim import check_optimizer
 from .trainer.precision import check_precision
 from .trainer.speed import resolve_precision
 
@@ -249,6 +250,7 @@ def check(cfg: Config, dataset: Dataset | None = None, *,
     check_precision(resolve_precision(cfg.train.precision, device), device,
                     cfg.train.allow_slow_precision)
     check_toolchain(cfg.train, device)  # train.compile: a C++ compiler (CPU), Triton (CUDA)
+    check_optimizer(cfg.optim, device)  # adamw8bit: CUDA and bitsandbytes
     parameters = check_model(cfg)  # before the data: it may take a while to read
     data, num_classes = check_data(cfg, dataset)
     return Preflight(device, data, num_classes, parameters)

@@ -25,6 +25,7 @@ from steadydiff.kinds import MODEL_KINDS
 from steadydiff.models.dit import PRESETS, DiT
 from steadydiff.models.layers import (
     Attention,
+    Checkpointable,
     ClassEmbedder,
     TextConditioning,
     TimestepEmbedder,
@@ -42,6 +43,7 @@ __all__ = [
     "TimestepEmbedder",
     "UNet",
     "build_model",
+    "enable_checkpointing",
     "group_norm",
     "timestep_embedding",
 ]
@@ -83,3 +85,28 @@ def build_model(cfg: ModelConfig, *, image_size: int, channels: int, context_dim
         if isinstance(m, Attention):
             m.upcast_attention = cfg.upcast_attention
     return model
+
+
+def enable_checkpointing(model: nn.Module) -> str:
+    """Gradient checkpointing (``train.gradient_checkpointing``): the activations inside
+    each block are recomputed in the backward pass instead of kept, trading about one more
+    forward pass per step for the memory of all but the blocks' inputs. Our UNet's residual
+    and attention blocks and the DiT's transformer blocks (:class:`Checkpointable`); a model
+    with its own switch (a Stable Diffusion UNet: diffusers', and its trained text encoder:
+    transformers') uses that. Returns what was checkpointed, for the run's log.
+
+    Raises:
+        ValueError: the model has nothing to checkpoint.
+    """
+    own = getattr(model, "enable_gradient_checkpointing", None)
+    if callable(own):  # integrations/sd/model.py: SDDenoiser
+        return own()
+    blocks = [m for m in model.modules() if isinstance(m, Checkpointable)]
+    if not blocks:
+        raise ValueError(f"train.gradient_checkpointing: {type(model).__name__} has no blocks "
+                         "to checkpoint (steadydiff's UNet and DiT and Stable Diffusion UNets "
+                         "do); set it to false")
+    for b in blocks:
+        b.checkpointed = True
+    kinds = sorted({type(b).__name__ for b in blocks})
+    return f"{len(blocks)} blocks ({', '.join(kinds)}) recomputed in the backward pass"

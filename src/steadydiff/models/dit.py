@@ -33,6 +33,7 @@ from steadydiff.config import DiTConfig
 from steadydiff.kinds import DiTPreset
 from steadydiff.models.layers import (
     Attention,
+    Checkpointable,
     ClassEmbedder,
     TextConditioning,
     TimestepEmbedder,
@@ -95,7 +96,7 @@ class Mlp(nn.Module):
         return self.fc2(F.gelu(self.fc1(x), approximate="tanh"))
 
 
-class DiTBlock(nn.Module):
+class DiTBlock(Checkpointable, nn.Module):
     """Pre-norm transformer block with adaLN-Zero (Peebles & Xie 2023, fig. 3).
 
     The LayerNorms have no affine parameters: the per-sample shift/scale from c replace them.
@@ -125,6 +126,9 @@ class DiTBlock(nn.Module):
         self.adaLN_modulation = nn.Linear(dim, 6 * dim)  # shift/scale/gate for attn and mlp
 
     def forward(self, x: Tensor, c: Tensor, context: Tensor | None = None) -> Tensor:
+        return self._run(self._forward, x, c, context)
+
+    def _forward(self, x: Tensor, c: Tensor, context: Tensor | None) -> Tensor:
         mod = self.adaLN_modulation(F.silu(c))  # (N, 6D)
         shift_a, scale_a, gate_a, shift_m, scale_m, gate_m = mod.chunk(6, dim=1)
         x = x + gate_a[:, None] * self.attn(modulate(self.norm1(x), shift_a, scale_a))

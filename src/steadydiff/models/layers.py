@@ -1,6 +1,6 @@
 """Shared model primitives: timestep/class embeddings, attention (self or cross, optional
 QK-norm, probe mode), checked GroupNorm, the denoiser-contract input check, text
-conditioning (the null context) and layer-depth lookup.
+conditioning (the null context), gradient checkpointing of blocks and layer-depth lookup.
 
 Both architectures (``unet.py``, ``dit.py``) import these; nothing here is copied into a
 model file, so a fix lands once (see STYLE.md, habit 6).
@@ -14,10 +14,12 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 __all__ = [
     "Attention",
+    "Checkpointable",
     "ClassEmbedder",
     "TextConditioning",
     "TimestepEmbedder",
@@ -26,6 +28,29 @@ __all__ = [
     "lookup_depth",
     "timestep_embedding",
 ]
+
+
+# --------------------------------------------------------------------------- checkpointing
+
+
+class Checkpointable:
+    """A block whose activations may be recomputed in the backward pass instead of kept
+    (gradient checkpointing, Chen et al. 2016; ``train.gradient_checkpointing``).
+
+    The block's computation is ``_forward``; ``forward`` runs it through
+    ``torch.utils.checkpoint`` (non-reentrant, so frozen inputs still give gradients to the
+    block's weights and its hooks fire as usual) when ``checkpointed`` is set and autograd
+    records, and directly otherwise: sampling, EMA and the guard's no-grad probes keep no
+    activations anyway. The RNG state is saved with the inputs, so dropout draws the same
+    mask in the recomputation: the gradients equal those of the plain block.
+    """
+
+    checkpointed: bool = False  # set per instance by steadydiff.models.enable_checkpointing
+
+    def _run(self, fn, *args):
+        if self.checkpointed and torch.is_grad_enabled():
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
 
 # --------------------------------------------------------------------------- embeddings

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from steadydiff.config import UNetConfig
 from steadydiff.models.layers import (
     Attention,
+    Checkpointable,
     ClassEmbedder,
     TextConditioning,
     TimestepEmbedder,
@@ -35,7 +36,7 @@ from steadydiff.models.layers import (
 __all__ = ["UNet"]
 
 
-class ResBlock(nn.Module):
+class ResBlock(Checkpointable, nn.Module):
     """GroupNorm-SiLU-conv, embedding scale-shift, GroupNorm-SiLU-dropout-conv, plus skip.
 
     The embedding enters as a per-channel scale and shift of the second norm
@@ -55,6 +56,9 @@ class ResBlock(nn.Module):
         self.skip: nn.Module = nn.Conv2d(in_ch, out_ch, 1) if in_ch != out_ch else nn.Identity()
 
     def forward(self, x: Tensor, emb: Tensor) -> Tensor:
+        return self._run(self._forward, x, emb)
+
+    def _forward(self, x: Tensor, emb: Tensor) -> Tensor:
         h = self.conv1(F.silu(self.norm1(x)))  # (N, C_out, H, W)
         scale, shift = self.emb_proj(F.silu(emb))[:, :, None, None].chunk(2, dim=1)
         h = self.norm2(h) * (1 + scale) + shift
@@ -62,7 +66,7 @@ class ResBlock(nn.Module):
         return self.skip(x) + h
 
 
-class AttnBlock(nn.Module):
+class AttnBlock(Checkpointable, nn.Module):
     """Pre-norm self-attention over the H*W positions of a feature map, with residual; with
     ``context_dim`` > 0 then pre-norm cross-attention to the text context, with residual.
 
@@ -88,6 +92,9 @@ class AttnBlock(nn.Module):
                                         context_dim=context_dim)
 
     def forward(self, x: Tensor, context: Tensor | None = None) -> Tensor:
+        return self._run(self._forward, x, context)
+
+    def _forward(self, x: Tensor, context: Tensor | None) -> Tensor:
         n, c, h, w = x.shape
         tokens = self.norm(x).reshape(n, c, h * w).transpose(1, 2)  # (N, HW, C)
         out = self.attn(tokens).transpose(1, 2).reshape(n, c, h, w)  # (N, C, H, W)

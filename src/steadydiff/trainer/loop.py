@@ -45,7 +45,7 @@ from ..guard.faults import make_injector
 from ..guard.update import Update, plain_step
 from ..lint import lint
 from ..devices import resolve_device
-from ..models import build_model
+from ..models import build_model, enable_checkpointing
 from ..report import write_report
 from ..rundir import JSONL_LOGS, RunDir, RunDirError
 from . import budget
@@ -342,6 +342,9 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
         # frozen base + trainable adapter (docs/adapters.md), or the whole model
         weights = AdapterRun.prepare(cfg, model) if cfg.adapter.kind != "none" \
             else FULL_WEIGHTS
+    checkpointing = None
+    if cfg.train.gradient_checkpointing:  # before the EMA copy: its blocks are set too
+        checkpointing = enable_checkpointing(model)
     if cfg.train.channels_last:  # conv weights NHWC (4-D tensors only), before EMA copies
         model = model.to(memory_format=torch.channels_last)
     ema = EMA.from_config(model, cfg.train)
@@ -354,7 +357,7 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
         update=Update(model, optimizer, clip_mode=cfg.optim.clip_mode,
                       clip=cfg.optim.grad_clip, ema=ema),
         rank=ctx.rank, world_size=ctx.world_size,
-        faults=make_injector(cfg.faults, ctx.rank), media=media)
+        faults=make_injector(cfg.faults, ctx.rank), media=media, checkpointing=checkpointing)
 
 
 def attach_guard(state: TrainState, run_dir: Path | None,
@@ -778,6 +781,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         say(line)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, pre.num_classes_in_data, device, ctx)
+    if state.checkpointing:
+        say(f"gradient checkpointing: {state.checkpointing}")
     state.evaluator = make_evaluator(cfg, run_dir)
     encoded = None
     if state.media.text:  # latents and text contexts, cached and checked finite

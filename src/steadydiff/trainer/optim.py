@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from ..config import OptimConfig
+from ..config import ConfigError, OptimConfig
 from .speed import optimizer_kwargs
 
 
@@ -47,8 +47,36 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     return list(groups.values())
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW over :func:`param_groups`. The LR is set each step by :func:`set_lr`.
+class OptimizerError(ConfigError):
+    """``optim.optimizer`` cannot run here (a missing package, a device it has no kernel
+    for): the message says what would."""
+
+
+def check_optimizer(cfg: OptimConfig, device: torch.device) -> None:
+    """What ``optim.optimizer`` needs on ``device``, checked before anything is built (and
+    by the dry run).
+
+    Raises:
+        OptimizerError: adamw8bit off CUDA, or without bitsandbytes.
+    """
+    if cfg.optimizer != "adamw8bit":
+        return
+    if device.type != "cuda":
+        raise OptimizerError(
+            f"optim.optimizer=adamw8bit is bitsandbytes' 8-bit AdamW, whose kernels run on "
+            f"CUDA GPUs; this run is on {device.type}: use optim.optimizer=adamw here (and "
+            "adamw8bit when training on a GPU)")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as e:
+        raise OptimizerError(
+            f"optim.optimizer=adamw8bit needs bitsandbytes, which is not importable here "
+            f"({e}): `pip install bitsandbytes`, or use optim.optimizer=adamw") from None
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
+    """AdamW over :func:`param_groups` (``optim.optimizer``: torch's, or bitsandbytes'
+    8-bit AdamW on CUDA). The LR is set each step by :func:`set_lr`.
 
     ``cfg.fused`` (``auto`` resolved on the parameters' device, trainer/speed.py) picks
     torch's fused kernel: one launch for every parameter instead of one per tensor, and
@@ -59,6 +87,11 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     if not groups:
         raise ValueError("the model has no trainable parameters")
     device = groups[0]["params"][0].device
+    check_optimizer(cfg, device)
+    if cfg.optimizer == "adamw8bit":  # bitsandbytes: 8-bit moments; the same groups and LR
+        import bitsandbytes as bnb
+
+        return bnb.optim.AdamW8bit(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                              **optimizer_kwargs(cfg.fused, device))
 

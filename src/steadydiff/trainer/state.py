@@ -57,6 +57,8 @@ class TrainState:
     evaluator: Evaluation = NO_EVALUATION    # evaluation during training (eval.every)
     media: Media = PIXELS                    # pixels; or latents and text (text-to-image)
     prompts: list[str] = field(default_factory=list)  # the sample grids' prompts (text)
+    # train.gradient_checkpointing: what is recomputed in the backward (for the log); None off
+    checkpointing: str | None = None
 
 
 @dataclass

@@ -99,6 +99,24 @@ class SDDenoiser(nn.Module):
                               else c.sample_size[0])
         self.register_buffer("null_context", torch.zeros(context_len, self.context_dim))
 
+    def enable_gradient_checkpointing(self) -> str:
+        """Gradient checkpointing through the libraries' own switches: diffusers' for the
+        UNet's blocks, transformers' (non-reentrant, so its LoRA gets gradients through the
+        frozen embeddings) for a text encoder trained with its LoRA. Returns what was
+        checkpointed (``steadydiff.models.enable_checkpointing``)."""
+        self.unet.enable_gradient_checkpointing()
+        what = f"the UNet's blocks ({type(self.unet).__name__}, diffusers)"
+        if self.text_encoder is not None:
+            te = self.text_encoder  # transformers 5 renamed the switch (the old name warns)
+            on = getattr(te, "activation_checkpointing_enable", None)
+            if on is not None:
+                on(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                te.gradient_checkpointing_enable(
+                    gradient_checkpointing_kwargs={"use_reentrant": False})
+            what += f" and the text encoder's layers ({type(self.text_encoder).__name__})"
+        return what + " recomputed in the backward pass"
+
     def set_null_context(self, ctx: Tensor) -> None:
         if tuple(ctx.shape) != tuple(self.null_context.shape):
             raise ValueError(f"null context of shape {tuple(ctx.shape)}; the model expects "
