@@ -154,7 +154,8 @@ def _text_data(cfg: Config, dataset: Dataset | None) -> Dataset:
     """The captioned data of a text run: ``cfg.data``'s with its captions, or a user
     dataset of (image, caption) items with a ``captions`` list."""
     if dataset is None:
-        return build_captioned(cfg.data, build_dataset(cfg.data), seed=cfg.train.seed)
+        return build_captioned(cfg.data, build_dataset(cfg.data, seed=cfg.train.seed),
+                               seed=cfg.train.seed)
     captions = getattr(dataset, "captions", None)
     if not isinstance(captions, (list, tuple)) or len(captions) != len(dataset) or \
             not all(isinstance(c, str) for c in captions):
