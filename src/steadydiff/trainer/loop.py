@@ -35,7 +35,7 @@ from .. import distributed, preflight, seeding
 from ..adapters import AdapterRun
 from ..config import Config, ConfigError, config_diff, validate
 from ..data import make_loader, source_of
-from ..data.buckets import bucket_layout, describe_histogram, write_buckets
+from ..data.buckets import bucket_layout, write_buckets
 from ..diffusion import Draws, diffusion_loss, draw, make_schedule, sample
 from ..diffusion.objectives import is_conditional
 from ..durations import format_duration
@@ -788,9 +788,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir \
             else run.root / "cache"
         data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say)
-    layout = bucket_layout(data)  # data.buckets: the histogram, at start and in the report
-    if layout is not None:
-        say(describe_histogram(layout, cfg.train.batch_size))
+    # data.buckets: the histogram (printed in the header above) for the report
+    layout = bucket_layout(data)
 
     # ---- resume: the same command again continues the run
     if restart:
