@@ -151,6 +151,26 @@ class DataConfig(Section):
         "(images, labels, text contexts) runs without blocking the host; auto: on for CUDA, "
         "off on the CPU (docs/speed.md)")
 
+    buckets: Bool = Field(
+        False, description="aspect-ratio bucketing (folder data, model.pretrained): each "
+        "image is resized and cropped to the bucket of about image_size² pixels whose aspect "
+        "ratio is closest to its own; each batch comes from one bucket (docs/sd.md, Buckets)")
+    bucket_step: Int = Field(
+        64, ge=8, le=512, description="buckets: every side is a multiple of this (a multiple "
+        "of the model's downsampling: 64 for Stable Diffusion, VAE 8 x UNet 8)")
+    bucket_min_side: Int | None = Field(
+        None, ge=8, le=4096, description="buckets: the shortest side allowed (a multiple of "
+        "bucket_step); None: image_size / 2 rounded down to bucket_step")
+    bucket_max_side: Int | None = Field(
+        None, ge=8, le=4096, description="buckets: the longest side allowed (a multiple of "
+        "bucket_step); None: 2 x image_size")
+    bucket_max_ratio: float = Field(
+        4.0, ge=1.0, le=16.0, description="buckets: the largest long side / short side of a "
+        "bucket")
+    bucket_crop: Literal["center", "random"] = Field(
+        "center", description="buckets: where the crop of an image to its bucket lies: "
+        "center, or random (seeded by train.seed and the image, the same every epoch)")
+
     _pin_memory = field_validator("pin_memory", mode="before")(_auto_bool)
 
     @model_validator(mode="after")
@@ -178,7 +198,30 @@ class DataConfig(Section):
         if self.pad_to is not None and self.dataset != "fashion_mnist":
             raise ValueError(f"data.pad_to pads Fashion-MNIST's 28x28 images; data.dataset="
                              f"{self.dataset} has no fixed native size: remove data.pad_to")
+        if self.buckets:
+            self.bucket_sides()  # raises naming the key
         return self
+
+    def bucket_sides(self) -> tuple[int, int]:
+        """``(min_side, max_side)`` of the buckets, defaults resolved; raises ValueError
+        naming the key when they do not fit ``bucket_step`` and ``image_size``."""
+        st, s = self.bucket_step, self.image_size
+        lo = self.bucket_min_side if self.bucket_min_side is not None \
+            else max(st, s // 2 // st * st)
+        hi = self.bucket_max_side if self.bucket_max_side is not None else 2 * s // st * st
+        if self.dataset != "folder":
+            raise ValueError(f"data.buckets groups the images of a folder by aspect ratio; "
+                             f"data.dataset={self.dataset} has one square size: set "
+                             "data.dataset=folder or data.buckets=false")
+        for key, v in (("data.bucket_min_side", lo), ("data.bucket_max_side", hi),
+                       ("data.image_size", s)):
+            if v % st:
+                raise ValueError(f"{key}={v} is not a multiple of data.bucket_step={st}: use "
+                                 f"{max(st, v // st * st)} (or another bucket_step)")
+        if not lo <= s <= hi:
+            raise ValueError(f"data.image_size={s} must lie between data.bucket_min_side={lo} "
+                             f"and data.bucket_max_side={hi} (the base square is a bucket)")
+        return lo, hi
 
 
 # --------------------------------------------------------------------------- model
@@ -688,6 +731,12 @@ class Config(Section):
         if text and m.num_classes:
             raise ValueError("a text-conditioned model is conditioned on captions: set "
                              "model.num_classes=0")
+        if d.buckets and not m.pretrained:
+            raise ValueError("data.buckets trains non-square batches, which a Stable Diffusion "
+                             "UNet (model.pretrained) accepts; steadydiff's own UNet and DiT "
+                             "are built for data.image_size squares (the DiT's position "
+                             "embeddings, the sample grid, the evaluator): set "
+                             "model.pretrained or data.buckets=false")
         if (m.pretrained or m.vae) and d.hflip:
             raise ValueError("data.hflip flips images, but a latent-space model trains on "
                              "latents encoded once, before the first step: set "

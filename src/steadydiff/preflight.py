@@ -19,6 +19,7 @@ from torch.utils.data import Dataset
 
 from .config import Config, ConfigError
 from .data import as_pairs, build_dataset, check_labels, labels_of
+from .data.buckets import bucket_layout, describe_histogram
 from .data.captions import build_captioned
 from .durations import format_duration
 from .devices import resolve_device
@@ -64,6 +65,9 @@ class Preflight:
                   f"{self.device}, guard {'on' if cfg.guard.enabled else 'off'}"
                   + (f", torch.compile ({t.compile_backend}, mode {t.compile_mode}: the "
                      "first step compiles)" if t.compile else "")]
+        layout = bucket_layout(self.data)  # data.buckets: the histogram
+        if layout is not None:
+            lines += describe_histogram(layout, t.batch_size).splitlines()
         return lines
 
 
@@ -155,7 +159,8 @@ def _text_data(cfg: Config, dataset: Dataset | None) -> Dataset:
     """The captioned data of a text run: ``cfg.data``'s with its captions, or a user
     dataset of (image, caption) items with a ``captions`` list."""
     if dataset is None:
-        return build_captioned(cfg.data, build_dataset(cfg.data), seed=cfg.train.seed)
+        return build_captioned(cfg.data, build_dataset(cfg.data, seed=cfg.train.seed),
+                               seed=cfg.train.seed)
     captions = getattr(dataset, "captions", None)
     if not isinstance(captions, (list, tuple)) or len(captions) != len(dataset) or \
             not all(isinstance(c, str) for c in captions):

@@ -7,6 +7,7 @@
       incidents.jsonl     one row per guard intervention (created empty at the start)
       eval.jsonl          one row per evaluation during training
       summary.json        how the run ended (finished / aborted)
+      buckets.json        data.buckets: the aspect-ratio buckets and their image counts
       report.html         the health report
       samples/step_00001234.png
       checkpoints/step_00001234/ ... latest    (trainer/checkpoint.py owns the format)
@@ -95,6 +96,10 @@ class RunDir:
     @property
     def summary(self) -> Path:
         return self.root / "summary.json"
+
+    @property
+    def buckets(self) -> Path:
+        return self.root / "buckets.json"
 
     @property
     def report(self) -> Path:

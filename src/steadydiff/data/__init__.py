@@ -38,6 +38,8 @@ import torch.nn.functional as F
 from PIL import Image, ImageOps
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from steadydiff.data.buckets import (BucketBatchSampler, BucketLayout, Crop, assign,
+                                     bucket_layout, make_buckets, plan_crop)
 from steadydiff.kinds import CHANNELS, DATASETS, Channels, Split
 from steadydiff.seeding import derive_seed
 
@@ -403,6 +405,12 @@ class ImageFolderDataset(Dataset):
         center_crop: resize the shorter side to S and crop the center square; False squashes
             the whole image to S×S.
         follow_symlinks: also follow symlinks that lead outside ``root``.
+        buckets: aspect-ratio buckets ``[(w, h), ...]`` (``data/buckets.py``): each image
+            goes to the closest one and is resized and cropped to it (``center_crop`` is
+            then unused); None: every image is S×S.
+        random_crop: buckets: a seeded random crop offset per image (the same every epoch),
+            else centered.
+        crop_seed: the seed of the random crops (the run seed).
 
     Attributes:
         paths: the usable image paths, sorted; ``labels``: their labels.
@@ -410,6 +418,8 @@ class ImageFolderDataset(Dataset):
         bad_paths: ``{path: reason}`` for every file dropped or replaced as unreadable.
         skipped: files dropped at construction or replaced at load time (bad files, bombs,
             out-of-root or broken symlinks); ``skipped_symlinks``: the symlinks among them.
+        bucket_layout: with ``buckets``, each image's bucket and crop
+            (:class:`~steadydiff.data.buckets.BucketLayout`); else None.
 
     Raises:
         DataError: missing root, root not a directory, no images, every image unreadable, or
@@ -418,7 +428,9 @@ class ImageFolderDataset(Dataset):
 
     def __init__(self, root: str | os.PathLike[str], image_size: int,
                  channels: Channels = 3, class_labels: bool = False,
-                 center_crop: bool = True, follow_symlinks: bool = False) -> None:
+                 center_crop: bool = True, follow_symlinks: bool = False,
+                 buckets: list[tuple[int, int]] | None = None, random_crop: bool = False,
+                 crop_seed: int = 0) -> None:
         if channels not in CHANNELS:
             raise DataError(f"image folder: channels must be 1 or 3, got {channels!r}")
         if image_size < 1:
@@ -481,6 +493,14 @@ class ImageFolderDataset(Dataset):
             log.warning("image folder %s: skipped %d files (%d symlinks outside the root or "
                         "broken, %d unreadable)", self.root, self.skipped,
                         self.skipped_symlinks, self.skipped - self.skipped_symlinks)
+        self.bucket_layout: BucketLayout | None = None
+        if buckets:
+            # headers only (Image.open reads no pixels): ~0.1 ms a file
+            sizes = [self._size(p) for p in self.paths]
+            ids = assign(sizes, buckets)
+            self.bucket_layout = BucketLayout(
+                list(buckets), ids, [plan_crop(w, h, buckets[k], random_crop, crop_seed, j)
+                                     for j, ((w, h), k) in enumerate(zip(sizes, ids))])
 
     # ..................................................................... scan
 
@@ -559,30 +579,50 @@ class ImageFolderDataset(Dataset):
             return _reason(e)
         return None
 
+    @staticmethod
+    def _size(path: Path) -> tuple[int, int]:
+        """``(width, height)`` as displayed (EXIF orientations 5-8 swap the sides)."""
+        with _refuse_bombs(), Image.open(path) as im:
+            w, h = im.size
+            try:
+                turned = im.getexif().get(0x0112) in (5, 6, 7, 8)
+            except _BAD_IMAGE_ERRORS:
+                turned = False
+        return (h, w) if turned else (w, h)
+
     # ..................................................................... load
 
-    def _load(self, path: Path) -> torch.Tensor:
-        """Decode, convert, resize/crop; returns (C, S, S) float32 in [-1, 1]."""
+    def _load(self, path: Path, crop: Crop | None = None) -> torch.Tensor:
+        """Decode, convert, resize/crop; returns (C, S, S) float32 in [-1, 1] (with
+        ``crop``: (C, bh, bw), resized and cropped to its bucket)."""
         s = self.image_size
         mode = "RGB" if self.channels == 3 else "L"
         with _refuse_bombs(), Image.open(path) as im:
             # JPEG can decode at 1/2, 1/4, 1/8 scale for free; draft keeps both sides >= S,
             # so the final resize still shrinks (antialiased) and never upsamples needlessly.
             if im.format == "JPEG":
-                im.draft(mode, (s, s))
+                im.draft(mode, (s, s) if crop is None else (max(crop.target_size),) * 2)
             im.load()  # truncated/corrupt data raises here
             im = ImageOps.exif_transpose(im)  # phone photos carry their rotation in EXIF
             im = _to_mode(im, mode)
             w, h = im.size
-            if self.center_crop:
+            if crop is not None:
+                # the box is in the original's pixels; a JPEG draft decoded it smaller
+                fx, fy = w / crop.original_size[1], h / crop.original_size[0]
+                l, t, r, b = crop.box
+                bh, bw = crop.target_size
+                im = im.resize((bw, bh), Image.Resampling.BICUBIC,
+                               box=(l * fx, t * fy, r * fx, b * fy))
+            elif self.center_crop:
                 # Resizing the center square of the source is the same as "shorter side to S,
                 # then center crop", without rounding the intermediate size.
                 side = min(w, h)
                 box = ((w - side) / 2, (h - side) / 2, (w + side) / 2, (h + side) / 2)
             else:
                 box = (0, 0, w, h)
-            # Pillow's bicubic filter widens its support when shrinking: antialiased.
-            im = im.resize((s, s), Image.Resampling.BICUBIC, box=box)
+            if crop is None:
+                # Pillow's bicubic filter widens its support when shrinking: antialiased.
+                im = im.resize((s, s), Image.Resampling.BICUBIC, box=box)
             a = np.asarray(im, dtype=np.uint8)
         x = torch.from_numpy(a.copy()).to(torch.float32)
         x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)  # (H, W[, C]) -> (C, H, W)
@@ -617,7 +657,8 @@ class ImageFolderDataset(Dataset):
             if j in self._bad_index:
                 continue
             try:
-                x = self._load(self.paths[j])
+                x = self._load(self.paths[j], self.bucket_layout.crops[j]
+                               if self.bucket_layout is not None else None)
             except _BAD_IMAGE_ERRORS as e:
                 self._bad_index.add(j)
                 self._mark_bad(self.paths[j], _reason(e) + " (at load time; replaced by the "
@@ -631,6 +672,10 @@ class ImageFolderDataset(Dataset):
         """One line for the run log, e.g. ``folder data/cats: 120 images 3×64×64, 2 classes``."""
         s = self.image_size
         out = f"folder {self.root}: {len(self)} images {self.channels}×{s}×{s}"
+        if self.bucket_layout is not None:
+            used = len(set(self.bucket_layout.ids))
+            out = (f"folder {self.root}: {len(self)} images {self.channels}×~{s}² in {used} "
+                   f"aspect-ratio buckets")
         out += f", {self.num_classes} classes" if self.num_classes else ", unlabeled"
         if self.skipped:
             out += f" ({self.skipped} files skipped)"
@@ -986,11 +1031,19 @@ def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: in
 
     Returns:
         A DataLoader whose ``batch_sampler`` is the ``StreamBatchSampler`` (use its
-        ``batch_indices(b)`` to name the samples of batch ``b``). It never ends: count steps.
+        ``batch_indices(b)`` to name the samples of batch ``b``), or for a bucketed dataset
+        (``data.buckets``) the ``BucketBatchSampler``: every batch from one bucket. It never
+        ends: count steps.
     """
     view = SeededView(dataset, seed=seed, hflip=hflip, num_classes=num_classes)
-    sampler = StreamBatchSampler(len(view), batch_size, seed=seed, start_batch=start_batch,
-                                 rank=rank, world_size=world_size, exclude=exclude)
+    layout = bucket_layout(dataset)
+    sampler: Sampler[list[StreamKey]]
+    if layout is not None:
+        sampler = BucketBatchSampler(layout.ids, batch_size, seed=seed, start_batch=start_batch,
+                                     rank=rank, world_size=world_size, exclude=exclude)
+    else:
+        sampler = StreamBatchSampler(len(view), batch_size, seed=seed, start_batch=start_batch,
+                                     rank=rank, world_size=world_size, exclude=exclude)
     return DataLoader(
         view, batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
@@ -1071,13 +1124,17 @@ class ClassSubset(Dataset):
 # --------------------------------------------------------------------------- config
 
 
-def build_dataset(cfg: DataConfig) -> Dataset:
+def build_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
     """The dataset named by ``cfg`` (``data`` section): digits, Fashion-MNIST (train split;
     ``data.path`` overrides the folder of its idx files) or an image folder.
 
+    Args:
+        cfg: the ``data`` section.
+        seed: the run seed (``data.bucket_crop=random``: each image's crop offset).
+
     Returns:
         A dataset of ``(image, label)`` pairs with ``num_classes``, ``channels``,
-        ``image_size`` and ``describe()``.
+        ``image_size`` and ``describe()`` (with ``data.buckets``, its ``bucket_layout``).
 
     Raises:
         DataError: the folder is missing, empty or unreadable.
@@ -1090,9 +1147,15 @@ def build_dataset(cfg: DataConfig) -> Dataset:
     elif cfg.dataset == "folder":
         if not cfg.path:
             raise DataError("data.path is required when data.dataset is 'folder'")
+        buckets = None
+        if cfg.buckets:
+            lo, hi = cfg.bucket_sides()
+            buckets = make_buckets(cfg.image_size, cfg.bucket_step, lo, hi,
+                                   cfg.bucket_max_ratio)
         data = ImageFolderDataset(cfg.path, cfg.image_size, cfg.channels,
                                   class_labels=cfg.class_labels, center_crop=cfg.center_crop,
-                                  follow_symlinks=cfg.follow_symlinks)
+                                  follow_symlinks=cfg.follow_symlinks, buckets=buckets,
+                                  random_crop=cfg.bucket_crop == "random", crop_seed=seed)
     else:
         raise DataError(f"data.dataset {cfg.dataset!r} is unknown; valid: "
                         f"{', '.join(DATASETS)}")

@@ -9,7 +9,8 @@ functions of the data, so they are computed once, before training, and kept on d
       text/<key[:2]>/<key>.safetensors      one tensor "context" (L, D) float32
 
     latent key  = sha256 of (the image file's sha256 (or, for a dataset without files, of the
-                  image tensor's bytes), ``prep``, ``encoder_id``)
+                  image tensor's bytes), ``prep``, ``encoder_id``; for a bucketed dataset,
+                  ``data.buckets``, also the image's bucket size and crop)
     text key    = sha256 of (the caption, ``encoder_id``)
 
 The key is a function of everything the value depends on, so a changed image file, another
@@ -54,6 +55,7 @@ from safetensors.torch import save as st_save
 from torch.utils.data import Dataset
 
 from steadydiff.data import DataError, source_of
+from steadydiff.data.buckets import BucketLayout, bucket_layout
 
 __all__ = ["module_identity", "file_digest", "encode_latents", "encode_texts", "LatentResult",
            "TextResult", "EncodedDataset"]
@@ -250,7 +252,8 @@ class LatentResult:
     Attributes:
         latents: ``(N_kept, c, h, w)`` float32, all finite, on the CPU
             (``(0, c, h, w)`` when every item was quarantined; ``(0, 0, 0, 0)`` for an empty
-            dataset).
+            dataset); for a bucketed dataset whose buckets give latents of several shapes, a
+            list of ``(c, h, w)`` tensors, one per kept item.
         index: the dataset index of each row, ascending.
         total: ``len(dataset)``.
         quarantined: ``{i: {"index": i, "source": path or None, "why": str}}``, the items
@@ -263,7 +266,7 @@ class LatentResult:
         seconds: the wall time of the call.
     """
 
-    latents: torch.Tensor
+    latents: torch.Tensor | list[torch.Tensor]
     index: list[int]
     total: int
     quarantined: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -324,11 +327,19 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
     n = len(dataset)
     store = _Store(Path(cache_dir) / "latents", "latent") if cache_dir is not None else None
     sources = [source_of(dataset, i) for i in range(n)]
+    # Bucketed data: images of one bucket share a shape (and are encoded together); the key
+    # holds the bucket and the crop, so another bucket set or crop is another entry.
+    layout = bucket_layout(dataset)
+    group = layout.ids if layout is not None else [0] * n
+    item_prep = ([f"{prep},bucket={c.target_size[1]}x{c.target_size[0]},"
+                  f"crop={c.crop_top_left[0]},{c.crop_top_left[1]}" for c in layout.crops]
+                 if layout is not None else [prep] * n)
     # Without a cache nothing is looked up: no file is read twice only to be hashed.
     keys = [_sha("latent",
                  file_digest(s) if s is not None else _tensor_digest(_fetch(dataset, i)[0]),
-                 prep, encoder_id) for i, s in enumerate(sources)] if store is not None else []
-    meta = {"encoder_id": encoder_id, "prep": prep}
+                 item_prep[i], encoder_id) for i, s in enumerate(sources)] \
+        if store is not None else []
+    meta = {"encoder_id": encoder_id}
 
     got: dict[int, torch.Tensor] = {}
     if store is not None:
@@ -339,29 +350,35 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
     hits = len(got)
     queue = [i for i in range(n) if i not in got]
     res = LatentResult(latents=torch.empty(0), index=[], total=n)
-    shape: tuple[int, ...] | None = None  # (c, h, w): fixed by the first fresh encoding
+    # (c, h, w) of each group (bucket): fixed by its first fresh encoding
+    shapes: dict[int, tuple[int, ...]] = {}
     show = _Progress(progress, "latents", n)
 
     def keep(i: int, z: torch.Tensor) -> None:
         got[i] = z.clone()  # its own storage: not a view pinning the whole batch
         if store is not None:
-            store.save(keys[i], got[i], {**meta, "source": sources[i] or ""})
+            store.save(keys[i], got[i], {**meta, "prep": item_prep[i],
+                                         "source": sources[i] or ""})
 
+    queue.sort(key=lambda i: (group[i], i))  # a batch never mixes two buckets
     while True:
         if not queue:
-            # A cached file of another shape than the fresh latents (or, with nothing fresh,
-            # than most cached ones) was not written for this key: encode it again.
-            if shape is None and got:
-                shape = Counter(tuple(t.shape) for t in got.values()).most_common(1)[0][0]
-            queue = sorted(i for i, t in got.items() if tuple(t.shape) != shape)
+            # A cached file of another shape than its group's fresh latents (or, with nothing
+            # fresh, than most cached ones) was not written for this key: encode it again.
+            for k in sorted({group[i] for i in got} - set(shapes)):
+                shapes[k] = Counter(tuple(t.shape) for i, t in got.items()
+                                    if group[i] == k).most_common(1)[0][0]
+            queue = sorted((i for i, t in got.items() if tuple(t.shape) != shapes[group[i]]),
+                           key=lambda i: (group[i], i))
             if not queue:
                 break
             for i in queue:
                 del got[i]
             hits -= len(queue)
-            log.warning("latent cache: %d entries have another shape than %s; re-encoding",
-                        len(queue), shape)
-        batch, queue = queue[:batch_size], queue[batch_size:]
+            log.warning("latent cache: %d entries have another shape than their bucket's; "
+                        "re-encoding", len(queue))
+        head = [i for i in queue[:batch_size] if group[i] == group[queue[0]]]
+        batch, queue = head, queue[len(head):]
         images = []
         for i in list(batch):
             x, bad = _fetch(dataset, i)
@@ -380,9 +397,8 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
         x = torch.stack(images).to(device=device, dtype=torch.float32)
         with torch.no_grad():
             z = _check_batch(encode(x), len(batch), "encode")  # (B, c, h, w)
-        if shape is None:
-            shape = tuple(z.shape[1:])
-        elif tuple(z.shape[1:]) != shape:
+        shape = shapes.setdefault(group[batch[0]], tuple(z.shape[1:]))
+        if tuple(z.shape[1:]) != shape:
             raise ValueError(f"encode returned latents {tuple(z.shape[1:])} for dataset items "
                              f"{batch[:3]}... but {shape} for earlier ones: every image of a "
                              f"data set must have one size (check the preprocessing)")
@@ -414,8 +430,11 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
         show(len(got) + len(res.quarantined), hits)
 
     res.index = sorted(got)
-    res.latents = (torch.stack([got[i] for i in res.index]) if got
-                   else torch.empty((0, *(shape or (0, 0, 0)))))
+    if len({tuple(t.shape) for t in got.values()}) > 1:  # buckets: one tensor per item
+        res.latents = [got[i] for i in res.index]
+    else:
+        res.latents = (torch.stack([got[i] for i in res.index]) if got
+                       else torch.empty((0, *next(iter(shapes.values()), (0, 0, 0)))))
     res.hits = hits
     res.seconds = time.perf_counter() - t0
     show(n, hits, end=True)
@@ -594,6 +613,11 @@ class EncodedDataset(Dataset):
             raise DataError(f"no items to train on: {self.source_name} has {n} items"
                             + (f", all {q} quarantined (non-finite latents)" if q else ""))
         self._paths = [source_of(source, int(i)) for i in self._index]
+        # Bucketed data: each kept item's bucket and crop (the batch sampler and SDXL's
+        # add_time_ids read them; steadydiff.data.buckets.time_ids)
+        layout = bucket_layout(source)
+        self.bucket_layout: BucketLayout | None = \
+            layout.subset(self._index.tolist()) if layout is not None else None
         self._latents = latents.latents if latents is not None else None
         self._source = source if latents is None else None  # pixel space reads the images
         self.quarantined = dict(latents.quarantined) if latents is not None else {}
@@ -608,6 +632,9 @@ class EncodedDataset(Dataset):
             self._distinct = 0
         x0 = self._latents[0] if self._latents is not None else self[0][0]
         self.channels, self.image_size = int(x0.shape[0]), int(x0.shape[-1])
+        if self.bucket_layout is not None and self._latents is not None:
+            self.image_size = source.image_size // (int(self.bucket_layout.crops[0]
+                                                        .target_size[1]) // self.image_size)
         self.item_shape = tuple(x0.shape)
 
     def __len__(self) -> int:

@@ -216,6 +216,22 @@ def _files_html(log: RunLog) -> str:
                                            if probs else "")
 
 
+def _buckets_html(b: dict) -> str:
+    """The aspect-ratio bucket histogram (buckets.json): one row per bucket with images."""
+    rows = [r for r in b.get("buckets", []) if isinstance(r, dict)]
+    top = max([int(r.get("images", 0)) for r in rows] or [1]) or 1
+    body = "".join(
+        f"<tr><td>{esc(r.get('width'))}×{esc(r.get('height'))}</td>"
+        f"<td>{esc(r.get('images'))}</td><td>{esc(r.get('batches'))}</td>"
+        f'<td><div style="background:#3a5ea8;height:10px;width:'
+        f'{round(200 * int(r.get("images", 0)) / top)}px"></div></td></tr>' for r in rows)
+    return (f'<p class="note">{esc(b.get("images"))} images in {len(rows)} of '
+            f'{esc(b.get("defined"))} buckets, batch {esc(b.get("batch_size"))}; every batch '
+            "comes from one bucket (a bucket's last batch is filled from itself).</p>"
+            '<table style="width:auto"><tr><th>bucket (w×h)</th><th>images</th>'
+            f"<th>batches per epoch</th><th></th></tr>{body}</table>")
+
+
 def render(log: RunLog) -> str:
     """The report page for ``log`` as one HTML string."""
     v = verdict(log)
@@ -290,6 +306,8 @@ def render(log: RunLog) -> str:
     else:
         sections.append('<p class="note">No sample grids in samples/.</p>')
 
+    if log.buckets:
+        sections.append("<h2>Buckets</h2>" + _buckets_html(log.buckets))
     sections.append(f"<h2>Incidents ({len(log.incidents)})</h2>")
     sections.append(_incident_table(log))
     sections.append("<h2>Config</h2>" + _config_html(log))

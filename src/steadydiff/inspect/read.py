@@ -31,6 +31,7 @@ class RunLog:
         layers: layers.jsonl rows.
         evals: eval.jsonl rows (``eval.every``).
         summary: summary.json, or None (the run was killed, or is still running).
+        buckets: buckets.json (``data.buckets``: the bucket histogram), or None.
         samples: (step, path) of every sample grid, by step.
         checkpoints: checkpoint directories, newest first.
         problems: human-readable notes on missing or damaged files.
@@ -43,6 +44,7 @@ class RunLog:
     layers: list[dict[str, Any]] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
+    buckets: dict[str, Any] | None = None
     samples: list[tuple[int, Path]] = field(default_factory=list)
     checkpoints: list[Path] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
@@ -141,6 +143,12 @@ def read_run(run_dir: str | Path) -> RunLog:
             log.summary = s if isinstance(s, dict) else None
         except ValueError as e:
             log.problems.append(f"summary.json: unreadable ({e})")
+    if rd.buckets.is_file():
+        try:
+            b = json.loads(rd.buckets.read_text())
+            log.buckets = b if isinstance(b, dict) else None
+        except ValueError as e:
+            log.problems.append(f"buckets.json: unreadable ({e})")
     log.samples = rd.sample_grids()
     log.checkpoints = rd.list_checkpoints()
     return log

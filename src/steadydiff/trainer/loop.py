@@ -35,6 +35,7 @@ from .. import distributed, preflight, seeding
 from ..adapters import AdapterRun
 from ..config import Config, ConfigError, config_diff, validate
 from ..data import make_loader, source_of
+from ..data.buckets import bucket_layout, write_buckets
 from ..diffusion import Draws, diffusion_loss, draw, make_schedule, sample
 from ..diffusion.objectives import is_conditional
 from ..durations import format_duration
@@ -792,6 +793,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir \
             else run.root / "cache"
         data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say)
+    # data.buckets: the histogram (printed in the header above) for the report
+    layout = bucket_layout(data)
 
     # ---- resume: the same command again continues the run
     if restart:
@@ -815,6 +818,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         # tools expect the file: a healthy run leaves it empty (never truncated: rows of a
         # resumed run were cut to its step just above)
         run.incidents.touch()
+        if layout is not None:
+            write_buckets(run.buckets, layout, cfg.train.batch_size)
     if growth is not None:  # after the truncation: its incident row is this run's
         apply_growth(state, growth, say)
 

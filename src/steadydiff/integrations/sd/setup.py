@@ -87,6 +87,13 @@ def model_geometry(cfg: Config) -> dict[str, int]:
             raise ConfigError(f"data.image_size={size} gives {side}x{side} latents, not a "
                               f"multiple of the UNet's downsampling ({levels}): use a multiple "
                               f"of {down * levels}")
+    if cfg.data.buckets:  # every bucket side is a multiple of the step
+        need = down * (2 ** (len(unet["block_out_channels"]) - 1) if unet is not None else 1)
+        if cfg.data.bucket_step % need:
+            raise ConfigError(f"data.bucket_step={cfg.data.bucket_step} is not a multiple of "
+                              f"the model's downsampling ({need}: VAE x UNet): bucket sides "
+                              f"must be; use data.bucket_step="
+                              f"{max(need, cfg.data.bucket_step // need * need)}")
     return {"channels": int(vae["latent_channels"]) if vae else cfg.data.channels,
             "side": side, "context_dim": int(te["hidden_size"]), "context_len": length}
 
