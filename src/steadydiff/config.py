@@ -25,7 +25,8 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError,
-                      ValidationInfo, field_validator, model_validator)
+                      ValidationInfo, field_validator, model_serializer,
+                      model_validator)
 
 from .durations import parse_duration
 from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, CaptionSource, Channels, MissingCaption, ClipMode,
@@ -470,19 +471,69 @@ class TrainConfig(Section):
 # --------------------------------------------------------------------------- sample
 
 
+class ValidationPrompt(Section):
+    """One entry of ``sample.prompts`` (a plain string is ``{prompt: STRING}``); every
+    unset field takes the ``sample`` section's value (docs/sd.md, "Validation prompts")."""
+
+    prompt: str = Field(description="the text")
+    negative_prompt: str | None = Field(None, description="null: sample.negative_prompt")
+    seed: Int | None = Field(None, ge=0, le=2**64 - 1, description="the seed of this "
+                             "prompt's noise (its own generator); null: sample.seed")
+    cfg_scale: float | None = Field(None, ge=0.0, le=100.0, description="null: "
+                                    "sample.cfg_scale")
+    steps: Int | None = Field(None, ge=1, le=100_000, description="null: sample.steps")
+    width: Int | None = Field(None, ge=8, le=4096, description="pixels; a Stable Diffusion "
+                              "UNet (model.pretrained) only; null: data.image_size")
+    height: Int | None = Field(None, ge=8, le=4096, description="as width")
+
+    @model_serializer(mode="wrap")
+    def _as_written(self, handler: Any) -> Any:
+        # config.yaml holds an entry as it would be written: the string alone when nothing
+        # else is set, else the mapping of the set fields (both read back to this entry)
+        d = {k: v for k, v in handler(self).items() if v is not None}
+        return d["prompt"] if set(d) == {"prompt"} else d
+
+
+PROMPT_KEYS = tuple(ValidationPrompt.model_fields)
+
+
 class SampleConfig(Section):
     sampler: SamplerName = "dpmpp_2m"
     steps: Int = Field(50, ge=1, le=100_000)
-    num: Int = Field(64, ge=1, le=100_000)
+    num: Int = Field(64, ge=1, le=100_000, description="images per sample grid (with "
+                     "sample.prompts: at least one per prompt)")
     cfg_scale: float = Field(1.0, ge=0.0, le=100.0)
     eta: float = Field(0.0, ge=0.0, le=1.0, description="DDIM stochasticity")
     seed: Int = Field(0, ge=0)
-    use_ema: Bool = True
-    prompts: tuple[str, ...] = Field(
-        (), description="text-conditioned models: the prompts of the sample grids (cycled); "
-        "empty: the captions of the first dataset items")
+    use_ema: Bool = Field(True, description="sample grids, validation prompts and the "
+                          "exported weights use the EMA weights (false: the raw ones)")
+    prompts: tuple[ValidationPrompt, ...] = Field(
+        (), description="text-conditioned models: the validation prompts rendered into the "
+        "sample grids every train.sample_every steps, each a string or a mapping {prompt, "
+        "negative_prompt, seed, cfg_scale, steps, width, height} (cycled over sample.num "
+        "cells); empty: the captions of the first dataset items")
     negative_prompt: str = Field(
         "", description="text-conditioned models: what guidance steers away from")
+
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _prompt_entries(cls, v: Any) -> Any:
+        # a string is the prompt alone; anything else but a mapping is named here, with the
+        # entry's index, instead of pydantic's "valid dictionary" for the mapping form
+        if isinstance(v, str):
+            raise ValueError("expected a list of prompts (a string or a mapping each), got "
+                             f"the string {v!r}: write [{v!r}]")
+        if not isinstance(v, (list, tuple)):
+            return v
+        out = []
+        for i, e in enumerate(v):
+            if isinstance(e, str):
+                e = {"prompt": e}
+            elif not isinstance(e, (Mapping, ValidationPrompt)):
+                raise ValueError(f"entry {i} is {type(e).__name__} {e!r}: each prompt is a "
+                                 f"string or a mapping with keys {', '.join(PROMPT_KEYS)}")
+            out.append(e)
+        return out
 
 
 # --------------------------------------------------------------------------- eval
@@ -728,6 +779,19 @@ class Config(Section):
             raise ValueError(f"data.captions={d.captions} needs a text encoder: set "
                              "model.pretrained (Stable Diffusion) or model.text_encoder, or "
                              "data.captions=none")
+        if self.sample.prompts and not text:
+            raise ValueError("sample.prompts are validation prompts for a text-conditioned "
+                             "model, but this one is not (no model.pretrained or "
+                             "model.text_encoder): remove sample.prompts (the grids show one "
+                             "column per class, or unconditional samples)")
+        if not m.pretrained:
+            for i, p in enumerate(self.sample.prompts):
+                for k in ("width", "height"):
+                    if getattr(p, k) not in (None, d.image_size):
+                        raise ValueError(
+                            f"sample.prompts.{i}.{k}={getattr(p, k)}: steadydiff's own "
+                            f"{m.kind} samples at data.image_size ({d.image_size}) only; "
+                            "another size needs a Stable Diffusion UNet (model.pretrained)")
         if text and m.num_classes:
             raise ValueError("a text-conditioned model is conditioned on captions: set "
                              "model.num_classes=0")
@@ -781,13 +845,18 @@ STABLE_KEYS = (
 
 def _section_at(path: tuple[Any, ...]) -> type[BaseModel] | None:
     cls: type[BaseModel] = Config
-    for part in path:
-        field = cls.model_fields.get(str(part))
+    parts = list(path)
+    while parts:
+        field = cls.model_fields.get(str(parts.pop(0)))
         if field is None:
             return None
-        ann = field.annotation
+        ann, args = field.annotation, typing.get_args(field.annotation)
         if isinstance(ann, type) and issubclass(ann, BaseModel):
             cls = ann
+        elif (typing.get_origin(ann) is tuple and args and isinstance(args[0], type)
+              and issubclass(args[0], BaseModel) and parts and isinstance(parts[0], int)):
+            cls = args[0]  # an entry of a list of sections (sample.prompts.2, faults.0)
+            parts.pop(0)
         else:
             return None
     return cls

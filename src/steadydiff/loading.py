@@ -196,7 +196,8 @@ class Pipeline:
     def _sample_text(self, num, sampler, steps, prompt, negative_prompt, cfg_scale, eta, seed,
                      allow_nonfinite, noise) -> tuple[torch.Tensor, None]:
         s, media, m = self.config.sample, self.media, self.model
-        prompts = [prompt] if isinstance(prompt, str) else list(prompt or s.prompts)
+        prompts = [prompt] if isinstance(prompt, str) else \
+            list(prompt or [p.prompt for p in s.prompts])
         if not prompts:
             raise ValueError("a text-to-image model needs a prompt (--prompt), or "
                              "sample.prompts in its config")

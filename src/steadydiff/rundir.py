@@ -10,6 +10,8 @@
       buckets.json        data.buckets: the aspect-ratio buckets and their image counts
       report.html         the health report
       samples/step_00001234.png
+      samples/step_00001234/prompts.json, prompt_00.png   a text run's validation prompts:
+                                               which grid cell holds which, each one's images
       checkpoints/step_00001234/ ... latest    (trainer/checkpoint.py owns the format)
       checkpoints/best/step_00001234/          the best evaluation's checkpoint
       checkpoints/posthoc_best/                the best post-hoc EMA (`steadydiff ema --sweep`):
@@ -149,6 +151,17 @@ class RunDir:
             return []
         return sorted((int(m.group(1)), p) for p in self.samples.iterdir()
                       if (m := _GRID.match(p.name)) and p.is_file())
+
+    def validation(self, step: int) -> Path:
+        """The folder of one render's validation prompts (trainer/validation.py)."""
+        return self.samples / ckpt.checkpoint_name(step)
+
+    def latest_validation(self) -> tuple[int, Path] | None:
+        """``(step, folder)`` of the newest render with a prompts.json, or None."""
+        for step, _ in reversed(self.sample_grids()):
+            if (self.validation(step) / "prompts.json").is_file():
+                return step, self.validation(step)
+        return None
 
     # ---- checkpoints
     def list_checkpoints(self) -> list[Path]:

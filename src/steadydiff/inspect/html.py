@@ -62,6 +62,31 @@ def _embed_image(path: Path) -> tuple[str, int] | None:
         return None
 
 
+def _validation_html(v: dict[str, Any]) -> str:
+    """The newest render's validation prompts: each prompt's images with its text and
+    settings (trainer/validation.py writes them)."""
+    figs = []
+    for p in v.get("prompts") or []:
+        if not isinstance(p, dict):
+            continue
+        img = _embed_image(Path(v["folder"]) / str(p.get("file"))) if p.get("file") else None
+        bad = p.get("error") or (None if p.get("finite", True) else "non-finite image")
+        body = (f'<img src="{img[0]}" alt="validation prompt {esc(p.get("index"))}" '
+                f'style="width:{img[1]}px">' if img else
+                '<p class="note">no image</p>')
+        settings = (f'#{esc(p.get("index"))} · seed {esc(p.get("seed"))} · cfg '
+                    f'{esc(p.get("cfg_scale"))} · {esc(p.get("steps"))} steps')
+        neg = f'<br>not: {esc(p["negative_prompt"])}' if p.get("negative_prompt") else ""
+        warn = (f'<br><b style="color:#b3261e">{esc(bad)}</b>' if bad else "")
+        figs.append(f"<figure>{body}<figcaption>{esc(p.get('prompt'))}{neg}<br>{settings}"
+                    f"{warn}</figcaption></figure>")
+    ema = "EMA" if v.get("use_ema", True) else "raw"
+    return (f"<h2>Validation prompts (step {esc(v.get('step'))})</h2>"
+            f'<p class="note">{ema} weights, {esc(v.get("sampler"))}; grid '
+            f'{esc(v.get("grid"))}, cells listed in its prompts.json.</p>'
+            f'<div class="samples">{"".join(figs)}</div>')
+
+
 def _pick(items: list, k: int) -> list:
     """At most ``k`` items evenly spaced, first and last included."""
     if len(items) <= k:
@@ -308,6 +333,8 @@ def render(log: RunLog) -> str:
 
     if log.buckets:
         sections.append("<h2>Buckets</h2>" + _buckets_html(log.buckets))
+    if log.validation is not None:
+        sections.append(_validation_html(log.validation))
     sections.append(f"<h2>Incidents ({len(log.incidents)})</h2>")
     sections.append(_incident_table(log))
     sections.append("<h2>Config</h2>" + _config_html(log))

@@ -33,6 +33,8 @@ class RunLog:
         summary: summary.json, or None (the run was killed, or is still running).
         buckets: buckets.json (``data.buckets``: the bucket histogram), or None.
         samples: (step, path) of every sample grid, by step.
+        validation: the newest render's validation prompts (its prompts.json, with
+            ``folder``: where its images are), or None (not a text run).
         checkpoints: checkpoint directories, newest first.
         problems: human-readable notes on missing or damaged files.
     """
@@ -46,6 +48,7 @@ class RunLog:
     summary: dict[str, Any] | None = None
     buckets: dict[str, Any] | None = None
     samples: list[tuple[int, Path]] = field(default_factory=list)
+    validation: dict[str, Any] | None = None
     checkpoints: list[Path] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -150,6 +153,13 @@ def read_run(run_dir: str | Path) -> RunLog:
         except ValueError as e:
             log.problems.append(f"buckets.json: unreadable ({e})")
     log.samples = rd.sample_grids()
+    latest = rd.latest_validation()
+    if latest is not None:
+        try:
+            v = json.loads((latest[1] / "prompts.json").read_text())
+            log.validation = {**v, "folder": latest[1]} if isinstance(v, dict) else None
+        except ValueError as e:
+            log.problems.append(f"{latest[1].name}/prompts.json: unreadable ({e})")
     log.checkpoints = rd.list_checkpoints()
     return log
 

@@ -52,7 +52,7 @@ from ..rundir import JSONL_LOGS, RunDir, RunDirError
 from . import budget
 from . import checkpoint as ckpt
 from . import precision as prec
-from . import speed, telemetry
+from . import speed, telemetry, validation
 from .checkpoint_io import CheckpointIO
 from .compilation import compile_failure, compile_forward, training_module
 from .ema import EMA
@@ -789,7 +789,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     if state.media.text:  # latents and text contexts, cached and checked finite
         from ..integrations.sd import setup as sd_setup
 
-        state.prompts = list(cfg.sample.prompts) or list(data.captions[:cfg.sample.num])
+        state.prompts = validation.resolve(cfg, data.captions, state.model, state.media)
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir \
             else run.root / "cache"
         data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say)
@@ -1024,9 +1024,7 @@ class _Outputs:
         if (tcfg.sample_every and step % tcfg.sample_every == 0 or done and not interrupted) \
                 and main:
             self.watchdog.beat(f"sample grid at step {step}")
-            self.samples.append(write_sample_grid(state, self.run.sample_grid(step)))
-            if self.tb:
-                self.tb.image(self.samples[-1], step)
+            self.samples.append(write_sample_grid(state, self.run.sample_grid(step), self.tb))
         if main:
             # before the checkpoint, whose state lists it; not at an interrupt (the run that
             # was never interrupted has none there: resume gives the same snapshots)
@@ -1107,27 +1105,24 @@ def _finish(state: TrainState, run: RunDir, status: str, reason: str | None = No
 
 
 @torch.no_grad()
-def write_sample_grid(state: TrainState, path: Path) -> Path:
-    """Sample from the EMA model with the config's sampler and save a PNG grid."""
+def write_sample_grid(state: TrainState, path: Path, tb: telemetry.TensorBoard | None = None
+                      ) -> Path:
+    """Sample with the config's sampler and save a PNG grid (and add it to ``tb``): a text
+    run's validation prompts (trainer/validation.py), else one column per class or
+    unconditional samples, from the EMA weights (``sample.use_ema``)."""
     s = state.cfg.sample
-    model = state.ema.module
-    y = uncond = None
-    media = state.media
-    if model.num_classes:
-        y = torch.arange(s.num, device=state.device) % model.num_classes
-    elif media.text:  # the grid's prompts, cycled (sample.prompts, else the first captions)
-        prompts = [state.prompts[i % len(state.prompts)] for i in range(s.num)]
-        y = media.encode_prompts(prompts)
-        if s.negative_prompt:
-            uncond = media.encode_prompts([s.negative_prompt] * s.num)
-    gen = seeding.generator(state.device, s.seed)
-    with state.weights.sampling_context(state):  # an fp16/bf16 base runs under its autocast
-        x = sample(model, state.schedule, state.cfg.diffusion.prediction,
-                   (s.num, model.in_channels, model.image_size, model.image_size),
-                   sampler=s.sampler, steps=s.steps, y=y, cfg_scale=s.cfg_scale, eta=s.eta,
-                   generator=gen, device=state.device, uncond=uncond,
-                   clip_x0=not media.latent)  # latents are not bounded to [-1, 1]
-        x = media.decode(x)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_grid(x, path, nrow=grid_nrow(s.num, model.num_classes))
+    if state.media.text:
+        validation.safe_render(state, path, tb)
+    else:
+        with validation.sampling_model(state) as model:  # an fp16/bf16 base: its autocast
+            y = (torch.arange(s.num, device=state.device) % model.num_classes
+                 if model.num_classes else None)
+            x = sample(model, state.schedule, state.cfg.diffusion.prediction,
+                       (s.num, model.in_channels, model.image_size, model.image_size),
+                       sampler=s.sampler, steps=s.steps, y=y, cfg_scale=s.cfg_scale,
+                       eta=s.eta, generator=seeding.generator(state.device, s.seed),
+                       device=state.device)
+        save_grid(x, path, nrow=grid_nrow(s.num, model.num_classes))
+    if tb is not None and path.is_file():
+        tb.image(path, state.step)
     return path

@@ -56,7 +56,7 @@ class TrainState:
     weights: Weights = FULL_WEIGHTS          # the full model, or an adapter over a base
     evaluator: Evaluation = NO_EVALUATION    # evaluation during training (eval.every)
     media: Media = PIXELS                    # pixels; or latents and text (text-to-image)
-    prompts: list[str] = field(default_factory=list)  # the sample grids' prompts (text)
+    prompts: list[Any] = field(default_factory=list)  # validation prompts (validation.Prompt)
     # train.gradient_checkpointing: what is recomputed in the backward (for the log); None off
     checkpointing: str | None = None
 
