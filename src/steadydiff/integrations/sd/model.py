@@ -288,7 +288,9 @@ class PeftLoraWeights(_SDWeights):
 
     def export(self, state: Any, root: Path, final: bool) -> Path | None:
         model = state.ema.module if state.cfg.sample.use_ema else state.model
-        return save_lora(model.unet, root / "lora", model.text_encoder)
+        # a frozen text encoder in the model (shuffled captions) has no LoRA to save
+        te = model.text_encoder if getattr(model.text_encoder, "peft_config", None) else None
+        return save_lora(model.unet, root / "lora", te)
 
 
 class FullUNetWeights(_SDWeights):
