@@ -584,3 +584,20 @@ def test_encoded_dataset_varies_captions_per_epoch(sd_dir, tmp_path):
     got = [bool((view[(1, e)][1] == 0).all()) for e in range(40)]
     assert 5 < sum(got) < 35
     assert not any(bool((ds[1][1] == 0).all()) for _ in range(3))  # plain indexing: no dropout
+
+
+def test_full_fine_tune_with_shuffle_keeps_the_frozen_text_encoder_out_of_checkpoints(
+        sd_dir, tmp_path):
+    from steadydiff.integrations.sd.setup import load_trained
+
+    data = tagged(tmp_path / "images")
+    sets = ("adapter.kind=none", "data.caption_shuffle=true", "train.steps=2",
+            "train.checkpoint_every=2")
+    res = steadydiff.train(sd_config(sd_dir, data, *sets), out_dir=tmp_path / "run")
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    assert c.model and not any(k.startswith("text_encoder.") for k in c.model)
+    assert any(k.startswith("unet.") for k in c.model)
+    model, _ = load_trained(c, sd_config(sd_dir, data, *sets))
+    assert model.text_encoder is not None  # from the base folder: encodes the step's ids
+    torch.testing.assert_close(model.state_dict()["unet.conv_in.weight"],
+                               c.ema["unet.conv_in.weight"])

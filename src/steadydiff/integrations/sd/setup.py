@@ -30,7 +30,8 @@ from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
 from .folder import check_folder, load_parts, load_text_parts, load_vae, read_json
 from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
-                    TextToImage, add_lora, to_device, upcast_aware_attention)
+                    TextToImage, add_lora, load_unet_only, to_device,
+                    upcast_aware_attention)
 
 log = logging.getLogger(__name__)
 
@@ -190,11 +191,7 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
             for n, p in own.items():
                 p.copy_(saved[n])
     else:
-        try:
-            model.load_state_dict(saved)
-        except RuntimeError as e:
-            raise CheckpointError(f"{c.path}: weights do not match the model its config "
-                                  f"describes: {e}") from None
+        load_unet_only(model, saved, c.path)
     return model.eval().requires_grad_(False), media
 
 
