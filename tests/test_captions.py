@@ -388,7 +388,7 @@ def test_build_captioned_refuses_files_for_a_non_folder():
         build_captioned(cfg.model_copy(update={"captions": "txt"}), build_dataset(cfg))
 
 
-# --------------------------------------------------------------------------- tag shuffle, dropout, trigger
+# ------------------------------------------------------------ tag shuffle, dropout, trigger
 
 from steadydiff.data.captions import (  # noqa: E402
     CaptionVariants, overflow_message, split_tags, token_overflow, with_trigger,

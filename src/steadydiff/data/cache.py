@@ -561,6 +561,11 @@ class EncodedDataset(Dataset):
         source: the dataset the results were computed from (same length, same order).
         latents: from :func:`encode_latents`, or None for pixel space.
         texts: from :func:`encode_texts` over the same items, or None for unconditional.
+        variants: a :class:`~steadydiff.data.captions.CaptionVariants` (tag shuffle, caption
+            dropout) applied by :meth:`item_at`, the data stream's ``(item, epoch)`` access;
+            None (or one that varies nothing): every epoch the same caption.
+        tokenize: ``list[str] -> (B, L)`` token ids, needed with shuffle (``texts`` then
+            holds token ids and the model encodes them in the step).
 
     Attributes:
         num_classes: 0 (the condition is the context, not a class).
