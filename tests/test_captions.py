@@ -386,3 +386,94 @@ def test_build_captioned_refuses_files_for_a_non_folder():
     cfg = DataConfig(dataset="digits", image_size=8)
     with pytest.raises(DataError, match="reads caption files beside the images of a folder"):
         build_captioned(cfg.model_copy(update={"captions": "txt"}), build_dataset(cfg))
+
+
+# ------------------------------------------------------------ tag shuffle, dropout, trigger
+
+from steadydiff.data.captions import (  # noqa: E402
+    CaptionVariants, overflow_message, split_tags, token_overflow, with_trigger,
+)
+
+TAGS = "sks, dog, red collar, grass, sunny, park, running, bokeh"
+
+
+def test_shuffle_keeps_the_first_tags_and_permutes_the_rest_per_epoch():
+    v = CaptionVariants(seed=7, shuffle=True, keep_tokens=2)
+    tags = split_tags(TAGS)
+    seen = set()
+    for e in range(6):
+        out = split_tags(v(TAGS, 3, e))
+        assert out[:2] == tags[:2]  # kept in place
+        assert sorted(out[2:]) == sorted(tags[2:]) and len(out) == len(tags)
+        assert v(TAGS, 3, e) == CaptionVariants(seed=7, shuffle=True, keep_tokens=2)(TAGS, 3, e)
+        seen.add(tuple(out))
+    assert len(seen) >= 5  # differs across epochs
+    assert v(TAGS, 3, 0) != CaptionVariants(seed=8, shuffle=True, keep_tokens=2)(TAGS, 3, 0) \
+        or v(TAGS, 3, 1) != CaptionVariants(seed=8, shuffle=True, keep_tokens=2)(TAGS, 3, 1)
+    assert CaptionVariants(seed=7)(TAGS, 3, 0) == TAGS  # off: unchanged
+    assert CaptionVariants(seed=7, shuffle=True, keep_tokens=8)(TAGS, 3, 0) == TAGS
+
+
+def test_caption_dropout_rate_and_reproducibility():
+    v = CaptionVariants(seed=1, dropout=0.2)
+    drops = [v.dropped(i, e) for i in range(500) for e in range(4)]
+    assert 0.17 < sum(drops) / len(drops) < 0.23
+    assert drops == [CaptionVariants(seed=1, dropout=0.2).dropped(i, e)
+                     for i in range(500) for e in range(4)]
+    assert v("a dog", 0, 0) in ("", "a dog")
+    assert not any(CaptionVariants(seed=1).dropped(i, 0) for i in range(100))
+
+
+def test_trigger_is_prepended_once_and_stays_first_under_shuffle():
+    assert with_trigger("a dog, grass", "sks") == "sks, a dog, grass"
+    assert with_trigger("sks, a dog", "sks") == "sks, a dog"
+    assert with_trigger("sksdog, grass", "sks") == "sks, sksdog, grass"
+    assert with_trigger("", "sks") == "sks"
+    assert with_trigger("a | b", "sks", "|") == "sks| a| b"
+    v = CaptionVariants(seed=0, shuffle=True, keep_tokens=1, trigger="sks")
+    for e in range(5):
+        out = split_tags(v(TAGS, 0, e))
+        assert out[:2] == ["sks", "dog"]
+
+
+def test_token_overflow_names_the_files():
+    caps = ["short", "w " * 100, "short", "x " * 90]
+    over = token_overflow(caps, lambda cs: [len(c.split()) + 2 for c in cs], 77,
+                          ["a.png", "b.png", "c.png", "d.png"])
+    assert over == [("b.png", 102), ("d.png", 92)]
+    msg = overflow_message(over, 77, 4)
+    assert "b.png (102 tokens)" in msg and "2 of 4" in msg and "77" in msg
+
+
+def test_caption_options_are_validated():
+    from steadydiff.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="data.caption_shuffle"):
+        load_config(None, ["data.caption_shuffle=true"])
+    with pytest.raises(ConfigError, match="data.trigger"):
+        load_config(None, ["data.trigger=sks"])
+    with pytest.raises(ConfigError, match="caption_dropout"):
+        load_config(None, ["data.dataset=fashion_mnist", "data.captions=class_names",
+                           "data.caption_dropout=1.5"])
+
+
+def test_trigger_reaches_class_name_captions():
+    from steadydiff.config import DataConfig
+    from steadydiff.data.captions import ClassCaptions, build_captioned
+
+    class Labelled(Dataset):
+        labels = torch.tensor([0, 1, 2])
+        num_classes = 10
+        channels, image_size = 1, 8
+
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return torch.zeros(1, 8, 8), int(self.labels[i])
+
+    cfg = DataConfig(dataset="digits", captions="class_names", trigger="sks")
+    ds = build_captioned(cfg, Labelled(), seed=0)
+    assert isinstance(ds, ClassCaptions)
+    assert all(c.startswith("sks, ") for c in ds.captions)
+    assert ds[1][1].startswith("sks, ") and ds[1][1] == ds.captions[1]

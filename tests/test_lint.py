@@ -14,7 +14,13 @@ CONFIGS = sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml"))
 BY_NAME = {c.name: c for c in CHECKS}
 
 # name -> (overrides that trigger it, overrides just on the safe side, text the message has)
+_TEXT = ["data.dataset=fashion_mnist", "data.captions=class_names", "model.text_encoder=/te"]
 TRIGGERS = {
+    "keep_tokens_unshuffled": ([*_TEXT, "data.keep_tokens=1"], _TEXT,
+                               "data.keep_tokens=1 keeps tags"),
+    "double_caption_dropout": ([*_TEXT, "data.caption_dropout=0.1"],
+                               [*_TEXT, "data.caption_dropout=0.1", "diffusion.cfg_dropout=0"],
+                               "19% of samples"),
     "lr_high": (["optim.lr=4e-3"], ["optim.lr=3e-3"], "optim.lr=0.004"),
     "grad_accum_high": (["train.grad_accum=32"], ["train.grad_accum=16"],
                         "train.grad_accum=32 is above 16"),

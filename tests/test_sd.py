@@ -503,3 +503,101 @@ def test_a_prompt_is_refused_by_a_class_model():
     pipe = steadydiff.load(Path(__file__).parent / "fixtures" / "v1_unet_run", device="cpu")
     with pytest.raises(ValueError, match="not conditioned on text"):
         pipe.sample(2, prompt="a photo of a seven", steps=2)
+
+
+# --------------------------------------------------------------------------- captions
+
+
+def tagged(root: Path, n: int = 8) -> Path:
+    """``shapes`` with comma-separated tag captions (shuffle has something to permute), one
+    caption far over CLIP's 77 tokens."""
+    shapes(root, n)
+    for i in range(n):
+        (root / f"img{i:02d}.txt").write_text(
+            f"{list(COLORS)[i % 4]}, {'square' if i % 2 == 0 else 'circle'}, small, centered, "
+            "white background, flat")
+    (root / "img03.txt").write_text(", ".join(f"tag{k}" for k in range(60)))
+    return root
+
+
+def test_shuffled_captions_with_dropout_train_and_resume_bit_exactly(sd_dir, tmp_path, caplog):
+    """Tag shuffle (encoded in the step) + caption dropout + a trigger: a resumed run equals an
+    uninterrupted one; the over-long caption is a warning naming its file."""
+    data = tagged(tmp_path / "images")
+    fixed = ("optim.schedule=constant", "data.caption_shuffle=true", "data.keep_tokens=1",
+             "data.caption_dropout=0.3", "data.trigger=sks", f"data.cache_dir={tmp_path / 'c'}",
+             "train.checkpoint_every=3")
+    with caplog.at_level("WARNING"):
+        straight = steadydiff.train(sd_config(sd_dir, data, *fixed, "train.steps=6"),
+                                    out_dir=tmp_path / "straight")
+    assert "img03.png" in caplog.text and "1 of 8 captions" in caplog.text
+    steadydiff.train(sd_config(sd_dir, data, *fixed, "train.steps=3"),
+                     out_dir=tmp_path / "resumed")
+    resumed = steadydiff.train(sd_config(sd_dir, data, *fixed, "train.steps=6"),
+                               out_dir=tmp_path / "resumed")
+    assert resumed.resumed_from is not None and resumed.steps == 6
+    a = ckpt.load_checkpoint(straight.checkpoint, "cpu", weights_only=True)
+    b = ckpt.load_checkpoint(resumed.checkpoint, "cpu", weights_only=True)
+    assert a.model.keys() == b.model.keys() and a.model
+    assert not any(k.startswith("text_encoder.") for k in a.model)  # frozen: not saved
+    for k in a.model:
+        assert torch.equal(a.model[k], b.model[k]), k
+        assert torch.equal(a.ema[k], b.ema[k]), k
+
+
+def test_encoded_dataset_varies_captions_per_epoch(sd_dir, tmp_path):
+    """The items the loader sees: shuffled token ids that change with the epoch and keep the
+    trigger first; with dropout alone, the cached null embedding."""
+    from steadydiff.data.captions import CaptionVariants
+    from steadydiff.data.cache import EncodedDataset, TextResult
+    from steadydiff.integrations.sd.folder import load_parts
+    from steadydiff.integrations.sd.setup import Tokenize
+
+    tok = load_parts(sd_dir).tokenizer
+    t = Tokenize(tok, 77)
+    caps = ["sks, a, b, c, d, e, f", "sks, g, h, i, j, k, l"]
+
+    class Two(torch.utils.data.Dataset):
+        def __len__(self):
+            return 2
+
+        def __getitem__(self, i):
+            return torch.zeros(3, 8, 8), caps[i]
+
+    texts = TextResult(contexts=t(caps), captions=caps, caption_index=torch.tensor([0, 1]),
+                       null=t([""])[0])
+    ds = EncodedDataset(Two(), None, texts, tokenize=t, variants=CaptionVariants(
+        0, shuffle=True, keep_tokens=0, trigger="sks"))
+    from steadydiff.data import SeededView
+
+    view = SeededView(ds, seed=0)  # what the loader indexes: (item, epoch) keys
+    ids = [view[(0, e)][1] for e in range(4)]
+    assert len({tuple(x.tolist()) for x in ids}) > 1
+    for x in ids:
+        text = tok.decode(x, skip_special_tokens=True)
+        assert text.startswith("sks") and sorted(text.replace(" ", "").split(",")[1:]) == \
+            list("abcdef")
+    ctx = TextResult(contexts=torch.randn(2, 4, 3), captions=caps,
+                     caption_index=torch.tensor([0, 1]), null=torch.zeros(4, 3))
+    ds = EncodedDataset(Two(), None, ctx, variants=CaptionVariants(0, dropout=0.5))
+    view = SeededView(ds, seed=0)
+    got = [bool((view[(1, e)][1] == 0).all()) for e in range(40)]
+    assert 5 < sum(got) < 35
+    assert not any(bool((ds[1][1] == 0).all()) for _ in range(3))  # plain indexing: no dropout
+
+
+def test_full_fine_tune_with_shuffle_keeps_the_frozen_text_encoder_out_of_checkpoints(
+        sd_dir, tmp_path):
+    from steadydiff.integrations.sd.setup import load_trained
+
+    data = tagged(tmp_path / "images")
+    sets = ("adapter.kind=none", "data.caption_shuffle=true", "train.steps=2",
+            "train.checkpoint_every=2")
+    res = steadydiff.train(sd_config(sd_dir, data, *sets), out_dir=tmp_path / "run")
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    assert c.model and not any(k.startswith("text_encoder.") for k in c.model)
+    assert any(k.startswith("unet.") for k in c.model)
+    model, _ = load_trained(c, sd_config(sd_dir, data, *sets))
+    assert model.text_encoder is not None  # from the base folder: encodes the step's ids
+    torch.testing.assert_close(model.state_dict()["unet.conv_in.weight"],
+                               c.ema["unet.conv_in.weight"])

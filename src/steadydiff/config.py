@@ -139,6 +139,23 @@ class DataConfig(Section):
     missing_caption: MissingCaption = Field(
         "error", description="an image without a caption: error (names it) or empty (train it "
         "with the empty caption)")
+    caption_shuffle: Bool = Field(
+        False, description="shuffle each caption's comma-separated tags, anew every epoch "
+        "(kohya's shuffle_caption; seeded by the run seed, epoch and item); the text encoder "
+        "then runs in the step (model.pretrained only; docs/sd.md#captions)")
+    keep_tokens: Int = Field(
+        0, ge=0, le=1000, description="with data.caption_shuffle: the first N tags stay in "
+        "place (kohya's keep_tokens counts tags, not tokenizer tokens)")
+    caption_separator: str = Field(
+        ",", min_length=1, description="what separates tags for data.caption_shuffle and "
+        "data.trigger")
+    caption_dropout: float = Field(
+        0.0, ge=0.0, le=1.0, description="per-caption dropout (kohya's caption_dropout_rate): "
+        "the probability that an item's caption is the empty one at an epoch (seeded by the "
+        "run seed, epoch and item; works with the text cache); on top of diffusion.cfg_dropout")
+    trigger: str | None = Field(
+        None, description="a trigger word put first in every caption (not doubled when a "
+        "caption already starts with it as a tag); cached like any caption")
     cache_dir: str | None = Field(
         None, description="where VAE latents and text embeddings are cached (safetensors, "
         "keyed by file content and the encoder's identity; share it between runs); None: "
@@ -196,6 +213,17 @@ class DataConfig(Section):
             raise ValueError(f"data.captions={self.captions} reads caption files beside the "
                              f"images of a folder (data.dataset=folder); {self.dataset} has "
                              "none: use class_names")
+        if self.captions == "none":
+            for key, off in (("caption_shuffle", False), ("keep_tokens", 0),
+                             ("caption_dropout", 0.0), ("trigger", None)):
+                if getattr(self, key) != off:
+                    raise ValueError(f"data.{key} changes captions, but data.captions=none: "
+                                     "set data.captions (auto, txt, jsonl, class_names) or "
+                                     f"remove data.{key}")
+        if self.trigger is not None and (not self.trigger.strip()
+                                         or self.caption_separator in self.trigger):
+            raise ValueError(f"data.trigger={self.trigger!r} must be one non-empty tag, without "
+                             f"the separator data.caption_separator={self.caption_separator!r}")
         if self.pad_to is not None and self.dataset != "fashion_mnist":
             raise ValueError(f"data.pad_to pads Fashion-MNIST's 28x28 images; data.dataset="
                              f"{self.dataset} has no fixed native size: remove data.pad_to")
@@ -770,6 +798,11 @@ class Config(Section):
         if m.pretrained and (m.text_encoder or m.vae):
             raise ValueError("model.pretrained brings its own text encoder and VAE: remove "
                              "model.text_encoder and model.vae")
+        if d.caption_shuffle and not m.pretrained:
+            raise ValueError("data.caption_shuffle encodes each step's shuffled captions with "
+                             "the text encoder in the step, which the Stable Diffusion path "
+                             "does (model.pretrained); with model.text_encoder the captions "
+                             "are encoded once: remove data.caption_shuffle")
         text = bool(m.pretrained or m.text_encoder)
         if text and d.captions == "none":
             raise ValueError("a text-conditioned model (model.pretrained or model.text_encoder) "

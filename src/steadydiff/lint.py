@@ -197,6 +197,24 @@ def _cfg_untrained(cfg: Config, _dev) -> str | None:
             f"sample.cfg_scale=1")
 
 
+def _keep_tokens_unshuffled(cfg: Config, _dev) -> str | None:
+    # kohya accepts keep_tokens without shuffle_caption (it then does nothing): say so
+    d = cfg.data
+    if not d.keep_tokens or d.caption_shuffle:
+        return None
+    return (f"data.keep_tokens={d.keep_tokens} keeps tags in place under data.caption_shuffle, "
+            f"which is off: it has no effect; set data.caption_shuffle=true or remove it")
+
+
+def _double_caption_dropout(cfg: Config, _dev) -> str | None:
+    a, b = cfg.data.caption_dropout, cfg.diffusion.cfg_dropout
+    if not (a and b):
+        return None
+    return (f"data.caption_dropout={a:g} and diffusion.cfg_dropout={b:g} both drop captions: "
+            f"{1 - (1 - a) * (1 - b):.0%} of samples train unconditionally; set "
+            f"diffusion.cfg_dropout=0 to get kohya's caption_dropout_rate alone")
+
+
 def _ztsnr_eps(cfg: Config, _dev) -> str | None:
     d = cfg.diffusion
     if not d.zero_terminal_snr or d.prediction != "eps":
@@ -313,6 +331,10 @@ CHECKS: tuple[LintCheck, ...] = (
     LintCheck("cfg_dropout_unconditional", "diffusion.cfg_dropout, sample.cfg_scale, "
               "model.num_classes", _cfg_dropout_unconditional),
     LintCheck("cfg_untrained", "sample.cfg_scale, diffusion.cfg_dropout", _cfg_untrained),
+    LintCheck("keep_tokens_unshuffled", "data.keep_tokens, data.caption_shuffle",
+              _keep_tokens_unshuffled),
+    LintCheck("double_caption_dropout", "data.caption_dropout, diffusion.cfg_dropout",
+              _double_caption_dropout),
     LintCheck("ztsnr_eps", "diffusion.zero_terminal_snr, diffusion.prediction", _ztsnr_eps),
     LintCheck("no_intermediate_checkpoint", "train.checkpoint_every, train.steps",
               _no_intermediate_checkpoint),

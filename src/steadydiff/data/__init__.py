@@ -986,8 +986,10 @@ class SeededView(Dataset):
 
     def __getitem__(self, key: StreamKey) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
         i, e = key
+        at = getattr(self.dataset, "item_at", None)  # an item that changes with the epoch
         fetch = getattr(self.dataset, "fetch", None)
-        x, y, bad = fetch(i) if fetch is not None else (*self.dataset[i], False)
+        x, y, bad = (*at(i, e), False) if at is not None else \
+            fetch(i) if fetch is not None else (*self.dataset[i], False)
         if self.num_classes:  # a CPU scalar: no device sync; the null class id is refused
             check_label(y, self.num_classes, lambda: item_name(self.dataset, i))
         if self.hflip:

@@ -580,6 +580,11 @@ class EncodedDataset(Dataset):
         source: the dataset the results were computed from (same length, same order).
         latents: from :func:`encode_latents`, or None for pixel space.
         texts: from :func:`encode_texts` over the same items, or None for unconditional.
+        variants: a :class:`~steadydiff.data.captions.CaptionVariants` (tag shuffle, caption
+            dropout) applied by :meth:`item_at`, the data stream's ``(item, epoch)`` access;
+            None (or one that varies nothing): every epoch the same caption.
+        tokenize: ``list[str] -> (B, L)`` token ids, needed with shuffle (``texts`` then
+            holds token ids and the model encodes them in the step).
 
     Attributes:
         num_classes: 0 (the condition is the context, not a class).
@@ -597,7 +602,8 @@ class EncodedDataset(Dataset):
     num_classes: int = 0
 
     def __init__(self, source: Dataset, latents: LatentResult | None = None,
-                 texts: TextResult | None = None) -> None:
+                 texts: TextResult | None = None, *, variants: Any = None,
+                 tokenize: Callable[[list[str]], torch.Tensor] | None = None) -> None:
         n = len(source)
         if latents is not None and latents.total != n:
             raise DataError(f"the latents were encoded from {latents.total} items but the "
@@ -630,6 +636,17 @@ class EncodedDataset(Dataset):
         else:
             self._contexts = self._rows = self.null_context = self.context_shape = None
             self._distinct = 0
+        # Captions that change per epoch (data.caption_shuffle / caption_dropout): a
+        # CaptionVariants; with shuffle the item is the token ids of its caption of the epoch
+        # (``tokenize``), encoded by the model in the step; dropout alone needs only the
+        # cached null embedding.
+        self.variants = variants if variants is not None and variants.varies else None
+        self._tokenize = tokenize
+        self._captions: list[str] | None = None
+        if self.variants is not None and self.variants.shuffle:
+            if tokenize is None or texts is None:
+                raise ValueError("shuffled captions need texts and a tokenize callable")
+            self._captions = [texts.captions[int(r)] for r in self._rows]
         x0 = self._latents[0] if self._latents is not None else self[0][0]
         self.channels, self.image_size = int(x0.shape[0]), int(x0.shape[-1])
         if self.bucket_layout is not None and self._latents is not None:
@@ -648,6 +665,19 @@ class EncodedDataset(Dataset):
         if self._contexts is None:
             return x, torch.tensor(0)
         return x, self._contexts[self._rows[i]].clone()
+
+    def item_at(self, i: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Item ``i`` as the data stream's ``(i, epoch)`` key sees it: its caption shuffled
+        and/or dropped for that epoch (a pure function of the run seed, ``epoch`` and ``i``);
+        without varying captions, ``self[i]``."""
+        if self.variants is None or self._contexts is None:
+            return self[i]
+        x, ctx = self[i]
+        if self._captions is not None:  # shuffle: the epoch's caption as token ids (L,)
+            return x, self._tokenize([self.variants(self._captions[i], i, epoch)])[0]
+        if self.variants.dropped(i, epoch):  # the empty caption's cached embedding
+            ctx = self.null_context.clone()
+        return x, ctx
 
     def source_index(self, i: int) -> int:
         """The index in the source dataset of item ``i``."""

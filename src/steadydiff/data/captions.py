@@ -32,7 +32,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -543,6 +543,129 @@ class ClassCaptions(Dataset):
                 f"class-conditional")
 
 
+# --------------------------------------------------------------------------- per-step variants
+
+# Domain tags for the per-(epoch, item) draws; changing one changes every run's captions.
+_TAG_SHUFFLE = 0x73687566  # "shuf"
+_TAG_DROP = 0x64726f70  # "drop"
+
+
+def with_trigger(caption: str, trigger: str | None, separator: str = ",") -> str:
+    """``caption`` with ``trigger`` as its first tag: prepended (``"sks, a dog"``), or kept as
+    is when the caption already starts with it (as a whole tag), so it is never doubled.
+    The empty caption stays empty only when there is no trigger."""
+    if not trigger:
+        return caption
+    tags = split_tags(caption, separator)
+    if tags and tags[0] == trigger:
+        return caption
+    return join_tags([trigger, *tags], separator)
+
+
+def split_tags(caption: str, separator: str = ",") -> list[str]:
+    """The tags of a caption: split at ``separator``, each stripped, empty ones dropped."""
+    return [t.strip() for t in caption.split(separator) if t.strip()]
+
+
+def join_tags(tags: Sequence[str], separator: str = ",") -> str:
+    """Tags joined as kohya writes them: the separator, then one space (``"a, b"``)."""
+    return (separator.strip() + " " if separator.strip() else separator).join(tags)
+
+
+class CaptionVariants:
+    """The caption an item trains with at an epoch: tag shuffle (kohya's ``shuffle_caption``)
+    with the first ``keep_tokens`` tags in place, and caption dropout (the empty caption, the
+    null condition of classifier-free guidance; Ho & Salimans 2022).
+
+    Every draw is a pure function of ``(seed, epoch, item)``, the key of the seeded data
+    stream (``SeededView``): a resumed run, any worker count and any batch size see the same
+    caption at the same step. The trigger word (``data.trigger``) is already in the caption
+    (:func:`with_trigger`) and is its first tag: it stays first (it is not counted in
+    ``keep_tokens``) and is dropped with the rest.
+
+    Args:
+        seed: the run seed.
+        shuffle: permute the tags after the first ``keep_tokens`` (and the trigger).
+        keep_tokens: tags kept in place (kohya counts comma-separated tags, not tokens).
+        separator: the tag separator.
+        dropout: probability that an item's caption is the empty one at an epoch.
+        trigger: the trigger word, kept first.
+    """
+
+    def __init__(self, seed: int, *, shuffle: bool = False, keep_tokens: int = 0,
+                 separator: str = ",", dropout: float = 0.0,
+                 trigger: str | None = None) -> None:
+        if not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"caption dropout must be in [0, 1], got {dropout}")
+        if keep_tokens < 0:
+            raise ValueError(f"keep_tokens must be >= 0, got {keep_tokens}")
+        self.seed, self.shuffle, self.keep_tokens = seed, shuffle, keep_tokens
+        self.separator, self.dropout, self.trigger = separator, dropout, trigger
+
+    def dropped(self, i: int, epoch: int) -> bool:
+        """Whether item ``i`` trains with the empty caption at ``epoch``."""
+        if self.dropout <= 0.0:
+            return False
+        u = np.random.default_rng(derive_seed(_TAG_DROP, self.seed, epoch, i)).random()
+        return bool(u < self.dropout)
+
+    def shuffled(self, caption: str, i: int, epoch: int) -> str:
+        """``caption``'s tags after the kept ones permuted, by a draw of (seed, epoch, i)."""
+        if not self.shuffle:
+            return caption
+        tags = split_tags(caption, self.separator)
+        keep = self.keep_tokens + (1 if self.trigger and tags[:1] == [self.trigger] else 0)
+        if len(tags) - keep < 2:
+            return caption
+        rng = np.random.default_rng(derive_seed(_TAG_SHUFFLE, self.seed, epoch, i))
+        rest = tags[keep:]
+        order = rng.permutation(len(rest))
+        return join_tags(tags[:keep] + [rest[k] for k in order], self.separator)
+
+    def __call__(self, caption: str, i: int, epoch: int) -> str:
+        """The caption item ``i`` trains with at ``epoch``: "" when dropped, else shuffled."""
+        return "" if self.dropped(i, epoch) else self.shuffled(caption, i, epoch)
+
+    @property
+    def varies(self) -> bool:
+        """Whether the caption changes with the epoch (shuffle or dropout on)."""
+        return self.shuffle or self.dropout > 0.0
+
+    @classmethod
+    def from_config(cls, cfg: DataConfig, seed: int) -> "CaptionVariants":
+        return cls(seed, shuffle=cfg.caption_shuffle, keep_tokens=cfg.keep_tokens,
+                   separator=cfg.caption_separator, dropout=cfg.caption_dropout,
+                   trigger=cfg.trigger)
+
+
+def token_overflow(captions: Sequence[str], count: Callable[[list[str]], list[int]],
+                   limit: int, names: Sequence[str] | None = None) -> list[tuple[str, int]]:
+    """The captions longer than ``limit`` tokens: ``[(name, tokens)]`` in item order, one per
+    distinct name. ``count`` returns each caption's token count (start/end tokens included,
+    as the tokenizer's ``model_max_length`` counts them); ``names`` name the items (their
+    files), else the caption's start is the name."""
+    distinct = list(dict.fromkeys(captions))
+    n = dict(zip(distinct, count(distinct))) if distinct else {}
+    out: list[tuple[str, int]] = []
+    seen: set[str] = set()
+    for k, c in enumerate(captions):
+        if n[c] > limit:
+            name = str(names[k]) if names is not None else repr(c[:40])
+            if name not in seen:
+                seen.add(name)
+                out.append((name, n[c]))
+    return out
+
+
+def overflow_message(over: list[tuple[str, int]], limit: int, total: int) -> str:
+    """The start-of-run warning for :func:`token_overflow`'s result."""
+    shown = ", ".join(f"{name} ({k} tokens)" for name, k in over[:_LIST])
+    more = f" and {len(over) - _LIST} more" if len(over) > _LIST else ""
+    return (f"{len(over)} of {total} captions are longer than the text encoder's "
+            f"{limit} tokens (start/end tokens included) and will be truncated: "
+            f"{shown}{more}; shorten them (put what matters first), or use fewer tags")
+
+
 # --------------------------------------------------------------------------- config
 
 
@@ -553,6 +676,10 @@ def build_captioned(cfg: DataConfig, data: Dataset, seed: int = 0) -> Dataset:
         cfg: the ``data`` section (``captions``, ``missing_caption``, ``dataset``).
         data: what :func:`~steadydiff.data.build_dataset` returned for it.
         seed: the run seed (the phrasing of class-name captions).
+
+    The trigger word (``data.trigger``) is put first in every caption here
+    (:func:`with_trigger`); shuffle and dropout vary per step (:class:`CaptionVariants`,
+    applied where the captions are encoded).
 
     Returns:
         ``data`` unchanged for ``captions=none``; a :class:`ClassCaptions` for
@@ -571,7 +698,13 @@ def build_captioned(cfg: DataConfig, data: Dataset, seed: int = 0) -> Dataset:
             raise DataError(f"data.captions=class_names names the classes of "
                             f"{' or '.join(CLASS_NAMES)}; data.dataset={cfg.dataset} has "
                             f"none: use auto, txt or jsonl")
-        return ClassCaptions(data, CLASS_NAMES[cfg.dataset], seed=seed)  # type: ignore[index]
+        out = ClassCaptions(data, CLASS_NAMES[cfg.dataset], seed=seed)  # type: ignore[index]
+        if cfg.trigger:
+            out._table = [[with_trigger(c, cfg.trigger, cfg.caption_separator) for c in row]
+                          for row in out._table]
+            out.captions = [with_trigger(c, cfg.trigger, cfg.caption_separator)
+                            for c in out.captions]
+        return out
     index = None
     folder = data
     if isinstance(data, ClassSubset):
@@ -580,11 +713,16 @@ def build_captioned(cfg: DataConfig, data: Dataset, seed: int = 0) -> Dataset:
         raise DataError(f"data.captions={source} reads caption files beside the images of a "
                         f"folder (data.dataset=folder); {type(folder).__name__} has none: use "
                         f"class_names for digits or fashion_mnist")
-    return CaptionedImageFolder(folder, source, cfg.missing_caption, index=index)
+    out = CaptionedImageFolder(folder, source, cfg.missing_caption, index=index)
+    if cfg.trigger:  # static: the text cache keeps working
+        out.captions = [with_trigger(c, cfg.trigger, cfg.caption_separator)
+                        for c in out.captions]
+    return out
 
 
 __all__ = [
-    "CLASS_NAMES", "METADATA_FILE", "PHRASINGS", "TEXT_KEYS", "CaptionedImageFolder",
-    "ClassCaptions", "build_captioned", "phrase", "phrasing_ids", "prompt_for",
-    "read_captions",
+    "CLASS_NAMES", "METADATA_FILE", "PHRASINGS", "TEXT_KEYS", "CaptionVariants",
+    "CaptionedImageFolder", "ClassCaptions", "build_captioned", "join_tags",
+    "overflow_message", "phrase", "phrasing_ids", "prompt_for", "read_captions", "split_tags",
+    "token_overflow", "with_trigger",
 ]

@@ -306,7 +306,9 @@ class PeftLoraWeights(_SDWeights):
 
     def export(self, state: Any, root: Path, final: bool) -> Path | None:
         model = state.ema.module if state.cfg.sample.use_ema else state.model
-        return save_lora(model.unet, root / "lora", model.text_encoder)
+        # a frozen text encoder in the model (shuffled captions) has no LoRA to save
+        te = model.text_encoder if getattr(model.text_encoder, "peft_config", None) else None
+        return save_lora(model.unet, root / "lora", te)
 
 
 class FullUNetWeights(_SDWeights):
@@ -316,6 +318,16 @@ class FullUNetWeights(_SDWeights):
     def __init__(self, base: Path) -> None:
         self.base = base
 
+    # A full fine-tune never trains the text encoder; with shuffled captions the frozen one
+    # sits in the model (it encodes in the step) and stays out of checkpoints (~0.5 GB for
+    # SD 1.x): it is the base folder's.
+    def tensors(self, state: Any) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        return unet_only(state.model), unet_only(state.ema.module)
+
+    def restore(self, state: Any, c: Checkpoint) -> None:
+        for m, saved in ((state.model, c.model), (state.ema.module, c.ema)):
+            load_unet_only(m, saved, c.path)
+
     def info(self) -> dict[str, Any]:
         return {"kind": "full", "base": str(self.base)}
 
@@ -324,6 +336,25 @@ class FullUNetWeights(_SDWeights):
             return None
         model = state.ema.module if state.cfg.sample.use_ema else state.model
         return export_pipeline(model.unet, self.base, root / "model")
+
+
+def unet_only(model: nn.Module) -> dict[str, Tensor]:
+    """``model``'s state dict without a frozen text encoder's tensors."""
+    return {k: v for k, v in model.state_dict().items() if not k.startswith("text_encoder.")}
+
+
+def load_unet_only(model: nn.Module, saved: dict[str, Tensor], path: Any) -> None:
+    """Load ``saved`` (:func:`unet_only`) into ``model``, whose text encoder, if any, comes
+    from the base folder; any other missing or unexpected tensor is a CheckpointError."""
+    try:
+        missing, extra = model.load_state_dict(saved, strict=False)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: weights do not match the model its config describes: "
+                              f"{e}") from None
+    missing = [k for k in missing if not k.startswith("text_encoder.")]
+    if missing or extra:
+        raise CheckpointError(f"{path}: weights do not match the model its config describes "
+                              f"(missing {missing[:2]}, unexpected {list(extra)[:2]})")
 
 
 # --------------------------------------------------------------------------- media

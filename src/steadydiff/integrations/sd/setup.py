@@ -11,6 +11,7 @@ latent stays non-finite are left out and named.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any, Callable
 
@@ -20,6 +21,8 @@ from torch import nn
 from ...config import Config, ConfigError
 from ...data.cache import (EncodedDataset, TextResult, encode_latents, encode_texts,
                            module_identity)
+from ...data import source_of
+from ...data.captions import CaptionVariants, overflow_message, token_overflow
 from ...guard.findings import SampleQuarantined
 from ...guard.provenance import is_attention
 from ...models import build_model
@@ -27,7 +30,10 @@ from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
 from .folder import check_folder, load_parts, load_text_parts, load_vae, read_json
 from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
-                    TextToImage, add_lora, to_device, upcast_aware_attention)
+                    TextToImage, add_lora, load_unet_only, to_device,
+                    upcast_aware_attention)
+
+log = logging.getLogger(__name__)
 
 __all__ = ["build", "encode_data", "is_text_config", "model_geometry", "record_quarantine",
            "unet_parameters", "load_trained"]
@@ -144,6 +150,12 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         else:  # a full fine-tune: the UNet trains in fp32 under autocast
             to_device(unet, device, torch.float32).requires_grad_(True)
             weights = FullUNetWeights(parts.root)
+        if cfg.data.caption_shuffle and text_encoder is None:
+            # Shuffled captions differ every epoch: encoded in the step by the frozen text
+            # encoder (as kohya does; caching every permutation is not possible), from the
+            # token ids the data stream carries.
+            text_encoder = media.text_encoder.requires_grad_(False)
+            media.tokens = True
         model: nn.Module = SDDenoiser(unet, media.context_len, text_encoder).to(device)
         if text_encoder is not None:
             model.set_null_ids(media.tokenize([""])[0].to(device))
@@ -186,11 +198,7 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
             for n, p in own.items():
                 p.copy_(saved[n])
     else:
-        try:
-            model.load_state_dict(saved)
-        except RuntimeError as e:
-            raise CheckpointError(f"{c.path}: weights do not match the model its config "
-                                  f"describes: {e}") from None
+        load_unet_only(model, saved, c.path)
     return model.eval().requires_grad_(False), media
 
 
@@ -207,6 +215,11 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     dtype is encoded again in fp32; still non-finite, the sample is left out (the returned
     dataset's ``quarantined`` names it; :func:`record_quarantine` puts it in incidents)."""
     captions = list(data.captions)
+    over = caption_overflow(media, data, captions)
+    if over:
+        msg = overflow_message(over, media.context_len, len(captions))
+        log.warning(msg)
+        say(f"warning: {msg}")
     if media.tokens:  # the text encoder trains: its inputs, not its outputs, are fixed
         texts = token_ids(media, captions)
     else:
@@ -228,7 +241,42 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
             + (f", {len(latents.quarantined)} left out (non-finite)"
                if latents.quarantined else "")
             + (f" ({cache_dir})" if cfg.data.cache_latents else " (in memory only)"))
-    return EncodedDataset(data, latents, texts)
+    variants = CaptionVariants.from_config(cfg.data, cfg.train.seed)
+    out = EncodedDataset(data, latents, texts, variants=variants,
+                         tokenize=Tokenize(media.tokenizer, media.context_len))
+    out.caption_overflow = len(over)
+    if out.variants is not None:
+        d = cfg.data
+        say("captions: " + ", ".join(
+            ([f"tags shuffled every epoch (first {d.keep_tokens} kept), encoded in the step"]
+             if d.caption_shuffle else [])
+            + ([f"dropped to the empty caption with p={d.caption_dropout:g}"]
+               if d.caption_dropout else [])))
+    return out
+
+
+class Tokenize:
+    """``list[str] -> (B, L)`` token ids, padded and truncated to ``length`` (what
+    :meth:`TextToImage.tokenize` does), small enough to send to DataLoader workers."""
+
+    def __init__(self, tokenizer, length: int) -> None:
+        self.tokenizer, self.length = tokenizer, length
+
+    def __call__(self, prompts: list[str]) -> torch.Tensor:
+        return self.tokenizer(list(prompts), padding="max_length", truncation=True,
+                              max_length=self.length, return_tensors="pt").input_ids
+
+
+def caption_overflow(media: TextToImage, data, captions: list[str]) -> list[tuple[str, int]]:
+    """The items whose caption (trigger included) has more tokens than the text encoder
+    takes (``model_max_length``, 77 for CLIP): ``[(file, tokens)]``."""
+    def count(texts: list[str]) -> list[int]:
+        # verbose=False: the tokenizer's own "longer than the maximum" warning names no file
+        return [len(ids) for ids in
+                media.tokenizer(texts, truncation=False, verbose=False)["input_ids"]]
+
+    names = [source_of(data, i) or f"item {i}" for i in range(len(captions))]
+    return token_overflow(captions, count, media.context_len, names)
 
 
 def token_ids(media: TextToImage, captions: list[str]) -> TextResult:
