@@ -341,7 +341,7 @@ class PeftLoraWeights(_SDWeights):
                 "ss_mixed_precision": state.precision, "ss_seed": cfg.train.seed,
                 "ss_network_dropout": cfg.adapter.dropout,
                 "ss_training_started_at": self._started,
-                "ss_num_train_images": None, "ss_training_comment": "trained with steadydiff"}
+                "ss_training_comment": "trained with steadydiff"}
 
 
 class FullUNetWeights(_SDWeights):
