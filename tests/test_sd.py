@@ -194,6 +194,34 @@ def test_lora_run_writes_a_diffusers_lora(sd_dir, tmp_path):
     assert res2.steps == 1
 
 
+def test_lora_run_writes_a_kohya_file_that_a_run_continues_from(sd_dir, tmp_path):
+    """adapter.lora_format=both (the default) writes RUN/lora/<run>.safetensors too, with
+    the ss_* metadata; adapter.init_from starts a LoRA from it, bit-exactly."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.sd.lora_files import kohya_state_dict
+    from steadydiff.integrations.sd.setup import build
+
+    data = shapes(tmp_path / "images")
+    steadydiff.train(sd_config(sd_dir, data, "optim.lr=0.01"), out_dir=tmp_path / "run")
+    kohya = tmp_path / "run" / "lora" / "run.safetensors"
+    with safe_open(kohya, "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_steps"] == "4" and meta["ss_network_dim"] == "4"
+    assert meta["ss_output_name"] == "run" and len(meta["ss_new_sd_model_hash"]) == 64
+    cfg = sd_config(sd_dir, data, f"adapter.init_from={kohya}")
+    model, _, _ = build(cfg, torch.device("cpu"))
+    theirs, ours = load_file(kohya), kohya_state_dict(model.unet)
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[k], ours[k]) for k in ours)
+    with pytest.raises(ConfigError, match="adapter.init_from: .*set adapter.rank=4"):
+        build(sd_config(sd_dir, data, f"adapter.init_from={kohya}", "adapter.rank=2"),
+              torch.device("cpu"))
+    with pytest.raises(ConfigError, match="adapter.init_from starts .*needs model.pretrained"):
+        load_config("configs/digits_uncond.yaml", ["adapter.init_from=x.safetensors"])
+
+
 @pytest.mark.parametrize("text_encoder", [False, True])
 def test_diffusers_pipeline_loads_the_lora_and_draws_the_same_image(sd_dir, tmp_path,
                                                                     text_encoder):

@@ -724,6 +724,14 @@ class AdapterConfig(Section):
         False, description="model.pretrained with adapter.kind=lora: also train a LoRA (same "
         "rank/alpha/dropout) on the text encoder's attention projections; its embeddings are "
         "then computed in the step, not cached")
+    lora_format: Literal["diffusers", "kohya", "both"] = Field(
+        "both", description="model.pretrained LoRA exports: diffusers (RUN/lora/"
+        "pytorch_lora_weights.safetensors, pipe.load_lora_weights), kohya (RUN/lora/<run "
+        "name>.safetensors, the lora_unet_/lora_te_ file A1111 and ComfyUI load), or both")
+    init_from: str | None = Field(
+        None, description="model.pretrained LoRA: start from this LoRA (a kohya/A1111 "
+        ".safetensors, or a diffusers LoRA folder/file) instead of B = 0; its rank and alpha "
+        "must equal adapter.rank/alpha")
     # adapter.base is required unless model.pretrained is the base: checked by Config
 
 
@@ -790,6 +798,9 @@ class Config(Section):
             raise ValueError("model.pretrained takes adapter.kind lora or none (a full "
                              "fine-tune); hypernetworks over a Stable Diffusion UNet are not "
                              "supported yet")
+        if a.init_from and not (m.pretrained and a.kind == "lora"):
+            raise ValueError("adapter.init_from starts a Stable Diffusion LoRA from a file: it "
+                             "needs model.pretrained and adapter.kind=lora")
         if m.pretrained and a.base:
             raise ValueError("model.pretrained is the base of the adapter: remove adapter.base")
         if a.text_encoder and not (m.pretrained and a.kind == "lora"):

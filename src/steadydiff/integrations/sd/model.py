@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -211,11 +212,34 @@ def lora_state_dict(unet: nn.Module) -> dict[str, Tensor]:
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
 
 
-def save_lora(unet: nn.Module, out: str | Path, text_encoder: nn.Module | None = None) -> Path:
+def _adapter_metadata(module: nn.Module) -> dict[str, Any] | None:
+    """The LoraConfig diffusers records beside the tensors, so that its loader scales by
+    our alpha / rank (without it, it assumes alpha = rank)."""
+    conf = getattr(module, "peft_config", {}).get("default")
+    return {"r": conf.r, "lora_alpha": conf.lora_alpha,
+            "target_modules": sorted(conf.target_modules)} if conf is not None else None
+
+
+def save_lora(unet: nn.Module, out: str | Path, text_encoder: nn.Module | None = None, *,
+              format: str = "diffusers", kohya_name: str = "lora",
+              metadata: dict[str, Any] | None = None) -> Path:
     """Write ``out/pytorch_lora_weights.safetensors`` (diffusers' LoRA format; with the text
-    encoder's LoRA too when given) atomically: the previous file stays whole until the new
-    one is complete."""
+    encoder's LoRA too when given) and/or ``out/<kohya_name>.safetensors`` (kohya/A1111
+    format with ``metadata``, see lora_files.py), per ``format`` (diffusers | kohya | both),
+    atomically: a previous file stays whole until the new one is complete. Returns the
+    diffusers file's path (the kohya file's with format=kohya)."""
     from diffusers import StableDiffusionPipeline
+
+    from .lora_files import save_kohya
+
+    if format not in ("diffusers", "kohya", "both"):
+        raise ValueError(f"LoRA format {format!r}: use diffusers, kohya or both")
+    kohya = None
+    if format != "diffusers":
+        kohya = save_kohya(Path(out) / f"{kohya_name}.safetensors", unet, [text_encoder],
+                           metadata)
+        if format == "kohya":
+            return kohya
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -228,7 +252,11 @@ def save_lora(unet: nn.Module, out: str | Path, text_encoder: nn.Module | None =
     with tempfile.TemporaryDirectory(dir=out, prefix=".lora-") as tmp:
         StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=sd,
                                                   text_encoder_lora_layers=te,
-                                                  safe_serialization=True)
+                                                  safe_serialization=True,
+                                                  unet_lora_adapter_metadata=_adapter_metadata(unet),
+                                                  text_encoder_lora_adapter_metadata=(
+                                                      _adapter_metadata(text_encoder)
+                                                      if te else None))
         with open(Path(tmp) / LORA_FILE, "rb") as f:
             os.fsync(f.fileno())
         os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
@@ -277,6 +305,8 @@ class PeftLoraWeights(_SDWeights):
 
     def __init__(self, base: Path, targets: list[str], rank: int, alpha: float) -> None:
         self.base, self.targets, self.rank, self.alpha = base, targets, rank, alpha
+        self._hashes: dict[str, str] | None = None
+        self._started = time.time()  # ss_training_started_at (this process's start)
 
     def tensors(self, state: Any) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         names = _trainable(state.model)
@@ -306,9 +336,32 @@ class PeftLoraWeights(_SDWeights):
 
     def export(self, state: Any, root: Path, final: bool) -> Path | None:
         model = state.ema.module if state.cfg.sample.use_ema else state.model
+        cfg = state.cfg
         # a frozen text encoder in the model (shuffled captions) has no LoRA to save
         te = model.text_encoder if getattr(model.text_encoder, "peft_config", None) else None
-        return save_lora(model.unet, root / "lora", te)
+        return save_lora(model.unet, root / "lora", te,
+                         format=cfg.adapter.lora_format, kohya_name=root.name,
+                         metadata=self._kohya_metadata(state, root))
+
+    def _kohya_metadata(self, state: Any, root: Path) -> dict[str, Any]:
+        """The sd-scripts ``ss_*`` entries a run knows (A1111/ComfyUI show them)."""
+        from .lora_files import base_model_hashes
+
+        if state.cfg.adapter.lora_format == "diffusers":
+            return {}
+        if self._hashes is None:  # the base's UNet file read once a run
+            self._hashes = base_model_hashes(self.base)
+        cfg = state.cfg
+        return {**self._hashes, "ss_sd_model_name": self.base.name, "ss_output_name": root.name,
+                "ss_steps": state.step, "ss_max_train_steps": cfg.train.steps,
+                "ss_learning_rate": cfg.optim.lr, "ss_unet_lr": cfg.optim.lr,
+                "ss_text_encoder_lr": cfg.optim.lr if cfg.adapter.text_encoder else None,
+                "ss_train_batch_size": cfg.train.batch_size,
+                "ss_resolution": f"({cfg.data.image_size}, {cfg.data.image_size})",
+                "ss_mixed_precision": state.precision, "ss_seed": cfg.train.seed,
+                "ss_network_dropout": cfg.adapter.dropout,
+                "ss_training_started_at": self._started,
+                "ss_training_comment": "trained with steadydiff"}
 
 
 class FullUNetWeights(_SDWeights):

@@ -146,6 +146,14 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                     text_encoder, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                     targets=TEXT_ENCODER_TARGETS)]
                 media.tokens = True
+            if a.init_from:  # continue a LoRA (ours, kohya's, diffusers'): rename, copy
+                from .lora_files import LoraFileError, load_lora_file
+
+                try:
+                    load_lora_file(a.init_from, unet, [text_encoder], rank=a.rank,
+                                   alpha=a.alpha or a.rank)
+                except LoraFileError as e:
+                    raise ConfigError(f"adapter.init_from: {e}") from None
             weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank)
         else:  # a full fine-tune: the UNet trains in fp32 under autocast
             to_device(unet, device, torch.float32).requires_grad_(True)
@@ -186,7 +194,9 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
     from ...trainer.checkpoint import CheckpointError
 
     device = device or torch.device("cpu")
-    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "fp32"})})
+    cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "fp32"}),
+                                 # the checkpoint holds the LoRA: its start file is not read
+                                 "adapter": cfg.adapter.model_copy(update={"init_from": None})})
     model, weights, media = build(cfg, device)
     saved = c.ema if use_ema else c.model
     if isinstance(weights, PeftLoraWeights):

@@ -1,0 +1,435 @@
+"""LoRA files the rest of the ecosystem loads: kohya's / A1111's format, written and read.
+
+A kohya-format LoRA is one ``.safetensors`` file with, per adapted layer ``NAME``:
+``NAME.lora_down.weight`` (r, in[, k, k]), ``NAME.lora_up.weight`` (out, r[, 1, 1]) and
+``NAME.alpha`` (a 0-dim tensor; the delta is scaled by alpha / r), where ``NAME`` is
+``lora_unet_`` / ``lora_te_`` (SDXL: ``lora_te1_``, ``lora_te2_``) + the layer's module path
+with ``.`` replaced by ``_``. The module path is the diffusers UNet's for SD 1.x/2.x (kohya's
+sd-scripts train those on the diffusers UNet) and the original (sgm/LDM) UNet's for SDXL
+(``input_blocks.4.1``, ``middle_block.1``, ``output_blocks.0.1``: sd-scripts train SDXL on
+that UNet). The metadata (``ss_network_dim``, ``ss_network_alpha``, ``ss_base_model_version``,
+``sshs_model_hash``, ...) is what A1111 and ComfyUI show and key on.
+
+peft's LoRA layers hold exactly these tensors (``lora_A`` = down, ``lora_B`` = up,
+``lora_alpha``), so saving and loading are renames, bit-exact both ways. The names are
+derived here from the model's own module paths, in both directions, so that loading maps
+every key to one layer or names it as unknown; diffusers' loader
+(``_convert_non_diffusers_lora_to_diffusers``, used by ``pipe.load_lora_weights``) reads
+what we write, and the tests check that it maps our names back to the same layers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["is_sdxl", "sgm_path", "kohya_names", "kohya_state_dict", "save_kohya",
+           "LoraFile", "read_lora_file", "load_lora_file", "base_model_hashes",
+           "LoraFileError"]
+
+PICKLES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
+
+
+class LoraFileError(ValueError):
+    """A LoRA file that cannot be read or does not fit the model (the message says why)."""
+
+
+# --------------------------------------------------------------------------- names
+
+
+def is_sdxl(unet: nn.Module) -> bool:
+    """An SDXL-shaped UNet (size/crop conditioning through ``add_embedding``)."""
+    return getattr(unet.config, "addition_embed_type", None) == "text_time"
+
+
+_TOP = {"conv_in": "input_blocks.0.0", "conv_out": "out.2", "conv_norm_out": "out.0",
+        "time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
+        "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2"}
+_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
+           "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
+
+
+def sgm_path(path: str, config: Any) -> str:
+    """A diffusers ``UNet2DConditionModel`` module path -> the original (sgm) UNet's.
+
+    The sgm UNet numbers its blocks flat: ``input_blocks.0`` is conv_in, then each level's
+    ``layers_per_block`` (L) resnet[+transformer] pairs and its downsampler, L + 1 entries a
+    level; ``output_blocks`` hold L + 1 entries a level, the upsampler inside the last one
+    (after the transformer where the level has one); ``middle_block`` is resnet,
+    transformer, resnet.
+    """
+    if path in _TOP:
+        return _TOP[path]
+    L = config.layers_per_block
+    if not isinstance(L, int):
+        raise LoraFileError(f"layers_per_block={L}: the sgm names need one int")
+    p = path.split(".")
+
+    def inner(rest: list[str], resnet: bool) -> list[str]:
+        if resnet and rest and rest[0] in _RESNET:
+            return _RESNET[rest[0]].split(".") + rest[1:]
+        return rest
+
+    if p[0] == "down_blocks":
+        b, kind, j, rest = int(p[1]), p[2], int(p[3]), p[4:]
+        if kind == "downsamplers":
+            head = [f"input_blocks.{(b + 1) * (L + 1)}.0"]
+            rest = ["op"] + rest[1:] if rest[:1] == ["conv"] else rest
+        else:
+            head = [f"input_blocks.{1 + b * (L + 1) + j}.{0 if kind == 'resnets' else 1}"]
+        return ".".join(head + inner(rest, kind == "resnets"))
+    if p[0] == "mid_block":
+        kind, j, rest = p[1], int(p[2]), p[3:]
+        idx = {("resnets", 0): 0, ("attentions", 0): 1, ("resnets", 1): 2}[(kind, j)]
+        return ".".join([f"middle_block.{idx}"] + inner(rest, kind == "resnets"))
+    if p[0] == "up_blocks":
+        b, kind, j, rest = int(p[1]), p[2], int(p[3]), p[4:]
+        if kind == "upsamplers":
+            attn = "CrossAttn" in config.up_block_types[b]
+            head = [f"output_blocks.{b * (L + 1) + L}.{2 if attn else 1}"]
+        else:
+            head = [f"output_blocks.{b * (L + 1) + j}.{0 if kind == 'resnets' else 1}"]
+        return ".".join(head + inner(rest, kind == "resnets"))
+    raise LoraFileError(f"no sgm name for the UNet module {path!r}")
+
+
+def _clip_path(path: str) -> str:
+    """A CLIP text model's module path as in the original layout (``text_model.encoder...``):
+    transformers 5 made ``CLIPTextModel`` flat (``encoder.layers...``); the files keep the
+    ``text_model`` level."""
+    return ("text_model." + path if path.split(".", 1)[0] in
+            ("encoder", "embeddings", "final_layer_norm") else path)
+
+
+def _lora_layers(module: nn.Module) -> dict[str, nn.Module]:
+    """The peft LoRA layers of ``module`` by module path (adapter 'default')."""
+    return {n: m for n, m in module.named_modules()
+            if isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and "default" in m.lora_A}
+
+
+def kohya_names(unet: nn.Module, text_encoders: list[nn.Module | None] = ()
+                ) -> dict[str, tuple[nn.Module, str]]:
+    """Every LoRA layer of ``unet`` and the text encoders, by its kohya name:
+    ``{kohya name: (peft layer, its module path)}``."""
+    sdxl = is_sdxl(unet)
+    out: dict[str, tuple[nn.Module, str]] = {}
+    for n, m in _lora_layers(unet).items():
+        out["lora_unet_" + (sgm_path(n, unet.config) if sdxl else n).replace(".", "_")] = (m, n)
+    tes = [t for t in text_encoders if t is not None]
+    prefixes = ["lora_te1_", "lora_te2_"] if sdxl else ["lora_te_"]
+    if len(tes) > len(prefixes):
+        raise LoraFileError(f"{len(tes)} text encoders for a UNet that takes {len(prefixes)}")
+    for prefix, te in zip(prefixes, tes):
+        for n, m in _lora_layers(te).items():
+            out[prefix + _clip_path(n).replace(".", "_")] = (m, n)
+    return out
+
+
+def kohya_state_dict(unet: nn.Module, text_encoders: list[nn.Module | None] = ()
+                     ) -> dict[str, Tensor]:
+    """The LoRA tensors as kohya writes them (fp32, CPU): down, up and alpha per layer."""
+    sd: dict[str, Tensor] = {}
+    for name, (m, _) in kohya_names(unet, text_encoders).items():
+        sd[f"{name}.lora_down.weight"] = m.lora_A["default"].weight
+        sd[f"{name}.lora_up.weight"] = m.lora_B["default"].weight
+        sd[f"{name}.alpha"] = torch.tensor(float(m.lora_alpha["default"]))
+    return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
+
+
+# --------------------------------------------------------------------------- metadata
+
+
+_HASHES: dict[tuple[str, int, int], tuple[str, str]] = {}
+
+
+def base_model_hashes(folder: str | Path) -> dict[str, str]:
+    """``ss_sd_model_hash`` (A1111's legacy 8-hex hash: 64 KiB at 1 MiB) and
+    ``ss_new_sd_model_hash`` (sha256) of the base's UNet weights file. A diffusers folder
+    has no single checkpoint file, so these identify the base, but do not equal A1111's
+    hash of the same model as one file. Computed once per file (a multi-GB read)."""
+    unet = Path(folder) / "unet"
+    files = sorted(unet.glob("*.safetensors")) or sorted(unet.glob("*.bin"))
+    if not files:
+        return {}
+    f = files[0]
+    st = f.stat()
+    key = (str(f.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            fh.seek(0x100000)
+            legacy = hashlib.sha256(fh.read(0x10000)).hexdigest()[:8]
+            fh.seek(0)
+            for chunk in iter(lambda: fh.read(1 << 24), b""):
+                h.update(chunk)
+        _HASHES[key] = (legacy, h.hexdigest())
+    legacy, full = _HASHES[key]
+    return {"ss_sd_model_hash": legacy, "ss_new_sd_model_hash": full}
+
+
+def base_model_version(unet: nn.Module) -> str:
+    """``ss_base_model_version`` as sd-scripts spell it."""
+    if is_sdxl(unet):
+        return "sdxl_base_v1-0"
+    dim = unet.config.cross_attention_dim
+    return "sd_v2" if (dim if isinstance(dim, int) else dim[0]) == 1024 else "sd_v1"
+
+
+def _tensor_hash(blob: bytes) -> str:
+    """sha256 of a safetensors file's tensor data (after its header): the LoRA's own hash
+    (``sshs_model_hash``), unchanged by the metadata."""
+    n = int.from_bytes(blob[:8], "little")
+    return hashlib.sha256(blob[8 + n:]).hexdigest()
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_kohya(path: str | Path, unet: nn.Module, text_encoders: list[nn.Module | None] = (),
+               metadata: dict[str, Any] | None = None) -> Path:
+    """Write the LoRA of ``unet`` (and of the text encoders) as one kohya-format file,
+    atomically (a temporary file fsynced, then renamed over ``path``).
+
+    Args:
+        metadata: extra ``ss_*`` entries (values become strings); dim, alpha, the network
+            module, the base model version and the tensors' hash are filled in here.
+
+    Raises:
+        LoraFileError: the model has no LoRA layers, or their ranks or alphas differ.
+        CheckpointError: a tensor is non-finite (nothing is written).
+    """
+    from safetensors.torch import save
+
+    from ...trainer.checkpoint import CheckpointError
+
+    sd = kohya_state_dict(unet, text_encoders)
+    if not sd:
+        raise LoraFileError("the model has no LoRA layers to save")
+    bad = [k for k, v in sd.items() if not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"the LoRA has non-finite weights ({bad[0]} and {len(bad) - 1} "
+                              "more): not written")
+    ranks = {int(v.shape[0]) for k, v in sd.items() if k.endswith("lora_down.weight")}
+    alphas = {float(v) for k, v in sd.items() if k.endswith(".alpha")}
+    meta = {"ss_network_module": "networks.lora",
+            "ss_network_dim": str(max(ranks)), "ss_network_alpha": _num(max(alphas)),
+            "ss_base_model_version": base_model_version(unet),
+            "ss_v2": str(base_model_version(unet) == "sd_v2"),
+            "ss_network_args": json.dumps({} if len(ranks) == len(alphas) == 1 else
+                                          {"note": "per-layer rank/alpha: see each .alpha"}),
+            "modelspec.sai_model_spec": "1.0.0",
+            "modelspec.architecture": ("stable-diffusion-xl-v1-base/lora" if is_sdxl(unet)
+                                       else "stable-diffusion-v1/lora"),
+            "modelspec.implementation": "diffusers",
+            "ss_training_finished_at": str(time.time())}
+    meta.update({k: str(v) for k, v in (metadata or {}).items() if v is not None})
+    meta["sshs_model_hash"] = _tensor_hash(save(sd))
+    blob = save(sd, metadata=meta)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# --------------------------------------------------------------------------- read / load
+
+
+@dataclass
+class LoraFile:
+    """A LoRA file read into ``{kohya-style layer name: (down, up, alpha | None)}``.
+
+    ``format`` is "kohya" (names as in the file) or "diffusers" (names
+    ``unet.<path>`` / ``text_encoder.<path>``, alpha from diffusers' adapter metadata)."""
+
+    path: Path
+    format: str
+    layers: dict[str, tuple[Tensor, Tensor, float | None]]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def ranks(self) -> set[int]:
+        return {int(d.shape[0]) for d, _, _ in self.layers.values()}
+
+    def alphas(self) -> set[float]:
+        return {a for _, _, a in self.layers.values() if a is not None}
+
+
+def _file_of(path: Path) -> Path:
+    if path.is_dir():
+        from .model import LORA_FILE
+
+        f = path / LORA_FILE
+        if not f.is_file():
+            found = sorted(p.name for p in path.glob("*.safetensors"))[:4]
+            raise LoraFileError(f"{path}: no {LORA_FILE} in the folder (found {found}); point "
+                                "at the .safetensors file itself")
+        return f
+    if path.suffix.lower() in PICKLES:
+        raise LoraFileError(
+            f"{path}: a {path.suffix} file is a Python pickle (loading it can run code): not "
+            "read. Convert it once, where you trust it, e.g. python -c \"import torch, "
+            "safetensors.torch as s; s.save_file({k: v.contiguous() for k, v in torch.load("
+            "'IN', weights_only=True).items()}, 'OUT.safetensors')\"")
+    if path.suffix.lower() != ".safetensors":
+        raise LoraFileError(f"{path}: expected a .safetensors LoRA file or a diffusers LoRA "
+                            "folder")
+    if not path.is_file():
+        raise LoraFileError(f"{path}: no such file")
+    return path
+
+
+def read_lora_file(path: str | Path) -> LoraFile:
+    """Read a kohya-format ``.safetensors`` or a diffusers LoRA (folder or file).
+
+    Raises:
+        LoraFileError: a pickle, an unknown key layout, a layer without its down/up/alpha,
+            or down/up shapes that do not chain (down (r, in), up (out, r)).
+    """
+    from safetensors import safe_open
+
+    f = _file_of(Path(path).expanduser())
+    with safe_open(f, "pt") as fh:
+        meta = dict(fh.metadata() or {})
+        sd = {k: fh.get_tensor(k) for k in fh.keys()}
+    if not sd:
+        raise LoraFileError(f"{f}: no tensors")
+    if all(k.startswith(("lora_unet_", "lora_te")) for k in sd):
+        layers = _kohya_layers(f, sd)
+        fmt = "kohya"
+    elif all(k.startswith(("unet.", "text_encoder.")) for k in sd):
+        layers = _diffusers_layers(f, sd, meta)
+        fmt = "diffusers"
+    else:
+        odd = [k for k in sd if not k.startswith(("lora_unet_", "lora_te", "unet.",
+                                                  "text_encoder."))][:3]
+        raise LoraFileError(f"{f}: neither kohya (lora_unet_*/lora_te*) nor diffusers "
+                            f"(unet.*/text_encoder.*) LoRA keys, e.g. {odd}")
+    for name, (d, u, _) in layers.items():
+        if d.ndim < 2 or u.ndim < 2 or u.shape[1] != d.shape[0]:
+            raise LoraFileError(f"{f}: {name}: lora_down {tuple(d.shape)} and lora_up "
+                                f"{tuple(u.shape)} do not chain (down (r, in), up (out, r))")
+    return LoraFile(f, fmt, layers, meta)
+
+
+def _kohya_layers(f: Path, sd: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor, float]]:
+    names = {k.split(".", 1)[0] for k in sd}
+    layers = {}
+    for n in sorted(names):
+        parts = {k.split(".", 1)[1] for k in sd if k.split(".", 1)[0] == n}
+        missing = {"lora_down.weight", "lora_up.weight", "alpha"} - parts
+        extra = parts - {"lora_down.weight", "lora_up.weight", "alpha"}
+        if missing:
+            raise LoraFileError(f"{f}: layer {n} has no {sorted(missing)} (a kohya LoRA layer "
+                                "has lora_down.weight, lora_up.weight and alpha)")
+        if extra:
+            raise LoraFileError(f"{f}: layer {n} has {sorted(extra)}, which a plain LoRA does "
+                                "not (DoRA/LoCon/LyCORIS variants are not supported)")
+        a = sd[f"{n}.alpha"]
+        if a.numel() != 1:
+            raise LoraFileError(f"{f}: {n}.alpha has shape {tuple(a.shape)}, not a scalar")
+        layers[n] = (sd[f"{n}.lora_down.weight"], sd[f"{n}.lora_up.weight"], float(a))
+    return layers
+
+
+def _diffusers_layers(f: Path, sd: dict[str, Tensor], meta: dict[str, str]
+                      ) -> dict[str, tuple[Tensor, Tensor, float | None]]:
+    from diffusers.utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
+
+    # diffusers' own renames to peft's: the UNet's .lora.down/up, the text encoder's
+    # .lora_linear_layer.down/up -> .lora_A/.lora_B
+    unet = convert_unet_state_dict_to_peft({k: v for k, v in sd.items() if k.startswith("unet.")})
+    te = {k: v for k, v in sd.items() if k.startswith("text_encoder.")}
+    peft = {**unet, **(convert_state_dict_to_peft(te) if te else {})}
+    # CLIP paths with their text_model level, whichever transformers wrote the file
+    peft = {("text_encoder." + _clip_path(k[len("text_encoder."):])
+             if k.startswith("text_encoder.") else k): v for k, v in peft.items()}
+    alphas: dict[str, float] = {}
+    if "lora_adapter_metadata" in meta:  # diffusers' record of each LoraConfig
+        for k, conf in json.loads(meta["lora_adapter_metadata"]).items():
+            if k.endswith("lora_alpha"):
+                alphas[k.split(".", 1)[0]] = float(conf)
+    names = {k.rsplit(".lora_", 1)[0] for k in peft}
+    layers = {}
+    for n in sorted(names):
+        d, u = peft.get(f"{n}.lora_A.weight"), peft.get(f"{n}.lora_B.weight")
+        if d is None or u is None:
+            raise LoraFileError(f"{f}: layer {n} has no {'lora_A/down' if d is None else 'lora_B/up'} "
+                                "weight")
+        layers[n] = (d, u, alphas.get(n.split(".", 1)[0]))
+    return layers
+
+
+def load_lora_file(path: str | Path, unet: nn.Module,
+                   text_encoders: list[nn.Module | None] = (), *, rank: int,
+                   alpha: float) -> dict[str, int]:
+    """Copy a LoRA file's tensors into the peft LoRA layers already on ``unet`` (and the
+    text encoders): training then continues from it.
+
+    Args:
+        rank, alpha: the run's adapter.rank and alpha (adapter.alpha, or the rank).
+
+    Returns:
+        ``{"loaded": layers set from the file, "fresh": our layers the file does not have}``.
+
+    Raises:
+        LoraFileError: a key naming no LoRA layer of the model (a few are listed), a rank or
+            alpha other than the run's, or a shape that does not fit the layer.
+    """
+    lf = read_lora_file(path)
+    if lf.format == "kohya":
+        ours = {k: m for k, (m, _) in kohya_names(unet, text_encoders).items()}
+    else:
+        tes = [t for t in text_encoders if t is not None]
+        ours = {f"unet.{n}": m for n, m in _lora_layers(unet).items()}
+        if tes:
+            ours.update({f"text_encoder.{_clip_path(n)}": m
+                         for n, m in _lora_layers(tes[0]).items()})
+    unknown = sorted(set(lf.layers) - set(ours))
+    if unknown:
+        te = any(k.startswith(("lora_te", "text_encoder.")) for k in unknown)
+        hint = ("the file has a text encoder LoRA: set adapter.text_encoder=true" if te and
+                not any(t is not None for t in text_encoders) else
+                "adapter.targets must cover every layer the file adapts")
+        raise LoraFileError(f"{lf.path}: {len(unknown)} of its {len(lf.layers)} layers name no "
+                            f"LoRA layer of this model, e.g. {unknown[:3]} ({hint}; this "
+                            f"model's are e.g. {sorted(ours)[:2]})")
+    if lf.ranks() != {rank}:
+        raise LoraFileError(f"{lf.path}: its LoRA has rank {sorted(lf.ranks())} "
+                            f"(ss_network_dim={lf.metadata.get('ss_network_dim')}); the run's "
+                            f"adapter.rank is {rank}: set adapter.rank={max(lf.ranks())}")
+    bad_alpha = {a for a in lf.alphas() if abs(a - alpha) > 1e-6 * max(1.0, alpha)}
+    if bad_alpha:
+        raise LoraFileError(f"{lf.path}: its LoRA has alpha {sorted(lf.alphas())}; the run's "
+                            f"is {_num(alpha)}: set adapter.alpha={_num(max(lf.alphas()))}")
+    with torch.no_grad():
+        for n, (d, u, _) in lf.layers.items():
+            m = ours[n]
+            for what, dst, src in (("lora_down", m.lora_A["default"].weight, d),
+                                   ("lora_up", m.lora_B["default"].weight, u)):
+                if tuple(dst.shape) != tuple(src.shape):
+                    raise LoraFileError(f"{lf.path}: {n}.{what} has shape {tuple(src.shape)}; "
+                                        f"the layer takes {tuple(dst.shape)} (another base "
+                                        "model?)")
+                dst.copy_(src.to(dst.dtype))
+    return {"loaded": len(lf.layers), "fresh": len(ours) - len(lf.layers)}
