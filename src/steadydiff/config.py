@@ -29,10 +29,10 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       model_validator)
 
 from .durations import parse_duration
-from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, CaptionSource, Channels, MissingCaption, ClipMode,
+from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BucketCrop, CaptionSource, Channels, MissingCaption, ClipMode,
                     CompileBackend, CompileMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, LossWeighting,
-                    LRSchedule, ModelKind, OnSaveError, OptimizerName, Precision, PrecisionSetting,
+                    LoraFormat, LRSchedule, ModelKind, OnSaveError, OptimizerName, Precision, PrecisionSetting,
                     Prediction, SamplerName, ScheduleName, TimestepSampling)
 
 
@@ -185,7 +185,7 @@ class DataConfig(Section):
     bucket_max_ratio: float = Field(
         4.0, ge=1.0, le=16.0, description="buckets: the largest long side / short side of a "
         "bucket")
-    bucket_crop: Literal["center", "random"] = Field(
+    bucket_crop: BucketCrop = Field(
         "center", description="buckets: where the crop of an image to its bucket lies: "
         "center, or random (seeded by train.seed and the image, the same every epoch)")
 
@@ -724,7 +724,7 @@ class AdapterConfig(Section):
         False, description="model.pretrained with adapter.kind=lora: also train a LoRA (same "
         "rank/alpha/dropout) on the text encoder's attention projections; its embeddings are "
         "then computed in the step, not cached")
-    lora_format: Literal["diffusers", "kohya", "both"] = Field(
+    lora_format: LoraFormat = Field(
         "both", description="model.pretrained LoRA exports: diffusers (RUN/lora/"
         "pytorch_lora_weights.safetensors, pipe.load_lora_weights), kohya (RUN/lora/<run "
         "name>.safetensors, the lora_unet_/lora_te_ file A1111 and ComfyUI load), or both")

@@ -84,6 +84,10 @@ LRSchedule = Literal["constant", "cosine"]
 LR_SCHEDULES: tuple[LRSchedule, ...] = get_args(LRSchedule)
 OptimizerName = Literal["adamw", "adamw8bit"]
 OPTIMIZERS: tuple[OptimizerName, ...] = get_args(OptimizerName)
+BucketCrop = Literal["center", "random"]  # data.bucket_crop: how an image is cut to its bucket
+BUCKET_CROPS: tuple[BucketCrop, ...] = get_args(BucketCrop)
+LoraFormat = Literal["diffusers", "kohya", "both"]  # adapter.lora_format: the files written
+LORA_FORMATS: tuple[LoraFormat, ...] = get_args(LoraFormat)
 
 # ``optim.grad_clip = 0`` disables clipping, so there is no "none" mode.
 ClipMode = Literal["global", "per_layer", "agc", "zclip"]
@@ -144,7 +148,7 @@ __all__ = [
     "PREDICTIONS", "AUTO", "Auto", "PrecisionSetting",
     "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS",
     "AdapterKind", "CaptionSource", "Channels", "CompileBackend", "CompileMode", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
-    "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "OPTIMIZERS", "OptimizerName", "LabelledDataset", "LossWeighting",
+    "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "OPTIMIZERS", "OptimizerName", "BUCKET_CROPS", "BucketCrop", "LORA_FORMATS", "LoraFormat", "LabelledDataset", "LossWeighting",
     "ModelKind", "OnSaveError", "Precision", "Prediction", "SamplerName", "ScheduleName",
     "Spacing", "Split", "TimestepSampling",
 ]

@@ -19,6 +19,10 @@ from . import checkpoint as ckpt
 from .state import TrainState, set_precision
 
 
+# the optim keys that decide the learning rate at a step (trainer/optim.py lr_at, set_lr)
+LR_KEYS = ("lr", "schedule", "warmup_steps", "min_lr_ratio", "layer_decay")
+
+
 class CheckpointIO:
     """Save and restore every stateful part of ``state``."""
 
@@ -109,7 +113,9 @@ class CheckpointIO:
         if s.guard is None or not c.state.get("guard"):
             return
         s.guard.load_state_dict(c.state["guard"])
-        # optim.fused picks a kernel, not an LR (and checkpoints before it lack the key)
-        saved = {k: v for k, v in c.state["config"]["optim"].items() if k != "fused"}
-        if saved != s.cfg.optim.model_dump(mode="json", exclude={"fused"}):
+        # only the keys that decide the LR (a kernel or optimizer choice is not one, and older
+        # checkpoints lack the newer keys)
+        now = s.cfg.optim.model_dump(mode="json", include=set(LR_KEYS))
+        saved = {k: v for k, v in c.state["config"]["optim"].items() if k in LR_KEYS}
+        if saved != now:
             s.guard.max_lr = 0.0  # an LR change the user accepted is not an lr_spike
