@@ -761,6 +761,10 @@ class Config(Section):
     @model_validator(mode="after")
     def _check(self) -> "Config":
         a, m, d = self.adapter, self.model, self.data
+        if m.single_file_config and not m.pretrained:
+            raise ValueError("model.single_file_config is the config of a single-file "
+                             "model.pretrained: set model.pretrained to the .safetensors file "
+                             "or remove it")
         if a.kind != "none" and not a.base and not m.pretrained:
             raise ValueError(f"adapter.kind={a.kind} needs adapter.base: a steadydiff "
                              "checkpoint or run directory, or a .safetensors file (or "
@@ -774,10 +778,6 @@ class Config(Section):
         if a.text_encoder and not (m.pretrained and a.kind == "lora"):
             raise ValueError("adapter.text_encoder trains a LoRA on a Stable Diffusion text "
                              "encoder: it needs model.pretrained and adapter.kind=lora")
-        if m.single_file_config and not m.pretrained:
-            raise ValueError("model.single_file_config is the config of a single-file "
-                             "model.pretrained: set model.pretrained to the .safetensors file "
-                             "or remove it")
         if m.pretrained and (m.text_encoder or m.vae):
             raise ValueError("model.pretrained brings its own text encoder and VAE: remove "
                              "model.text_encoder and model.vae")

@@ -15,8 +15,9 @@ only (``use_safetensors=True``: a pickled ``.bin`` is never unpickled). What is 
 wrong is an :class:`SDFolderError` that names the file and says what would be valid. A
 single-file checkpoint (``model.pretrained`` a ``.safetensors`` file) takes its configs from
 ``model.single_file_config``, a folder of this layout whose weights may be absent
-(:func:`model_root`; the weights come from the file, single_file.py). The scheduler's config decides the diffusion the UNet was trained
-with (:func:`diffusion_settings`): steadydiff trains with the same betas and prediction type.
+(:func:`model_root`; the weights come from the file, single_file.py). The scheduler's
+config decides the diffusion the UNet was trained with (:func:`diffusion_settings`):
+steadydiff trains with the same betas and prediction type.
 """
 
 from __future__ import annotations
