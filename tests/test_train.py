@@ -243,12 +243,13 @@ DEFAULTS = {
     "report": {"--out": "RUN_DIR/report.html"},
     "doctor": {"--device": "cpu"},
     "merge": {"--scale": "1.0"},
+    "export": {},
     "ema": {"--out": "RUN/checkpoints/posthoc_<sigma_rel>", "--num": "500", "--seed": "0"},
 }
 
 # how many options of each command have a value as their default (a new one is checked too)
 NUM_VALUED = {"train": 1, "sample": 0, "eval": 3, "report": 0, "doctor": 1, "merge": 1,
-              "ema": 2}
+              "ema": 2, "export": 0}
 
 
 def test_help_top_level():

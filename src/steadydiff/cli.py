@@ -195,6 +195,26 @@ def _parser() -> argparse.ArgumentParser:
                    help="the base weights, if they moved since training")
     m.add_argument("--out", required=True, help="new run directory for the merged checkpoint")
 
+    xp = sub.add_parser("export", formatter_class=_Formatter,
+                        help="write a Stable Diffusion fine-tune as one .safetensors file "
+                             "(the original layout A1111/ComfyUI load)",
+                        description="Export a full Stable Diffusion fine-tune (a run or "
+                                    "checkpoint with model.pretrained and adapter.kind=none; "
+                                    "EMA weights by default) or a diffusers SD folder as a "
+                                    "single-file checkpoint: model.diffusion_model.*, "
+                                    "first_stage_model.*, cond_stage_model.*. A run from a "
+                                    "single file keeps that file's VAE and text encoder "
+                                    "tensors as they were. Non-finite weights are refused; "
+                                    "the file is written atomically. (A LoRA run's export is "
+                                    "RUN/lora/, written during training.)")
+    xp.add_argument("source", help="run directory, checkpoint, or diffusers SD folder")
+    xp.add_argument("--single-file", required=True, metavar="OUT.safetensors",
+                    help="the file to write")
+    xp.add_argument("--raw-weights", action="store_true",
+                    help="use the raw model weights instead of the EMA")
+    xp.add_argument("--half", action="store_true",
+                    help="write fp16 tensors (half the size; what most shared files use)")
+
     d = sub.add_parser("doctor", formatter_class=_Formatter,
                        help="post-mortem: name the likely causes of a run's trouble",
                        description="Examine a run directory or a checkpoint (weights, EMA, a "
@@ -356,6 +376,18 @@ def cmd_merge(a: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(a: argparse.Namespace) -> int:
+    import torch
+
+    from .integrations.sd.single_file import export
+
+    path = export(a.source, a.single_file, use_ema=not a.raw_weights,
+                  dtype=torch.float16 if a.half else None)
+    print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, original single-file "
+          "layout)")
+    return EXIT_OK
+
+
 def cmd_report(a: argparse.Namespace) -> int:
     from .report import write_report
 
@@ -388,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "ema": cmd_ema,
-                "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge}
+                "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge,
+                "export": cmd_export}
     try:
         return handlers[args.command](args)
     except (ConfigError, DataError, CheckpointError, RunDirError, ValueError,

@@ -291,8 +291,15 @@ class ModelConfig(Section):
     dit: DiTConfig = DiTConfig()
     pretrained: str | None = Field(
         None, description="a local diffusers Stable Diffusion folder (model_index.json, unet/, "
-        "vae/, text_encoder/, tokenizer/, scheduler/): fine-tune its UNet (adapter.kind=lora: "
-        "a peft LoRA; none: the whole UNet); kind/unet/dit are then unused (docs/sd.md)")
+        "vae/, text_encoder/, tokenizer/, scheduler/) or a single-file .safetensors "
+        "checkpoint (the original LDM layout A1111/ComfyUI use; with model.single_file_config)"
+        ": fine-tune its UNet (adapter.kind=lora: a peft LoRA; none: the whole UNet); "
+        "kind/unet/dit are then unused (docs/sd.md)")
+    single_file_config: str | None = Field(
+        None, description="model.pretrained is a single-file checkpoint: a local diffusers "
+        "Stable Diffusion folder of the same architecture that supplies every config "
+        "(unet/vae/text_encoder config.json, tokenizer/, scheduler/; weights not needed); "
+        "nothing is downloaded")
     text_encoder: str | None = Field(
         None, description="steadydiff's own models: a folder with text_encoder/ and "
         "tokenizer/ (a transformers CLIP text model; an SD folder works): the model is "
@@ -790,6 +797,10 @@ class Config(Section):
     @model_validator(mode="after")
     def _check(self) -> "Config":
         a, m, d = self.adapter, self.model, self.data
+        if m.single_file_config and not m.pretrained:
+            raise ValueError("model.single_file_config is the config of a single-file "
+                             "model.pretrained: set model.pretrained to the .safetensors file "
+                             "or remove it")
         if a.kind != "none" and not a.base and not m.pretrained:
             raise ValueError(f"adapter.kind={a.kind} needs adapter.base: a steadydiff "
                              "checkpoint or run directory, or a .safetensors file (or "

@@ -177,7 +177,7 @@ def _check_text_model(cfg: Config) -> int:
 
     g = setup.model_geometry(cfg)
     if cfg.model.pretrained:
-        return setup.unet_parameters(cfg.model.pretrained)
+        return setup.unet_parameters(setup.model_root(cfg.model))
     d, m = cfg.data, cfg.model
     try:
         with torch.device("meta"):

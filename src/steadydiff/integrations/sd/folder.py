@@ -12,10 +12,12 @@ Hugging Face hub holds) looks like::
 
 Every part loads with ``local_files_only=True`` (nothing is downloaded) and from safetensors
 only (``use_safetensors=True``: a pickled ``.bin`` is never unpickled). What is missing or
-wrong is an :class:`SDFolderError` that names the file and says what would be valid; a
-single-file checkpoint (``.safetensors``/``.ckpt`` of the original repositories) gets the
-command that converts it. The scheduler's config decides the diffusion the UNet was trained
-with (:func:`diffusion_settings`): steadydiff trains with the same betas and prediction type.
+wrong is an :class:`SDFolderError` that names the file and says what would be valid. A
+single-file checkpoint (``model.pretrained`` a ``.safetensors`` file) takes its configs from
+``model.single_file_config``, a folder of this layout whose weights may be absent
+(:func:`model_root`; the weights come from the file, single_file.py). The scheduler's
+config decides the diffusion the UNet was trained with (:func:`diffusion_settings`):
+steadydiff trains with the same betas and prediction type.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from typing import Any
 
 from ...config import Config, ConfigError, replace
 
-__all__ = ["SDFolderError", "SD_PARTS", "check_folder", "read_json", "diffusion_settings",
-           "resolve_config", "SDParts", "load_parts", "load_text_parts", "load_vae"]
+__all__ = ["SDFolderError", "SD_PARTS", "check_folder", "model_root", "read_json",
+           "diffusion_settings", "resolve_config", "SDParts", "load_parts", "load_text_parts",
+           "load_vae"]
 
 # The parts a Stable Diffusion 1.x/2.x folder must have, and the classes that may fill them
 # (model_index.json names them as [library, class]).
@@ -43,12 +46,6 @@ SD_PARTS: dict[str, tuple[str, ...]] = {
 }
 SD_PIPELINES = ("StableDiffusionPipeline",)
 SDXL_PIPELINES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
-SINGLE_FILE = (".safetensors", ".ckpt", ".pt", ".pth", ".bin")
-
-CONVERT = ("convert it to a diffusers folder first, e.g. in Python: "
-           "`StableDiffusionPipeline.from_single_file('{f}').save_pretrained('OUT')` "
-           "(or diffusers' scripts/convert_original_stable_diffusion_to_diffusers.py "
-           "--checkpoint_path {f} --dump_path OUT), then set model.pretrained=OUT")
 
 
 class SDFolderError(ConfigError):
@@ -75,12 +72,14 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     return d
 
 
-def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS)) -> Path:
-    """Check that ``path`` is a Stable Diffusion 1.x/2.x diffusers folder with ``parts``.
+def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS), *,
+                 weights: bool = True) -> Path:
+    """Check that ``path`` is a Stable Diffusion 1.x/2.x diffusers folder with ``parts``
+    (and their safetensors weights unless ``weights`` is false: a single file's config).
 
     Raises:
-        SDFolderError: the path is missing, a file (a single-file checkpoint: the message
-            says how to convert it), has no or a broken ``model_index.json``, is an SDXL
+        SDFolderError: the path is missing, a file (a single-file checkpoint goes through
+            :func:`model_root`), has no or a broken ``model_index.json``, is an SDXL
             pipeline, or lacks a part (its folder, config or safetensors weights).
     """
     root = Path(path).expanduser()
@@ -89,10 +88,6 @@ def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS)) -> 
                             "Stable Diffusion folder (model_index.json, unet/, vae/, "
                             "text_encoder/, tokenizer/, scheduler/)")
     if root.is_file():
-        if root.suffix.lower() in SINGLE_FILE:
-            raise SDFolderError(f"model.pretrained: {root} is a single-file checkpoint; "
-                                "steadydiff reads diffusers-format folders: "
-                                + CONVERT.format(f=root))
         raise SDFolderError(f"model.pretrained: {root} is a file; expected a diffusers "
                             "Stable Diffusion folder")
     index = read_json(root / "model_index.json", "every diffusers pipeline folder has one "
@@ -122,7 +117,7 @@ def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS)) -> 
             continue
         config = "scheduler_config.json" if part == "scheduler" else "config.json"
         read_json(sub / config, f"the {part}'s configuration")
-        if part == "scheduler":
+        if part == "scheduler" or not weights:
             continue
         weights = list(sub.glob("*.safetensors")) + list(sub.glob("*.safetensors.index.json"))
         if not weights:
@@ -132,6 +127,20 @@ def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS)) -> 
                     "safe_serialization=True))" if pickled else "")
             raise SDFolderError(f"{sub}/ has no .safetensors weights{hint}")
     return root
+
+
+def model_root(m: Any) -> Path:
+    """The folder holding the configs of ``model.pretrained`` (a ``ModelConfig``): the
+    folder itself, or ``model.single_file_config`` for a single-file checkpoint (both
+    checked)."""
+    from .single_file import check_single_file, is_single_file
+
+    if is_single_file(m.pretrained):
+        return check_single_file(m.pretrained, m.single_file_config)[1]
+    if m.single_file_config:
+        raise SDFolderError(f"model.single_file_config is set but model.pretrained="
+                            f"{m.pretrained} is not a single-file checkpoint: remove it")
+    return check_folder(m.pretrained)
 
 
 _PREDICTIONS = {"epsilon": "eps", "v_prediction": "v", "sample": "x0"}
@@ -177,7 +186,7 @@ def resolve_config(cfg: Config) -> tuple[Config, list[str]]:
     2024), not a property of the folder."""
     if not cfg.model.pretrained:
         return cfg, []
-    root = check_folder(cfg.model.pretrained)
+    root = model_root(cfg.model)
     want = diffusion_settings(root)
     if cfg.diffusion.zero_terminal_snr:
         want["diffusion.zero_terminal_snr"] = True
@@ -240,11 +249,17 @@ def load_text_parts(path: str | Path):
     return tok, te
 
 
-def load_parts(path: str | Path) -> SDParts:
-    """Every part of the SD folder at ``path`` (checked first), fp32 on the CPU; the
-    caller moves them and sets their dtypes."""
+def load_parts(path: str | Path, config: str | Path | None = None) -> SDParts:
+    """Every part of the SD folder at ``path`` (checked first), or of the single-file
+    checkpoint ``path`` with the config folder ``config``, fp32 on the CPU; the caller
+    moves them and sets their dtypes. ``root`` is the folder or the file."""
     from diffusers import UNet2DConditionModel
 
+    from .single_file import is_single_file, load_single_file
+
+    if is_single_file(path):
+        unet, vae, te, tok = load_single_file(path, config)
+        return SDParts(Path(path).expanduser(), unet, vae, te, tok)
     root = check_folder(path)
     unet = _load("UNet", UNet2DConditionModel.from_pretrained, root / "unet",
                  use_safetensors=True)

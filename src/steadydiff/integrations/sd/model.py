@@ -366,7 +366,9 @@ class PeftLoraWeights(_SDWeights):
 
 class FullUNetWeights(_SDWeights):
     """A full fine-tune of a Stable Diffusion UNet: checkpoints hold the whole UNet; the
-    final export is a diffusers folder ``RUN/model`` (base parts + the trained UNet)."""
+    final export is a diffusers folder ``RUN/model`` (base parts + the trained UNet), or,
+    for a run from a single-file checkpoint, the single file ``RUN/model.safetensors``
+    (the base file with its UNet replaced)."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -388,6 +390,11 @@ class FullUNetWeights(_SDWeights):
         if not final:  # a multi-GB copy: once, at the end
             return None
         model = state.ema.module if state.cfg.sample.use_ema else state.model
+        if self.base.is_file():
+            from .single_file import export_single_file
+
+            return export_single_file(root / "model.safetensors", model.unet, None, None,
+                                      base_file=self.base)
         return export_pipeline(model.unet, self.base, root / "model")
 
 

@@ -28,15 +28,15 @@ from ...guard.provenance import is_attention
 from ...models import build_model
 from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
-from .folder import check_folder, load_parts, load_text_parts, load_vae, read_json
+from .folder import load_parts, load_text_parts, load_vae, model_root, read_json
 from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
                     TextToImage, add_lora, load_unet_only, to_device,
                     upcast_aware_attention)
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build", "encode_data", "is_text_config", "model_geometry", "record_quarantine",
-           "unet_parameters", "load_trained"]
+__all__ = ["build", "encode_data", "is_text_config", "model_geometry", "model_root",
+           "record_quarantine", "unet_parameters", "load_trained"]
 
 
 def is_text_config(cfg: Config) -> bool:
@@ -61,7 +61,7 @@ def model_geometry(cfg: Config) -> dict[str, int]:
     """
     m, size = cfg.model, cfg.data.image_size
     if m.pretrained:
-        root = check_folder(m.pretrained)
+        root = model_root(m)
         vae, unet = _json(root / "vae" / "config.json"), _json(root / "unet" / "config.json")
         te = _json(root / "text_encoder" / "config.json")
         tok = root / "tokenizer"
@@ -125,7 +125,7 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
     frozen = _dtype(cfg.train.precision)
     vae_dtype = _dtype(m.vae_precision) if m.vae_precision else frozen
     if m.pretrained:
-        parts = load_parts(m.pretrained)
+        parts = load_parts(m.pretrained, m.single_file_config)
         media = TextToImage(parts.tokenizer, parts.text_encoder, parts.vae, device, frozen,
                             vae_dtype)
         unet = parts.unet
