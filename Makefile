@@ -23,8 +23,10 @@ quickstart: install
 	$(VENV)/bin/steadydiff train configs/digits_cond.yaml --out runs/quickstart
 	$(VENV)/bin/steadydiff eval runs/quickstart --out runs/quickstart/eval.json
 
+# one pytest worker per core (pytest-xdist), whole test files to a worker: a file's
+# module-scoped fixtures (tiny SD folders, trained runs) are built once
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
