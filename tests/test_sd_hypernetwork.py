@@ -40,12 +40,22 @@ def test_hypernetwork_changes_only_the_key_value_context(sd_dir, tmp_path):
     assert [k for k in net.a1111_tensors()][:4] == ["32.0.linear.0.weight", "32.0.linear.0.bias",
                                                    "32.0.linear.2.weight", "32.0.linear.2.bias"]
     x, t, c = torch.randn(2, 4, 16, 16), torch.tensor([10, 500]), torch.randn(2, 7, 32)
+    seen: dict[str, list[torch.Tensor]] = {"q": [], "k_in": []}
+    m.to_q.register_forward_hook(lambda mod, i, o: seen["q"].append(o.clone()) and None)
+    m.to_k.base.register_forward_hook(lambda mod, i, o: seen["k_in"].append(i[0].clone())
+                                      and None)
     with torch.no_grad():
         base = unet(x, t, encoder_hidden_states=c).sample
         for mlp in net.guarded().values():
             torch.nn.init.normal_(mlp.linears()[-1].weight, std=0.2)
         changed = unet(x, t, encoder_hidden_states=c).sample
+        mlp_k = net.layers["32"][0]
+        assert torch.equal(seen["k_in"][1], c + mlp_k(c))  # to_k sees c + mlp_k(c)
     assert (changed - base).abs().max() > 1e-4
+    # the first cross-attention's queries (the image tokens, before any changed K/V) are
+    # the same: the hypernetwork acts through the keys and values only
+    assert torch.equal(seen["q"][0], seen["q"][1])
+    assert torch.equal(seen["k_in"][0], c)  # untrained: the context itself, exactly
     # scale 0 on every wrapper: the base UNet exactly
     with torch.no_grad():
         for n in layers:
