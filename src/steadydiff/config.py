@@ -31,8 +31,9 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
 from .durations import parse_duration
 from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BucketCrop, CaptionSource, Channels, MissingCaption, ClipMode,
                     CompileBackend, CompileMode, DatasetName,
-                    DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, LossWeighting,
-                    LoraFormat, LRSchedule, ModelKind, OnSaveError, OptimizerName, Precision, PrecisionSetting,
+                    DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, HyperActivation,
+                    LossWeighting, LoraFormat, LRSchedule, ModelKind, OnSaveError, OptimizerName,
+                    Precision, PrecisionSetting,
                     Prediction, SamplerName, ScheduleName, TimestepSampling)
 
 
@@ -724,6 +725,10 @@ class AdapterConfig(Section):
                            "path's input")
     hidden_mult: float = Field(2.0, gt=0.0, le=16.0, description="hypernetwork: hidden width "
                                "of each key/value MLP, x the attention width")
+    hyper_activation: HyperActivation = Field(
+        "linear", description="hypernetwork over a Stable Diffusion UNet (model.pretrained): "
+        "the activation between the MLP's layers, A1111's names (linear, relu, leakyrelu, "
+        "elu, swish, tanh, sigmoid, mish); steadydiff's own models use SiLU")
     max_delta_ratio: float = Field(1.0, ge=0.0, description="|dW|/|W| above which a module's "
                                    "delta is rescaled (an incident); 0 disables the clamp")
     monitor_every: Int = Field(1, ge=0, description="steps between delta-norm checks; 0: off")
@@ -805,18 +810,21 @@ class Config(Section):
             raise ValueError(f"adapter.kind={a.kind} needs adapter.base: a steadydiff "
                              "checkpoint or run directory, or a .safetensors file (or "
                              "model.pretrained: a Stable Diffusion folder)")
-        if m.pretrained and a.kind == "hypernetwork":
-            raise ValueError("model.pretrained takes adapter.kind lora or none (a full "
-                             "fine-tune); hypernetworks over a Stable Diffusion UNet are not "
-                             "supported yet")
         if a.init_from and not (m.pretrained and a.kind == "lora"):
             raise ValueError("adapter.init_from starts a Stable Diffusion LoRA from a file: it "
                              "needs model.pretrained and adapter.kind=lora")
+        if a.hyper_activation != "linear" and not (m.pretrained and a.kind == "hypernetwork"):
+            raise ValueError(f"adapter.hyper_activation={a.hyper_activation} applies to a "
+                             "hypernetwork over a Stable Diffusion UNet (model.pretrained, "
+                             "adapter.kind=hypernetwork); remove it")
         if m.pretrained and a.base:
             raise ValueError("model.pretrained is the base of the adapter: remove adapter.base")
         if a.text_encoder and not (m.pretrained and a.kind == "lora"):
             raise ValueError("adapter.text_encoder trains a LoRA on a Stable Diffusion text "
-                             "encoder: it needs model.pretrained and adapter.kind=lora")
+                             "encoder: it needs model.pretrained and adapter.kind=lora"
+                             + (" (a hypernetwork transforms the UNet's cross-attention "
+                                "context, not the text encoder: set adapter.text_encoder="
+                                "false)" if a.kind == "hypernetwork" else ""))
         if m.pretrained and (m.text_encoder or m.vae):
             raise ValueError("model.pretrained brings its own text encoder and VAE: remove "
                              "model.text_encoder and model.vae")

@@ -46,8 +46,10 @@ class Preflight:
                 if m.kind == "unet" else f"dit-{m.dit.preset}, patch {m.dit.patch_size}")
         cond = f"{m.num_classes} classes" if m.num_classes else "unconditional"
         if m.pretrained:
-            how = (f"LoRA rank {cfg.adapter.rank}" if cfg.adapter.kind == "lora"
-                   else "full fine-tune")
+            how = {"lora": f"LoRA rank {cfg.adapter.rank}",
+                   "hypernetwork": f"hypernetwork [1, {cfg.adapter.hidden_mult:g}, 1] "
+                                   f"{cfg.adapter.hyper_activation}"}.get(cfg.adapter.kind,
+                                                                         "full fine-tune")
             arch, cond = f"Stable Diffusion UNet of {m.pretrained}, {how}", "text-conditioned"
         elif m.text_encoder:
             cond = "text-conditioned" + (", latent space" if m.vae else "")

@@ -44,6 +44,11 @@ log = logging.getLogger(__name__)
 ADAPTER_KEYS = (".lora_A.", ".lora_B.", ".hyper_k.", ".hyper_v.")
 
 
+HYPER_NO_MERGE = ("a hypernetwork is a nonlinear function of the attention inputs and cannot "
+                  "be merged into weights; sample with the adapter applied instead "
+                  "(steadydiff sample ... --adapter-scale S)")
+
+
 class AdapterError(ValueError):
     """Base weights or adapter tensors that do not fit the model, or the wrong base."""
 
@@ -352,47 +357,57 @@ class AdapterRun(Weights):
         every = self.cfg.monitor_every
         return bool(every and step % every == 0 and self.modules)
 
-    @torch.no_grad()
     def after_update(self, state: Any) -> None:
         """After an applied update: |dW|/|W| per adapted module; rescale any delta past
         ``max_delta_ratio`` (model and EMA) and record it as an incident. One host sync."""
-        every = self.cfg.monitor_every
-        if not every or state.step % every or not self.modules:
-            return
-        names = list(self.modules)
-        ratios = hostsync.values(torch.stack([self.modules[n].delta_ratio() for n in names]))
-        self.last_ratios = dict(zip(names, ratios))
-        worst = max(range(len(names)), key=lambda i: ratios[i])
-        if ratios[worst] > self.max_ratio:
-            self.max_ratio, self.max_ratio_module = ratios[worst], names[worst]
-        limit = self.cfg.max_delta_ratio
-        over = [i for i, r in enumerate(ratios) if limit and not r <= limit]  # NaN is over too
-        if not over:
-            return
-        ema_mods = adapter_modules(state.ema.module)
-        for i in over:
-            r = ratios[i]
-            factor = limit / r if r == r and r != float("inf") else 0.0
-            self.modules[names[i]].shrink(factor)
-            e = ema_mods.get(names[i])
-            if e is not None:
-                er = float(e.delta_ratio())
-                if not er <= limit:
-                    e.shrink(limit / er if er == er and er != float("inf") else 0.0)
-        self.clamps += 1
-        msg = (f"adapter: step {state.step}: |dW|/|W| of {names[worst]} reached "
-               f"{ratios[worst]:.3g} > adapter.max_delta_ratio={limit:g}; rescaled "
-               f"{len(over)} module(s) to the limit")
-        if state.guard is not None:
-            f = AdapterDeltaClamp.new(module=names[worst], ratio=ratios[worst],
-                                      max_delta_ratio=limit, modules=[names[i] for i in over],
-                                      ratios=[ratios[i] for i in over])
-            state.guard.record(f, "rescale_delta", cost={"modules_rescaled": len(over)})
-        log.warning(msg)
+        if self.reads_at(state.step):
+            clamp_deltas(self, state, self.modules, adapter_modules(state.ema.module))
 
     def sampling_context(self, state: Any):
         """Autocast for in-training sample grids when the base is not fp32."""
         return autocast(self.cfg.base_precision, state.device)
+
+
+@torch.no_grad()
+def clamp_deltas(owner: Any, state: Any, modules: dict[str, Any], ema_modules: dict[str, Any]
+                 ) -> None:
+    """The adapter delta guard: ``delta_ratio()`` of every module of ``modules`` (one host
+    sync); those past ``owner.cfg.max_delta_ratio`` (NaN included) are shrunk to the limit,
+    with their namesakes in ``ema_modules``, and one ``adapter_delta_clamp`` incident names
+    the worst. ``owner`` keeps the counters (clamps, max_ratio, max_ratio_module,
+    last_ratios): an :class:`AdapterRun`, or the SD hypernetwork's weights."""
+    if not modules:
+        return
+    names = list(modules)
+    ratios = hostsync.values(torch.stack([modules[n].delta_ratio() for n in names]))
+    owner.last_ratios = dict(zip(names, ratios))
+    worst = max(range(len(names)), key=lambda i: ratios[i])
+    if ratios[worst] > owner.max_ratio:
+        owner.max_ratio, owner.max_ratio_module = ratios[worst], names[worst]
+    limit = owner.cfg.max_delta_ratio
+    over = [i for i, r in enumerate(ratios) if limit and not r <= limit]  # NaN is over too
+    if not over:
+        return
+    ema_mods = ema_modules
+    for i in over:
+        r = ratios[i]
+        factor = limit / r if r == r and r != float("inf") else 0.0
+        modules[names[i]].shrink(factor)
+        e = ema_mods.get(names[i])
+        if e is not None:
+            er = float(e.delta_ratio())
+            if not er <= limit:
+                e.shrink(limit / er if er == er and er != float("inf") else 0.0)
+    owner.clamps += 1
+    msg = (f"adapter: step {state.step}: |dW|/|W| of {names[worst]} reached "
+           f"{ratios[worst]:.3g} > adapter.max_delta_ratio={limit:g}; rescaled "
+           f"{len(over)} module(s) to the limit")
+    if state.guard is not None:
+        f = AdapterDeltaClamp.new(module=names[worst], ratio=ratios[worst],
+                                  max_delta_ratio=limit, modules=[names[i] for i in over],
+                                  ratios=[ratios[i] for i in over])
+        state.guard.record(f, "rescale_delta", cost={"modules_rescaled": len(over)})
+    log.warning(msg)
 
 
 def check_base(c: ckpt.Checkpoint, sha256: str, path: str) -> None:
@@ -431,9 +446,7 @@ def merge_into_base(model: nn.Module) -> nn.Module:
     """
     mods = adapter_modules(model)
     if any(m.kind == "hypernetwork" for m in mods.values()):
-        raise AdapterError("a hypernetwork is a nonlinear function of the attention inputs "
-                           "and cannot be merged into weights; sample with the adapter applied "
-                           "instead (steadydiff sample ... --adapter-scale S)")
+        raise AdapterError(HYPER_NO_MERGE)
     for name, m in mods.items():
         base = m.base
         w = m.merged_weight()
@@ -487,6 +500,8 @@ def merge_checkpoint(checkpoint: str | Path, out: str | Path, *, scale: float = 
     path = ckpt.resolve_checkpoint(checkpoint)
     c = ckpt.load_checkpoint(path, "cpu", weights_only=True)
     cfg = validate(c.state["config"], f"{path}/state.json config")
+    if cfg.adapter.kind == "hypernetwork":
+        raise AdapterError(f"{path}: {HYPER_NO_MERGE}")
     if cfg.adapter.kind == "none":
         raise AdapterError(f"{path} is not an adapter checkpoint (its adapter.kind is none); "
                            "there is nothing to merge")

@@ -28,6 +28,7 @@ from ...guard.provenance import is_attention
 from ...models import build_model
 from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
+from .hypernetwork import HypernetworkWeights, add_hypernetwork
 from .folder import load_parts, load_text_parts, load_vae, model_root, read_json
 from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
                     TextToImage, add_lora, load_unet_only, to_device,
@@ -155,6 +156,15 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 except LoraFileError as e:
                     raise ConfigError(f"adapter.init_from: {e}") from None
             weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank)
+        elif a.kind == "hypernetwork":  # A1111-style, on the cross-attention context
+            to_device(unet, device, frozen)
+            try:
+                hyper, layers = add_hypernetwork(unet, targets=a.targets,
+                                                 hidden_mult=a.hidden_mult,
+                                                 activation=a.hyper_activation)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            weights = HypernetworkWeights(a, parts.root, layers)
         else:  # a full fine-tune: the UNet trains in fp32 under autocast
             to_device(unet, device, torch.float32).requires_grad_(True)
             weights = FullUNetWeights(parts.root)
@@ -165,6 +175,8 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             text_encoder = media.text_encoder.requires_grad_(False)
             media.tokens = True
         model: nn.Module = SDDenoiser(unet, media.context_len, text_encoder).to(device)
+        if a.kind == "hypernetwork":  # registered after the UNet: its own tensor names
+            model.hypernetwork = hyper
         if text_encoder is not None:
             model.set_null_ids(media.tokenize([""])[0].to(device))
     else:
@@ -199,11 +211,12 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
                                  "adapter": cfg.adapter.model_copy(update={"init_from": None})})
     model, weights, media = build(cfg, device)
     saved = c.ema if use_ema else c.model
-    if isinstance(weights, PeftLoraWeights):
+    if isinstance(weights, (PeftLoraWeights, HypernetworkWeights)):
         own = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if set(own) != set(saved):
-            raise CheckpointError(f"{c.path}: its LoRA tensors do not match the LoRA its config "
-                                  f"describes over {cfg.model.pretrained}")
+            raise CheckpointError(f"{c.path}: its adapter tensors do not match the "
+                                  f"{cfg.adapter.kind} its config describes over "
+                                  f"{cfg.model.pretrained}")
         with torch.no_grad():
             for n, p in own.items():
                 p.copy_(saved[n])
