@@ -222,7 +222,7 @@ def steadydiff_step(s: Setup, clock: Clock) -> Step:
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
 
     from steadydiff.config import load_config
-    from steadydiff.integrations.sd.folder import resolve_config
+    from steadydiff.integrations.sd.source import resolve_config
     from steadydiff.integrations.sd.tiny import tiny_text_encoder, tiny_tokenizer, tiny_vae
     from steadydiff.trainer.loop import build_state, handle_decision, train_step
 

@@ -95,7 +95,7 @@ def test_alphas_cumprod_match_diffusers(sd_dir):
     from diffusers import DDPMScheduler
 
     from steadydiff.diffusion import make_schedule
-    from steadydiff.integrations.sd.folder import resolve_config
+    from steadydiff.integrations.sd.source import resolve_config
 
     cfg, notes = resolve_config(sd_config(sd_dir, sd_dir))
     assert any("diffusion.schedule=scaled_linear" in n for n in notes)
@@ -337,7 +337,7 @@ def test_min_snr_weights_match_the_closed_form_for_the_folders_prediction(predic
 
     from steadydiff.diffusion import make_schedule
     from steadydiff.diffusion.objectives import loss_weights
-    from steadydiff.integrations.sd.folder import resolve_config
+    from steadydiff.integrations.sd.source import resolve_config
 
     sd = request.getfixturevalue(folder)
     cfg, _ = resolve_config(sd_config(sd, sd, "diffusion.min_snr_gamma=5"))
@@ -441,7 +441,7 @@ def test_precision_fallback_casts_the_frozen_fp16_base(sd_dir, tmp_path):
     had fallen back), the frozen fp16 UNet base follows, in the model and the EMA's shared
     copy, else every later step would mix fp32 inputs with fp16 weights; the LoRA and its
     EMA stay fp32, and a step runs."""
-    from steadydiff.integrations.sd.folder import resolve_config
+    from steadydiff.integrations.sd.source import resolve_config
     from steadydiff.trainer.loop import build_state, train_step
     from steadydiff.trainer.state import set_precision
 
@@ -576,7 +576,7 @@ def test_encoded_dataset_varies_captions_per_epoch(sd_dir, tmp_path):
     trigger first; with dropout alone, the cached null embedding."""
     from steadydiff.data.captions import CaptionVariants
     from steadydiff.data.cache import EncodedDataset, TextResult
-    from steadydiff.integrations.sd.folder import load_parts
+    from steadydiff.integrations.sd.source import load_parts
     from steadydiff.integrations.sd.setup import Tokenize
 
     tok = load_parts(sd_dir).tokenizer

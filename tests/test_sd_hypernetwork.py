@@ -112,7 +112,7 @@ def test_blown_up_hypernetwork_is_clamped_with_an_incident_naming_the_mlp(sd_dir
     """Fault injection as for our own models' adapters (tests/test_adapters.py): the last
     layer of the value MLP blown up; the guard after the update rescales it (model and EMA)
     to adapter.max_delta_ratio and records an incident naming it."""
-    from steadydiff.integrations.sd.folder import resolve_config
+    from steadydiff.integrations.sd.source import resolve_config
     from steadydiff.trainer.loop import attach_guard, build_state
 
     cfg, _ = resolve_config(hyper_config(sd_dir, tmp_path, "adapter.max_delta_ratio=0.5"))

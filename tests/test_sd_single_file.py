@@ -19,7 +19,8 @@ pytest.importorskip("peft")
 import steadydiff  # noqa: E402
 from steadydiff.config import ConfigError  # noqa: E402
 from steadydiff.integrations.sd import single_file as sf  # noqa: E402
-from steadydiff.integrations.sd.folder import SDFolderError, load_parts  # noqa: E402
+from steadydiff.integrations.sd.folder import SDFolderError  # noqa: E402
+from steadydiff.integrations.sd.source import load_parts  # noqa: E402
 from steadydiff.integrations.sd.tiny import make_tiny_sd  # noqa: E402
 from steadydiff.trainer import checkpoint as ckpt  # noqa: E402
 from steadydiff.trainer.checkpoint import CheckpointError  # noqa: E402
@@ -264,7 +265,7 @@ def test_single_file_refusals_name_what_to_pass(sd_dir, sd_file, tmp_path):
 
 def test_config_keys_are_checked_together(sd_dir, sd_file, tmp_path):
     from steadydiff.config import load_config
-    from steadydiff.integrations.sd.folder import model_root, resolve_config
+    from steadydiff.integrations.sd.source import model_root, resolve_config
 
     with pytest.raises(ConfigError, match="single_file_config is the config"):
         load_config("configs/sd_lora.yaml", ["model.pretrained=null",

@@ -379,7 +379,7 @@ def cmd_merge(a: argparse.Namespace) -> int:
 def cmd_export(a: argparse.Namespace) -> int:
     import torch
 
-    from .integrations.sd.single_file import export
+    from .integrations.sd.export import export
 
     path = export(a.source, a.single_file, use_ema=not a.raw_weights,
                   dtype=torch.float16 if a.half else None)

@@ -131,6 +131,7 @@ ADAPTER_KINDS: tuple[AdapterKind, ...] = get_args(AdapterKind)
 # a Stable Diffusion hypernetwork's activation, A1111's names ("swish" is its Hardswish)
 HyperActivation = Literal["linear", "relu", "leakyrelu", "elu", "swish", "tanh", "sigmoid",
                           "mish"]
+HYPER_ACTIVATIONS: tuple[HyperActivation, ...] = get_args(HyperActivation)
 
 # --------------------------------------------------------------------------- faults
 
@@ -150,7 +151,7 @@ __all__ = [
     "LR_SCHEDULES", "MODEL_KINDS", "ON_SAVE_ERRORS", "PRECISIONS", "PRECISION_SETTINGS",
     "PREDICTIONS", "AUTO", "Auto", "PrecisionSetting",
     "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS",
-    "AdapterKind", "HyperActivation", "CaptionSource", "Channels", "CompileBackend", "CompileMode", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
+    "AdapterKind", "HYPER_ACTIVATIONS", "HyperActivation", "CaptionSource", "Channels", "CompileBackend", "CompileMode", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
     "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "OPTIMIZERS", "OptimizerName", "BUCKET_CROPS", "BucketCrop", "LORA_FORMATS", "LoraFormat", "LabelledDataset", "LossWeighting",
     "ModelKind", "OnSaveError", "Precision", "Prediction", "SamplerName", "ScheduleName",
     "Spacing", "Split", "TimestepSampling",

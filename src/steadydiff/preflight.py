@@ -146,7 +146,7 @@ def resolve(cfg: Config) -> tuple[Config, list[str]]:
     they are. The trainer and the dry run both start here."""
     if not cfg.model.pretrained:
         return cfg, []
-    from .integrations.sd.folder import resolve_config  # the [sd] extra
+    from .integrations.sd.source import resolve_config  # the [sd] extra
 
     return resolve_config(cfg)
 

@@ -15,7 +15,7 @@ only (``use_safetensors=True``: a pickled ``.bin`` is never unpickled). What is 
 wrong is an :class:`SDFolderError` that names the file and says what would be valid. A
 single-file checkpoint (``model.pretrained`` a ``.safetensors`` file) takes its configs from
 ``model.single_file_config``, a folder of this layout whose weights may be absent
-(:func:`model_root`; the weights come from the file, single_file.py). The scheduler's
+(``source.model_root``; the weights come from the file, single_file.py). The scheduler's
 config decides the diffusion the UNet was trained with (:func:`diffusion_settings`):
 steadydiff trains with the same betas and prediction type.
 """
@@ -27,11 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...config import Config, ConfigError, replace
+from ...config import ConfigError
 
-__all__ = ["SDFolderError", "SD_PARTS", "check_folder", "model_root", "read_json",
-           "diffusion_settings", "resolve_config", "SDParts", "load_parts", "load_text_parts",
-           "load_vae"]
+__all__ = ["SDFolderError", "SD_PARTS", "check_folder", "read_json", "diffusion_settings",
+           "SDParts", "load_folder_parts", "load_text_parts", "load_vae"]
 
 # The parts a Stable Diffusion 1.x/2.x folder must have, and the classes that may fill them
 # (model_index.json names them as [library, class]).
@@ -79,7 +78,7 @@ def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS), *,
 
     Raises:
         SDFolderError: the path is missing, a file (a single-file checkpoint goes through
-            :func:`model_root`), has no or a broken ``model_index.json``, is an SDXL
+            ``source.model_root``), has no or a broken ``model_index.json``, is an SDXL
             pipeline, or lacks a part (its folder, config or safetensors weights).
     """
     root = Path(path).expanduser()
@@ -129,20 +128,6 @@ def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS), *,
     return root
 
 
-def model_root(m: Any) -> Path:
-    """The folder holding the configs of ``model.pretrained`` (a ``ModelConfig``): the
-    folder itself, or ``model.single_file_config`` for a single-file checkpoint (both
-    checked)."""
-    from .single_file import check_single_file, is_single_file
-
-    if is_single_file(m.pretrained):
-        return check_single_file(m.pretrained, m.single_file_config)[1]
-    if m.single_file_config:
-        raise SDFolderError(f"model.single_file_config is set but model.pretrained="
-                            f"{m.pretrained} is not a single-file checkpoint: remove it")
-    return check_folder(m.pretrained)
-
-
 _PREDICTIONS = {"epsilon": "eps", "v_prediction": "v", "sample": "x0"}
 _SCHEDULES = {"scaled_linear": "scaled_linear", "linear": "linear",
               "squaredcos_cap_v2": "cosine"}
@@ -176,29 +161,6 @@ def diffusion_settings(root: str | Path) -> dict[str, Any]:
         out["diffusion.beta_start"] = float(s.get("beta_start", 0.0001))
         out["diffusion.beta_end"] = float(s.get("beta_end", 0.02))
     return out
-
-
-def resolve_config(cfg: Config) -> tuple[Config, list[str]]:
-    """``cfg`` with the diffusion settings of ``model.pretrained``'s scheduler and the image
-    size of its VAE x UNet, and a note for each value that changed (printed at start; the
-    saved config holds the resolved values). A zero-terminal-SNR rescale the user asked for
-    (``diffusion.zero_terminal_snr: true``) is kept: it is a fine-tuning choice (Lin et al.
-    2024), not a property of the folder."""
-    if not cfg.model.pretrained:
-        return cfg, []
-    root = model_root(cfg.model)
-    want = diffusion_settings(root)
-    if cfg.diffusion.zero_terminal_snr:
-        want["diffusion.zero_terminal_snr"] = True
-    changes, notes = {}, []
-    for key, value in want.items():
-        section, name = key.split(".")
-        old = getattr(getattr(cfg, section), name)
-        if old != value:
-            changes[key] = value
-            notes.append(f"{key}={value} (from {root.name}/scheduler/scheduler_config.json; "
-                         f"was {old})")
-    return (replace(cfg, changes) if changes else cfg), notes
 
 
 @dataclass
@@ -249,17 +211,11 @@ def load_text_parts(path: str | Path):
     return tok, te
 
 
-def load_parts(path: str | Path, config: str | Path | None = None) -> SDParts:
-    """Every part of the SD folder at ``path`` (checked first), or of the single-file
-    checkpoint ``path`` with the config folder ``config``, fp32 on the CPU; the caller
-    moves them and sets their dtypes. ``root`` is the folder or the file."""
+def load_folder_parts(path: str | Path) -> SDParts:
+    """Every part of the diffusers SD folder at ``path`` (checked first), fp32 on the CPU;
+    the caller moves them and sets their dtypes."""
     from diffusers import UNet2DConditionModel
 
-    from .single_file import is_single_file, load_single_file
-
-    if is_single_file(path):
-        unet, vae, te, tok = load_single_file(path, config)
-        return SDParts(Path(path).expanduser(), unet, vae, te, tok)
     root = check_folder(path)
     unet = _load("UNet", UNet2DConditionModel.from_pretrained, root / "unet",
                  use_safetensors=True)

@@ -32,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' name for a saved LoRA
+
 __all__ = ["is_sdxl", "sgm_path", "kohya_names", "kohya_state_dict", "save_kohya",
            "LoraFile", "read_lora_file", "load_lora_file", "base_model_hashes",
            "LoraFileError"]
@@ -277,8 +279,6 @@ class LoraFile:
 
 def _file_of(path: Path) -> Path:
     if path.is_dir():
-        from .model import LORA_FILE
-
         f = path / LORA_FILE
         if not f.is_file():
             found = sorted(p.name for p in path.glob("*.safetensors"))[:4]

@@ -30,12 +30,12 @@ from torch import Tensor, nn
 from ...trainer import precision as prec
 from ...trainer.hooks import Weights
 from ...trainer.checkpoint import Checkpoint, CheckpointError
+from .lora_files import LORA_FILE, base_model_hashes, save_kohya
 
 __all__ = ["to_device", "SDDenoiser", "TextToImage", "PeftLoraWeights", "FullUNetWeights", "add_lora",
            "lora_targets", "upcast_aware_attention", "lora_state_dict", "save_lora",
            "export_pipeline"]
 
-LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' name for a saved LoRA
 
 
 # --------------------------------------------------------------------------- attention
@@ -230,8 +230,6 @@ def save_lora(unet: nn.Module, out: str | Path, text_encoder: nn.Module | None =
     diffusers file's path (the kohya file's with format=kohya)."""
     from diffusers import StableDiffusionPipeline
 
-    from .lora_files import save_kohya
-
     if format not in ("diffusers", "kohya", "both"):
         raise ValueError(f"LoRA format {format!r}: use diffusers, kohya or both")
     kohya = None
@@ -345,8 +343,6 @@ class PeftLoraWeights(_SDWeights):
 
     def _kohya_metadata(self, state: Any, root: Path) -> dict[str, Any]:
         """The sd-scripts ``ss_*`` entries a run knows (A1111/ComfyUI show them)."""
-        from .lora_files import base_model_hashes
-
         if state.cfg.adapter.lora_format == "diffusers":
             return {}
         if self._hashes is None:  # the base's UNet file read once a run

@@ -29,7 +29,8 @@ from ...models import build_model
 from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
 from .hypernetwork import HypernetworkWeights, add_hypernetwork
-from .folder import load_parts, load_text_parts, load_vae, model_root, read_json
+from .source import load_parts, model_root
+from .folder import load_text_parts, load_vae, read_json
 from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
                     TextToImage, add_lora, load_unet_only, to_device,
                     upcast_aware_attention)

@@ -1,0 +1,60 @@
+"""Where a Stable Diffusion model comes from: a diffusers folder (folder.py) or a single-file
+checkpoint with a local config folder (single_file.py). The one place that tells them apart:
+the folder of configs (:func:`model_root`), the loaded parts (:func:`load_parts`) and the
+config the scheduler decides (:func:`resolve_config`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ...config import Config, replace
+from .folder import SDFolderError, SDParts, check_folder, diffusion_settings, load_folder_parts
+from .single_file import check_single_file, is_single_file, load_single_file
+
+__all__ = ["load_parts", "model_root", "resolve_config"]
+
+
+def model_root(m: Any) -> Path:
+    """The folder holding the configs of ``model.pretrained`` (a ``ModelConfig``): the
+    folder itself, or ``model.single_file_config`` for a single-file checkpoint (both
+    checked)."""
+    if is_single_file(m.pretrained):
+        return check_single_file(m.pretrained, m.single_file_config)[1]
+    if m.single_file_config:
+        raise SDFolderError(f"model.single_file_config is set but model.pretrained="
+                            f"{m.pretrained} is not a single-file checkpoint: remove it")
+    return check_folder(m.pretrained)
+
+
+def resolve_config(cfg: Config) -> tuple[Config, list[str]]:
+    """``cfg`` with the diffusion settings of ``model.pretrained``'s scheduler and the image
+    size of its VAE x UNet, and a note for each value that changed (printed at start; the
+    saved config holds the resolved values). A zero-terminal-SNR rescale the user asked for
+    (``diffusion.zero_terminal_snr: true``) is kept: it is a fine-tuning choice (Lin et al.
+    2024), not a property of the folder."""
+    if not cfg.model.pretrained:
+        return cfg, []
+    root = model_root(cfg.model)
+    want = diffusion_settings(root)
+    if cfg.diffusion.zero_terminal_snr:
+        want["diffusion.zero_terminal_snr"] = True
+    changes, notes = {}, []
+    for key, value in want.items():
+        section, name = key.split(".")
+        old = getattr(getattr(cfg, section), name)
+        if old != value:
+            changes[key] = value
+            notes.append(f"{key}={value} (from {root.name}/scheduler/scheduler_config.json; "
+                         f"was {old})")
+    return (replace(cfg, changes) if changes else cfg), notes
+
+
+def load_parts(path: str | Path, config: str | Path | None = None) -> SDParts:
+    """Every part of the SD folder at ``path`` (checked first), or of the single-file
+    checkpoint ``path`` with the config folder ``config``, fp32 on the CPU; the caller
+    moves them and sets their dtypes. ``root`` is the folder or the file."""
+    if is_single_file(path):
+        unet, vae, te, tok = load_single_file(path, config)
+        return SDParts(Path(path).expanduser(), unet, vae, te, tok)
+    return load_folder_parts(path)
