@@ -162,3 +162,11 @@ def test_hypernetwork_refusals_name_the_problem(sd_dir, tmp_path):
                      out_dir=tmp_path / "run")
     with pytest.raises(ValueError, match="cannot be merged into weights"):
         merge_checkpoint(tmp_path / "run", tmp_path / "merged")
+
+
+def test_every_configurable_activation_has_a_module():
+    """adapter.hyper_activation's values (kinds.py) are exactly the activations built."""
+    from steadydiff.integrations.sd.hypernetwork import ACTIVATIONS
+    from steadydiff.kinds import HYPER_ACTIVATIONS
+
+    assert set(ACTIVATIONS) == set(HYPER_ACTIVATIONS)

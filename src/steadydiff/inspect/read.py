@@ -113,6 +113,19 @@ def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
     return rows, bad
 
 
+def _json_object(path: Path, problems: list[str]) -> dict | None:
+    """The JSON object in ``path``; None when it is absent or not an object, and a problem
+    noted when it cannot be read."""
+    if not path.is_file():
+        return None
+    try:
+        v = json.loads(path.read_text())
+    except ValueError as e:
+        problems.append(f"{path.name}: unreadable ({e})")
+        return None
+    return v if isinstance(v, dict) else None
+
+
 def read_run(run_dir: str | Path) -> RunLog:
     """Read everything a run directory holds; never raises for missing or partial files.
 
@@ -140,18 +153,8 @@ def read_run(run_dir: str | Path) -> RunLog:
                                 "short by a kill?)")
     if not rd.metrics.is_file():
         log.problems.append("metrics.jsonl: missing")
-    if rd.summary.is_file():
-        try:
-            s = json.loads(rd.summary.read_text())
-            log.summary = s if isinstance(s, dict) else None
-        except ValueError as e:
-            log.problems.append(f"summary.json: unreadable ({e})")
-    if rd.buckets.is_file():
-        try:
-            b = json.loads(rd.buckets.read_text())
-            log.buckets = b if isinstance(b, dict) else None
-        except ValueError as e:
-            log.problems.append(f"buckets.json: unreadable ({e})")
+    log.summary = _json_object(rd.summary, log.problems)
+    log.buckets = _json_object(rd.buckets, log.problems)
     log.samples = rd.sample_grids()
     latest = rd.latest_validation()
     if latest is not None:
