@@ -102,7 +102,7 @@ def test_sd15_shaped_unet_and_vae_map_to_real_v1_5_key_names():
                             latent_channels=4,
                             down_block_types=("DownEncoderBlock2D",) * 4,
                             up_block_types=("UpDecoderBlock2D",) * 4)
-    u = sf._rename(unet.state_dict(), sf._unet_map(dict(unet.config)), sf.UNET)
+    u = sf._unet_keys(unet.state_dict(), unet.config)
     v = sf._rename(vae.state_dict(), sf._vae_map(dict(vae.config)), sf.VAE)
     real = ["model.diffusion_model.input_blocks.3.0.op.weight",
             "model.diffusion_model.input_blocks.4.0.skip_connection.weight",

@@ -39,6 +39,7 @@ from torch import Tensor, nn
 
 from ...trainer.checkpoint import CheckpointError
 from .folder import SDFolderError, check_folder
+from .lora_files import LoraFileError, sgm_path
 
 __all__ = ["PICKLES", "is_single_file", "check_single_file", "load_single_file",
            "to_original", "write_single_file", "export_single_file", "UNET", "VAE",
@@ -158,45 +159,18 @@ def load_single_file(path: str | Path, config: str | Path) -> tuple[Any, Any, An
 # --------------------------------------------------------------------------- writing
 
 
-def _unet_map(config: dict[str, Any]) -> list[tuple[re.Pattern, Any]]:
-    """diffusers UNet2DConditionModel key -> original ``openaimodel.UNetModel`` key: the
-    levels flatten into ``input_blocks``/``output_blocks`` of (L+1) entries each (L resnets
-    plus a down/upsampler slot), index 0 of input_blocks being conv_in."""
-    L = config["layers_per_block"]
-    if not isinstance(L, int):
-        raise CheckpointError(f"UNet layers_per_block={L!r} (per level) has no original "
-                              "single-file layout")
-    up_attn = ["CrossAttn" in t for t in config["up_block_types"]]
-    res = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
-           "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
-
-    def resnet(prefix: str, rest: str) -> str:
-        head, _, tail = rest.partition(".")
-        return f"{prefix}{res.get(head, head)}.{tail}"
-
-    return [
-        (re.compile(r"time_embedding\.linear_([12])\.(.*)"),
-         lambda m: f"time_embed.{2 * int(m[1]) - 2}.{m[2]}"),
-        (re.compile(r"conv_in\.(.*)"), lambda m: f"input_blocks.0.0.{m[1]}"),
-        (re.compile(r"conv_norm_out\.(.*)"), lambda m: f"out.0.{m[1]}"),
-        (re.compile(r"conv_out\.(.*)"), lambda m: f"out.2.{m[1]}"),
-        (re.compile(r"down_blocks\.(\d+)\.resnets\.(\d+)\.(.*)"),
-         lambda m: resnet(f"input_blocks.{1 + int(m[1]) * (L + 1) + int(m[2])}.0.", m[3])),
-        (re.compile(r"down_blocks\.(\d+)\.attentions\.(\d+)\.(.*)"),
-         lambda m: f"input_blocks.{1 + int(m[1]) * (L + 1) + int(m[2])}.1.{m[3]}"),
-        (re.compile(r"down_blocks\.(\d+)\.downsamplers\.0\.conv\.(.*)"),
-         lambda m: f"input_blocks.{1 + int(m[1]) * (L + 1) + L}.0.op.{m[2]}"),
-        (re.compile(r"mid_block\.resnets\.(\d+)\.(.*)"),
-         lambda m: resnet(f"middle_block.{2 * int(m[1])}.", m[2])),
-        (re.compile(r"mid_block\.attentions\.0\.(.*)"), lambda m: f"middle_block.1.{m[1]}"),
-        (re.compile(r"up_blocks\.(\d+)\.resnets\.(\d+)\.(.*)"),
-         lambda m: resnet(f"output_blocks.{int(m[1]) * (L + 1) + int(m[2])}.0.", m[3])),
-        (re.compile(r"up_blocks\.(\d+)\.attentions\.(\d+)\.(.*)"),
-         lambda m: f"output_blocks.{int(m[1]) * (L + 1) + int(m[2])}.1.{m[3]}"),
-        (re.compile(r"up_blocks\.(\d+)\.upsamplers\.0\.conv\.(.*)"),
-         lambda m: f"output_blocks.{int(m[1]) * (L + 1) + L}."
-                   f"{2 if up_attn[int(m[1])] else 1}.conv.{m[2]}"),
-    ]
+def _unet_keys(sd: dict[str, Tensor], config: Any) -> dict[str, Tensor]:
+    """diffusers UNet2DConditionModel keys -> the original UNet's (``input_blocks``,
+    ``middle_block``, ``output_blocks``): the module path through ``sgm_path``, the one
+    owner of that mapping (the kohya LoRA names use it too), the parameter name kept."""
+    out = {}
+    for k, v in sd.items():
+        path, _, param = k.rpartition(".")
+        try:
+            out[f"{UNET}{sgm_path(path, config)}.{param}"] = v
+        except LoraFileError as e:
+            raise CheckpointError(f"the UNet has no original single-file layout: {e}") from None
+    return out
 
 
 def _vae_map(config: dict[str, Any]) -> list[tuple[re.Pattern, Any]]:
@@ -260,7 +234,7 @@ def to_original(unet: nn.Module, vae: nn.Module | None = None,
     def cpu(m: nn.Module) -> dict[str, Tensor]:
         return {k: v.detach().to("cpu").contiguous() for k, v in m.state_dict().items()}
 
-    out = _rename(cpu(unet), _unet_map(dict(unet.config)), UNET)
+    out = _unet_keys(cpu(unet), unet.config)
     if vae is not None:
         v = _rename(cpu(vae), _vae_map(dict(vae.config)), VAE)
         for k, t in v.items():
