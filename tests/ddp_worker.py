@@ -15,6 +15,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from steadydiff import distributed  # noqa: E402
 from steadydiff.cli import main as cli_main  # noqa: E402
@@ -37,7 +38,12 @@ def dump(out: Path) -> None:
     tensors = {f"model.{k}": v for k, v in state.model.state_dict().items()}
     tensors.update({f"ema.{k}": v for k, v in state.ema.module.state_dict().items()})
     for i, t in enumerate(distributed.optimizer_tensors(state.optimizer)):
-        tensors[f"optim.{i}"] = t.reshape(-1)
+        tensors[f"optim.{i}"] = t
+    # FSDP: every rank's shards gathered (a collective: every rank dumps), so each rank's
+    # file holds the whole state it takes part in
+    tensors = {k: (v.full_tensor() if isinstance(v, DTensor) else v).reshape(-1)
+               if k.startswith("optim.") else (v.full_tensor() if isinstance(v, DTensor) else v)
+               for k, v in tensors.items()}
     save_file({k: v.detach().cpu().clone() for k, v in tensors.items()},  # EMA may share
               str(out / f"rank{state.rank}.safetensors"))
     incidents = [{"step": i.step, "kind": i.kind, "action": i.action,
@@ -49,8 +55,17 @@ def dump(out: Path) -> None:
          "world_size": state.world_size, "incidents": incidents}, default=str))
 
 
+_build = loop.build_state
+
+
+def spy_build(*args, **kwargs):  # a resumed run that trains no step is dumped too
+    captured["state"] = state = _build(*args, **kwargs)
+    return state
+
+
 if __name__ == "__main__":
     loop.train_step = spy
+    loop.build_state = spy_build
     # tests/test_max_time.py runs one rank's time-budget clock 4x fast: the ranks must still
     # record the same training seconds, and so take the same LR and stop at the same step
     if os.environ.get("STEADYDIFF_TEST_FAST_CLOCK_RANK") == os.environ.get("RANK", "0"):
@@ -59,6 +74,17 @@ if __name__ == "__main__":
         from steadydiff.trainer import budget
         budget.now = lambda: 4 * time.monotonic()
     config, out, *overrides = sys.argv[1:]
+    # dumped before the process group goes (FSDP's shards are gathered with it)
+    _teardown = distributed.teardown
+
+    def teardown() -> None:
+        if not captured.get("dumped"):
+            captured["dumped"] = True
+            dump(Path(out))
+        _teardown()
+
+    distributed.teardown = teardown
     rc = cli_main(["train", config, "--out", out] + (["--set", *overrides] if overrides else []))
-    dump(Path(out))
+    if not captured.get("dumped"):  # a caller's group, not torn down by the run
+        dump(Path(out))
     sys.exit(rc)

@@ -196,9 +196,17 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--out", required=True, help="new run directory for the merged checkpoint")
 
     xp = sub.add_parser("export", formatter_class=_Formatter,
-                        help="write a Stable Diffusion fine-tune as one .safetensors file "
-                             "(the original layout A1111/ComfyUI load)",
-                        description="Export a full Stable Diffusion fine-tune (a run or "
+                        help="write a trained model as one .safetensors file: --out for "
+                             "steadydiff's UNet/DiT (any checkpoint, FSDP-sharded included), "
+                             "--single-file for a Stable Diffusion fine-tune (the original "
+                             "layout A1111/ComfyUI load)",
+                        description="--out FILE: the model of a run or checkpoint of "
+                                    "steadydiff's own UNet/DiT (a sharded FSDP checkpoint is "
+                                    "consolidated in this process), EMA weights by default, "
+                                    "with its config in the file's metadata: "
+                                    "steadydiff.load(FILE) and `steadydiff sample FILE` read "
+                                    "it. --single-file FILE: export a full Stable Diffusion "
+                                    "fine-tune (a run or "
                                     "checkpoint with model.pretrained and adapter.kind=none; "
                                     "EMA weights by default) or a diffusers SD folder as a "
                                     "single-file checkpoint: model.diffusion_model.*, "
@@ -208,8 +216,11 @@ def _parser() -> argparse.ArgumentParser:
                                     "the file is written atomically. (A LoRA run's export is "
                                     "RUN/lora/, written during training.)")
     xp.add_argument("source", help="run directory, checkpoint, or diffusers SD folder")
-    xp.add_argument("--single-file", required=True, metavar="OUT.safetensors",
-                    help="the file to write")
+    what = xp.add_mutually_exclusive_group(required=True)
+    what.add_argument("--out", metavar="OUT.safetensors",
+                      help="steadydiff's own model as one file (see above)")
+    what.add_argument("--single-file", metavar="OUT.safetensors",
+                      help="a Stable Diffusion fine-tune as one original-layout file")
     xp.add_argument("--raw-weights", action="store_true",
                     help="use the raw model weights instead of the EMA")
     xp.add_argument("--half", action="store_true",
@@ -379,10 +390,17 @@ def cmd_merge(a: argparse.Namespace) -> int:
 def cmd_export(a: argparse.Namespace) -> int:
     import torch
 
+    dtype = torch.float16 if a.half else None
+    if a.out:
+        from .loading import export_model
+
+        path = export_model(a.source, a.out, use_ema=not a.raw_weights, dtype=dtype)
+        print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, "
+              f"{'raw' if a.raw_weights else 'EMA'} weights; steadydiff.load reads it)")
+        return EXIT_OK
     from .integrations.sd.export import export
 
-    path = export(a.source, a.single_file, use_ema=not a.raw_weights,
-                  dtype=torch.float16 if a.half else None)
+    path = export(a.source, a.single_file, use_ema=not a.raw_weights, dtype=dtype)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, original single-file "
           "layout)")
     return EXIT_OK

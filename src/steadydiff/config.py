@@ -32,7 +32,7 @@ from .durations import parse_duration
 from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BucketCrop, CaptionSource, Channels, MissingCaption, ClipMode,
                     CompileBackend, CompileMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, HyperActivation,
-                    LossWeighting, LoraFormat, LRSchedule, ModelKind, OnSaveError, OptimizerName,
+                    LossWeighting, LoraFormat, LRSchedule, ModelKind, OnSaveError, OptimizerName, Parallel,
                     Precision, PrecisionSetting,
                     Prediction, SamplerName, ScheduleName, TimestepSampling)
 
@@ -462,6 +462,16 @@ class TrainConfig(Section):
     watchdog_timeout: float = Field(
         1800.0, ge=0.0, description="torchrun: end a rank whose training made no progress "
         "for this many seconds (stacks printed, exit 5); 0 disables the watchdog")
+    parallel: Parallel = Field(
+        "ddp", description="how torchrun's processes hold the model: ddp (every rank a full "
+        "copy of weights, gradients and AdamW state; the fastest while it fits) or fsdp "
+        "(PyTorch FSDP2: each rank holds 1/N of them, gathered block by block for the "
+        "forward and backward; checkpoints through torch.distributed.checkpoint, resumable "
+        "on any number of processes); docs/distributed.md")
+    fsdp_offload: Bool = Field(
+        False, description="train.parallel=fsdp: keep the sharded weights, gradients and "
+        "AdamW state in CPU memory and the step on the CPU (FSDP2's CPUOffloadPolicy): a "
+        "model that does not fit on the GPUs trains, slower")
     on_save_error: OnSaveError = Field(
         "retry", description="disk full / permission denied while saving a checkpoint: keep "
         "training and retry at the next checkpoint (retry), or stop cleanly (stop)")
@@ -887,7 +897,37 @@ class Config(Section):
                              f"(data.dataset {' or '.join(LABELLED_DATASETS)}); an image "
                              "folder has none: set eval.every=0 and use `steadydiff eval "
                              "--inception-weights` (see docs/evaluation.md)")
+        self._check_fsdp()
         return self
+
+    def _check_fsdp(self) -> None:
+        """What train.parallel=fsdp does not combine with (yet): each named with the way out
+        (docs/distributed.md, "FSDP")."""
+        t = self.train
+        if t.fsdp_offload and t.parallel != "fsdp":
+            raise ValueError("train.fsdp_offload keeps FSDP's shards in CPU memory: it needs "
+                             "train.parallel=fsdp (or set train.fsdp_offload=false)")
+        if t.parallel != "fsdp":
+            return
+        refused = [
+            (self.adapter.kind != "none", f"adapter.kind={self.adapter.kind} (an adapter's "
+             "trainable part is small: use train.parallel=ddp)"),
+            (bool(self.model.pretrained or self.model.text_encoder), "text-conditioned "
+             "models (model.pretrained, model.text_encoder: use train.parallel=ddp)"),
+            (t.precision == "fp16", "train.precision=fp16 (the grad scaler would see only "
+             "each rank's shard: use bf16 or fp32)"),
+            (t.ema_posthoc, "train.ema_posthoc (set it false)"),
+            (t.compile, "train.compile (set it false)"),
+            (bool(self.eval.every), "eval.every (set eval.every=0 and run `steadydiff eval "
+             "RUN` afterwards: it reads the sharded checkpoint)"),
+            (self.optim.optimizer != "adamw", f"optim.optimizer={self.optim.optimizer} "
+             "(use adamw)"),
+            (self.optim.clip_mode == "per_layer", "optim.clip_mode=per_layer (use global, "
+             "agc or zclip)"),
+        ]
+        bad = [why for hit, why in refused if hit]
+        if bad:
+            raise ValueError("train.parallel=fsdp does not support " + "; ".join(bad))
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")

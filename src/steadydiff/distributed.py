@@ -63,12 +63,16 @@ def launched_by_torchrun() -> bool:
     return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def setup(device_name: str, timeout_s: float) -> tuple[DistContext, torch.device]:
+def setup(device_name: str, timeout_s: float, *,
+          group_of_one: bool = False) -> tuple[DistContext, torch.device]:
     """Join the process group if launched by torchrun; pick this rank's device.
 
     Args:
         device_name: the config's ``train.device`` (auto | cpu | cuda).
         timeout_s: collective timeout in seconds.
+        group_of_one: a single process gets a process group of its own (FSDP shards over
+            a device mesh, which needs one: ``train.parallel=fsdp`` on one GPU, e.g. for
+            CPU offload).
 
     Returns:
         ``(context, device)``. Without torchrun: ``DistContext()`` and the plain device.
@@ -79,6 +83,14 @@ def setup(device_name: str, timeout_s: float) -> tuple[DistContext, torch.device
     if not launched_by_torchrun() or int(os.environ["WORLD_SIZE"]) == 1:
         if dist.is_available() and dist.is_initialized():  # a caller set up the group itself
             return _context_of_group(), _device(use_cuda, int(os.environ.get("LOCAL_RANK", 0)))
+        if group_of_one:
+            local = int(os.environ.get("LOCAL_RANK", 0))
+            if use_cuda:
+                torch.cuda.set_device(local)
+            dist.init_process_group("nccl" if use_cuda else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1,
+                                    timeout=datetime.timedelta(seconds=timeout_s))
+            return DistContext(), _device(use_cuda, local if use_cuda else None)
         return DistContext(), _device(use_cuda, None)
     local = int(os.environ["LOCAL_RANK"])
     if use_cuda and local >= torch.cuda.device_count():
@@ -126,6 +138,9 @@ def teardown() -> None:
     """Leave the process group (at the end of a run, or on the way out of a failure)."""
     global _control
     _control = None
+    from . import sharding
+
+    sharding.forget_meshes()
     if dist.is_available() and dist.is_initialized():
         try:
             dist.destroy_process_group()
@@ -135,6 +150,11 @@ def teardown() -> None:
 
 def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def rank() -> int:
+    """This process's rank in the group (0 when there is none)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def is_main() -> bool:
@@ -285,4 +305,4 @@ class Watchdog:
 __all__ = ["DistContext", "DistributedError", "EXIT_DIST_FAILURE", "Watchdog", "active",
            "barrier", "broadcast_object", "broadcast_tensors", "describe_failure",
            "gather_objects", "gather_rows", "is_main", "launched_by_torchrun",
-           "optimizer_tensors", "setup", "teardown", "tensor_fingerprint", "wrap"]
+           "optimizer_tensors", "rank", "setup", "teardown", "tensor_fingerprint", "wrap"]

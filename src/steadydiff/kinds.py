@@ -109,6 +109,10 @@ AUTO: tuple[Auto, ...] = get_args(Auto)
 DeviceName = Literal["auto", "cpu", "cuda"]
 DEVICE_NAMES: tuple[DeviceName, ...] = get_args(DeviceName)
 
+# train.parallel: how torchrun's processes share the model (trainer/sharding.py for fsdp)
+Parallel = Literal["ddp", "fsdp"]
+PARALLELS: tuple[Parallel, ...] = get_args(Parallel)
+
 OnSaveError = Literal["retry", "stop"]
 ON_SAVE_ERRORS: tuple[OnSaveError, ...] = get_args(OnSaveError)
 
@@ -153,6 +157,6 @@ __all__ = [
     "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS",
     "AdapterKind", "HYPER_ACTIVATIONS", "HyperActivation", "CaptionSource", "Channels", "CompileBackend", "CompileMode", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
     "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "OPTIMIZERS", "OptimizerName", "BUCKET_CROPS", "BucketCrop", "LORA_FORMATS", "LoraFormat", "LabelledDataset", "LossWeighting",
-    "ModelKind", "OnSaveError", "Precision", "Prediction", "SamplerName", "ScheduleName",
+    "ModelKind", "OnSaveError", "PARALLELS", "Parallel", "Precision", "Prediction", "SamplerName", "ScheduleName",
     "Spacing", "Split", "TimestepSampling",
 ]

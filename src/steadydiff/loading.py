@@ -3,6 +3,12 @@
 The one place that turns a checkpoint into a model: the config it records, the model it
 describes, the weights (EMA or raw; base + adapter for an adapter checkpoint). ``steadydiff
 sample``, ``steadydiff eval``, ``steadydiff doctor`` and the Python API all load through it.
+A sharded (FSDP) checkpoint is consolidated in this one process on the way.
+
+It also owns the *exported model* file (``steadydiff export RUN --out model.safetensors``,
+:func:`export_model`): one safetensors file of the model's weights (EMA by default), whose
+metadata holds ``format`` (:data:`EXPORT_FORMAT`), the run's ``config`` (JSON), ``step`` and
+``weights`` (ema | raw); :func:`load` reads it like a checkpoint.
 """
 
 from __future__ import annotations
@@ -243,6 +249,8 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
         A :class:`Pipeline` with the model in eval mode.
     """
     dev = resolve_device(device, what="device")  # before any file: a missing GPU is not a bad file
+    if Path(checkpoint).suffix == ".safetensors" and Path(checkpoint).is_file():
+        return _load_exported(Path(checkpoint), dev, use_ema, adapter_scale)
     path = sampling_checkpoint(checkpoint)
     c = ckpt.load_checkpoint(path, dev, weights_only=True, allow_nonfinite=allow_nonfinite)
     cfg = checkpoint_config(c)
@@ -260,3 +268,85 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
     if adapter_scale is not None:
         pipe.set_adapter_scale(adapter_scale)
     return pipe
+
+
+# --------------------------------------------------------------------------- exported model
+
+EXPORT_FORMAT = "steadydiff.model.v1"  # an exported model file's metadata "format"
+
+
+def export_model(source: str | Path, out: str | Path, *, use_ema: bool = True,
+                 dtype: torch.dtype | None = None) -> Path:
+    """``steadydiff export RUN --out model.safetensors``: the model of a run or checkpoint
+    (any layout, a sharded FSDP one consolidated here) as one safetensors file for
+    inference, with the config in its metadata; :func:`load` reads it.
+
+    Args:
+        source: a run directory or checkpoint of steadydiff's own UNet/DiT.
+        out: the ``.safetensors`` file to write (replaced atomically if it exists).
+        use_ema: the EMA weights (default) or the raw ones.
+        dtype: cast the floating-point tensors (torch.float16/bfloat16 halve the file).
+
+    Raises:
+        ValueError: ``out`` is not a .safetensors path, or the run is one whose export is
+            another format (Stable Diffusion: ``--single-file``; an adapter: ``steadydiff
+            merge`` first).
+        CheckpointError: no intact checkpoint, or non-finite weights (nothing written).
+    """
+    out = Path(out).expanduser()
+    if out.suffix.lower() != ".safetensors":
+        raise ValueError(f"--out must end in .safetensors, got {out}")
+    path = sampling_checkpoint(source)
+    c = ckpt.load_checkpoint(path, "cpu", weights_only=True)
+    cfg = checkpoint_config(c)
+    if cfg.model.pretrained or cfg.model.text_encoder:
+        raise ValueError(f"{path} is a text-to-image run: export a Stable Diffusion fine-tune "
+                         "with --single-file OUT.safetensors (its LoRA is RUN/lora/)")
+    if cfg.adapter.kind != "none":
+        raise ValueError(f"{path} is a {cfg.adapter.kind} run: bake the adapter in with "
+                         "`steadydiff merge` first, then export the merged run")
+    weights = c.ema if use_ema else c.model
+    build_from_checkpoint(c, cfg, use_ema=use_ema)  # the weights fit the model: or say why
+    if dtype is not None:
+        weights = {k: v.to(dtype) if v.is_floating_point() else v for k, v in weights.items()}
+    meta = {"format": EXPORT_FORMAT, "config": json.dumps(cfg.to_dict()),
+            "step": str(c.step), "weights": "ema" if use_ema else "raw",
+            "source": str(path)}
+    return ckpt.save_tensors_atomic(out, weights, metadata=meta)
+
+
+def _load_exported(path: Path, dev: torch.device, use_ema: bool,
+                   adapter_scale: float | None) -> Pipeline:
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+    except Exception as e:  # not a safetensors file at all
+        raise ckpt.CheckpointError(f"{path}: not a readable .safetensors file ({e})") from None
+    if meta.get("format") != EXPORT_FORMAT:
+        raise ckpt.CheckpointError(
+            f"{path} is not a model exported by `steadydiff export RUN --out` (its metadata "
+            f"has no format {EXPORT_FORMAT!r}); load a run directory or checkpoint instead")
+    if not use_ema and meta.get("weights") == "ema":
+        raise ValueError(f"{path} holds the EMA weights only (exported without "
+                         "--raw-weights): drop use_ema=False / --raw-weights")
+    if adapter_scale is not None:
+        raise ValueError(f"{path} holds no adapter; --adapter-scale applies to adapter "
+                         "checkpoints only")
+    cfg = validate(json.loads(meta["config"]), source=f"{path} metadata config")
+    model = build_model(cfg.model, image_size=cfg.data.image_size, channels=cfg.data.channels)
+    weights = {k: v.float() if v.is_floating_point() else v
+               for k, v in load_file(str(path)).items()}
+    bad = ckpt.nonfinite_tensors(weights)
+    if bad:
+        raise ckpt.CheckpointError(f"{path}: {ckpt.nonfinite_message(bad)}")
+    try:
+        model.load_state_dict(weights)
+    except RuntimeError as e:
+        raise ckpt.CheckpointError(f"{path}: weights do not match the model its config "
+                                   f"describes: {e}") from None
+    model = model.eval().requires_grad_(False).to(dev)
+    return Pipeline(model, make_schedule(cfg.diffusion, cfg.data.image_size), cfg, dev, path,
+                    int(meta.get("step", 0)))

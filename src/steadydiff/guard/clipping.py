@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import sharding
 from ..kinds import CLIP_MODES, ClipMode
 
 Mode = ClipMode  # the name this module used before kinds.py
@@ -26,6 +27,8 @@ def total_norm(params: list[torch.Tensor]) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.zeros(())
+    if sharding.any_sharded(grads):  # FSDP: the shards' norms combined over the ranks
+        return sharding.total_norm(grads)
     return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
 
 
@@ -56,6 +59,10 @@ def clip(params: list[torch.Tensor], mode: Mode, threshold: float, norm: torch.T
             else threshold
         if not limit:
             return norm
+        if sharding.any_sharded(grads):  # the same scale as below, on each rank's shards
+            coef = torch.clamp(limit / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_([sharding.local(g) for g in grads], coef.to(norm.device))
+            return torch.clamp(norm, max=limit)
         # takes the parameters (it scales their .grad), with the norm computed once already
         torch.nn.utils.clip_grads_with_norm_(with_grad, limit, norm, foreach=True)
         return torch.clamp(norm, max=limit)
@@ -69,11 +76,19 @@ def clip(params: list[torch.Tensor], mode: Mode, threshold: float, norm: torch.T
             for p in params:
                 if p.grad is None:
                     continue
+                # FSDP shards dim 0: a unit (row) is whole on one rank; a 1-D tensor's norm
+                # is combined over the ranks
+                w_all, g_all = sharding.local(p.detach()), sharding.local(p.grad)
                 dims = tuple(range(1, p.ndim)) if p.ndim > 1 else None
-                w = p.detach().norm(dim=dims, keepdim=True) if dims else p.detach().norm()
-                g = p.grad.norm(dim=dims, keepdim=True) if dims else p.grad.norm()
+                if dims:
+                    w = w_all.norm(dim=dims, keepdim=True)
+                    g = g_all.norm(dim=dims, keepdim=True)
+                elif sharding.is_sharded(p):
+                    w, g = sharding.norms([p.detach(), p.grad])
+                else:
+                    w, g = p.detach().norm(), p.grad.norm()
                 max_g = threshold * w.clamp_min(1e-3)
-                p.grad.mul_(torch.where(g > max_g, max_g / g.clamp_min(1e-6), 1.0))
+                g_all.mul_(torch.where(g > max_g, max_g / g.clamp_min(1e-6), 1.0))
     else:
         raise ValueError(f"unknown clip mode {mode!r}; valid: {', '.join(CLIP_MODES)}")
     return total_norm(params) if threshold else norm

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..config import FaultConfig
 from ..kinds import FaultKind, FaultWhere
+from ..sharding import local
 from ..trainer.hooks import NO_FAULTS, StepHooks
 
 FP16_MAX = 65504.0
@@ -153,7 +154,9 @@ class FaultInjector(StepHooks):
             p = dict(model.named_parameters()).get(name)
             if p is None:
                 raise ValueError(f"fault weight_corrupt: no parameter named {name!r}")
-            p.view(-1)[0] = f.factor
+            p = local(p)
+            if p.numel():
+                p.view(-1)[0] = f.factor
             self._record(f, step, param=name, factor=f.factor)
 
     def lr(self, step: int, lr: float) -> float:
@@ -261,8 +264,9 @@ class FaultInjector(StepHooks):
             p = dict(model.named_parameters()).get(name)
             if p is None:
                 raise ValueError(f"fault grad_nan: no parameter named {name!r}")
-            if p.grad is not None:
-                p.grad.view(-1)[0] = float("nan")
+            g = local(p.grad) if p.grad is not None else None  # FSDP: this rank's shard
+            if g is not None and g.numel():
+                g.view(-1)[0] = float("nan")
             self._record(f, step, param=name)
 
     @torch.no_grad()
@@ -274,8 +278,10 @@ class FaultInjector(StepHooks):
             name = f.target or _default_param(model)
             if name not in params:
                 raise ValueError(f"fault {f.kind}: no parameter named {name!r}")
-            p = params[name]
-            if f.kind == "param_nan":
+            p = local(params[name])  # FSDP: this rank's shard of it
+            if not p.numel():
+                pass  # an empty shard: nothing here to corrupt
+            elif f.kind == "param_nan":
                 p.view(-1)[0] = float("nan")
             elif f.kind == "bitflip":  # silent data corruption: the lowest mantissa bit
                 ints = {4: torch.int32, 2: torch.int16, 8: torch.int64}[p.element_size()]

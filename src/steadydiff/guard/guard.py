@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import distributed, hostsync
+from .. import distributed, hostsync, sharding
 from ..config import GuardConfig
 from ..kinds import PRECISIONS, ClipMode, Precision
 from ..values import jsonable, num
@@ -170,6 +170,8 @@ class _Pending:
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """0-dim bool tensor: every tensor finite (one fused norm reduction, no sync)."""
+    if sharding.any_sharded(tensors):  # FSDP: every rank's shards
+        return sharding.all_finite(tensors)
     if not tensors:
         return torch.tensor(True)
     return torch.isfinite(torch.stack(torch._foreach_norm(tensors)).sum())
@@ -561,7 +563,7 @@ class Guard:
                 or step % c.snapshot_every == 0
                 or bool(c.probe_every and step % c.probe_every == 0)
                 or bool(self._pending[-1].rows.shape[0] > 1 and c.rank_check_every
-                        and step % c.rank_check_every == 0))
+                        and step % c.rank_check_every == 0 and not self.update.sharded))
 
     def _open(self) -> bool:
         """Open a window: mark the state at its start. False (and the per-step check from
@@ -1004,7 +1006,7 @@ class Guard:
         if self._prev_norms is None:
             dev = self._params[0].device if self._params else None
             return torch.tensor([1.0, 0.0], device=dev)
-        norms = torch.stack(torch._foreach_norm(self._params)).float()
+        norms = sharding.norms(self._params)
         jump = (norms / torch.maximum(self._prev_norms, self._norm_floor)).max()
         return torch.stack([torch.isfinite(norms.sum()).float(), jump])
 
@@ -1012,7 +1014,7 @@ class Guard:
     def _check_weights_before(self, seen: _Seen) -> Finding | None:
         if seen.weights_ok and seen.weights_jump <= self.cfg.weight_jump:
             return None
-        norms = torch.stack(torch._foreach_norm(self._params)).float()
+        norms = sharding.norms(self._params)
         return self._weights_finding(norms, seen.world, when="before_forward")
 
     @torch.no_grad()
@@ -1020,7 +1022,7 @@ class Guard:
         """After the update, before the EMA sees the weights: one fused reduction over them,
         on the device: ``(check, norms)``, check = (all finite, largest norm jump), reduced
         over the ranks."""
-        norms = torch.stack(torch._foreach_norm(self._params)).float()
+        norms = sharding.norms(self._params)
         jump = (norms / torch.maximum(self._prev_norms, self._norm_floor)).max() \
             if self._prev_norms is not None else torch.zeros((), device=norms.device)
         check = torch.stack([torch.isfinite(norms.sum()).float(), jump])
@@ -1059,6 +1061,9 @@ class Guard:
         src = next((r for r, m in enumerate(per_rank) if m["nonfinite"]), None)
         if src is not None:
             bad = per_rank[src]["nonfinite"]
+            if self.update.sharded:  # each rank saw its own shards: all of them, in order
+                seen_bad = {n for m in per_rank for n in m["nonfinite"]}
+                bad = [n for n, _ in self.net.named_parameters() if n in seen_bad]
             f: Finding = findings.NonfiniteParams.new(params=bad[:5], count=len(bad), **where)
         else:
             src = next((r for r, m in enumerate(per_rank) if m["jumped"]), None)
@@ -1076,15 +1081,19 @@ class Guard:
             p = named.get(name)
             if p is None:
                 continue
-            w = p.detach().float()
+            w = sharding.local(p.detach()).float()  # FSDP: this rank's shard
             i = self._names.index(name) if name in self._names else None
             rms = (float(ref[i]) / math.sqrt(max(p.numel(), 1))) if i is not None else 0.05
             ok = torch.isfinite(w)
             finite_abs = torch.where(ok, w.abs(), torch.zeros_like(w))
-            elements.append({"param": name, "numel": p.numel(),
-                             "nonfinite": int((~ok).sum()),
-                             "huge": int((finite_abs > 100 * max(rms, 1e-12)).sum()),
-                             "max_abs": float(finite_abs.max()) if p.numel() else 0.0})
+            counts = (int((~ok).sum()), int((finite_abs > 100 * max(rms, 1e-12)).sum()),
+                      float(finite_abs.max()) if w.numel() else 0.0)
+            if self.update.sharded:  # every rank's shard of it (every rank is here)
+                parts = distributed.gather_objects(counts)
+                counts = (sum(c[0] for c in parts), sum(c[1] for c in parts),
+                          max(c[2] for c in parts))
+            elements.append({"param": name, "numel": p.numel(), "nonfinite": counts[0],
+                             "huge": counts[1], "max_abs": counts[2]})
         f.evidence["elements"] = elements
         return f
 
@@ -1272,7 +1281,8 @@ class Guard:
                                "nonfinite_grad_count": len(nonfinite)}
         if replay is not None:
             try:
-                out.update(provenance.trace(self.net, replay, num_micro, after_backward))
+                out.update(provenance.trace(self.net, replay, num_micro, after_backward,
+                                            every=self.update.sharded))
             except Exception as e:  # a replay must never take the run down
                 out["replay_error"] = f"{type(e).__name__}: {e}"
         ranks = distributed.gather_objects(out)  # one collective, on incidents only
@@ -1282,8 +1292,14 @@ class Guard:
                  if o.get("first_nonfinite_module") or o.get("first_overflow_module")]
         reproduced = [r for r, o in enumerate(ranks) if o.get("reproduced")]
         src = (named or reproduced or [0])[0]
-        return {**ranks[src], "rank": src,
-                "ranks_reproduced": reproduced, "world_size": len(ranks)}
+        merged = {**ranks[src], "rank": src,
+                  "ranks_reproduced": reproduced, "world_size": len(ranks)}
+        if self.update.sharded:  # each rank saw its own gradient shards: all of them
+            bad = {n for o in ranks for n in o.get("nonfinite_grad_params", [])}
+            merged["nonfinite_grad_params"] = [n for n in self._names if n in bad][:5]
+            merged["nonfinite_grad_count"] = max(o.get("nonfinite_grad_count", 0)
+                                                 for o in ranks)
+        return merged
 
     def _spike_evidence(self) -> dict[str, Any]:
         """Which layers dominate the gradient, and which weights moved most since the last
@@ -1291,17 +1307,22 @@ class Guard:
         named = [(n, p) for n, p in self.net.named_parameters() if p.grad is not None]
         out: dict[str, Any] = {}
         if named:
-            norms = hostsync.values(torch.stack(torch._foreach_norm([p.grad for _, p in named])))
+            norms = hostsync.values(sharding.norms([p.grad for _, p in named]))
             top = sorted(zip(norms, (n for n, _ in named)), reverse=True)[:3]
             out["top_grad_layers"] = [{"param": n, "grad_norm": g} for g, n in top]
         snap = self.ring.newest()
         if snap is not None:
             pairs = [(n, p, snap.model[n]) for n, p in self.net.named_parameters()
                      if n in snap.model]
-            now = hostsync.values(torch.stack([p.detach().float().norm() for _, p, _ in pairs])) \
-                if pairs else []
-            ratios = [(a / max(float(ref.float().norm()), 1e-12), n)  # the snapshot: on the CPU
-                      for a, (n, _, ref) in zip(now, pairs)]
+            if self.update.sharded:  # a snapshot holds this rank's shards
+                now = hostsync.values(sharding.norms([p.detach() for _, p, _ in pairs]))
+                refs = hostsync.values(sharding.norms([r.float() for _, _, r in pairs],
+                                                      reduce=True))
+            else:
+                now = hostsync.values(torch.stack([p.detach().float().norm()
+                                                   for _, p, _ in pairs])) if pairs else []
+                refs = [float(ref.float().norm()) for _, _, ref in pairs]  # on the CPU
+            ratios = [(a / max(r, 1e-12), n) for a, r, (n, _, _) in zip(now, refs, pairs)]
             ratios.sort(reverse=True)
             out["weight_growth_since_snapshot"] = [{"param": n, "norm_ratio": r}
                                                    for r, n in ratios[:3]]
@@ -1381,7 +1402,10 @@ class Guard:
         a rank that drifted (a bit flip, a non-deterministic kernel, a local change) is an
         incident: every rank takes the majority's state (the lowest rank holding it), the
         snapshot ring restarts from it, and training goes on. Returns the incident or None.
+        Under FSDP there are no replicas (each rank holds its own shards): None.
         """
+        if self.update.sharded:
+            return None
         tensors = list(self._params) + (self.ema.tensors() if self.ema else [])
         prints = hostsync.read(distributed.gather_rows(distributed.tensor_fingerprint(tensors)))
         keys = [tuple(r.tolist()) for r in prints]

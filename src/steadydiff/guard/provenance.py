@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..sharding import local
+
 FP16_MAX = 65504.0
 
 
@@ -65,7 +67,7 @@ def attention_owner(model: nn.Module, name: str | None) -> str | None:
 
 def nonfinite_grads(model: nn.Module) -> list[str]:
     """Names of parameters whose .grad holds NaN/Inf (one host sync)."""
-    named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+    named = [(n, local(p.grad)) for n, p in model.named_parameters() if p.grad is not None]
     if not named:
         return []
     flags = torch.stack([torch.isfinite(g).all() for _, g in named]).cpu().tolist()
@@ -74,13 +76,13 @@ def nonfinite_grads(model: nn.Module) -> list[str]:
 
 def nonfinite_params(model: nn.Module) -> list[str]:
     """Names of parameters holding NaN/Inf (one host sync)."""
-    named = list(model.named_parameters())
-    flags = torch.stack([torch.isfinite(p).all() for _, p in named]).cpu().tolist()
+    named = list(model.named_parameters())  # FSDP: this rank's shards
+    flags = torch.stack([torch.isfinite(local(p)).all() for _, p in named]).cpu().tolist()
     return [n for (n, _), ok in zip(named, flags) if not ok]
 
 
 def trace(model: nn.Module, replay: Callable[[int], torch.Tensor], num_micro: int,
-          after_backward: Callable[[], None] | None = None) -> dict:
+          after_backward: Callable[[], None] | None = None, every: bool = False) -> dict:
     """Replay micro-batches until one is non-finite, and trace where it went bad.
 
     Args:
@@ -89,6 +91,9 @@ def trace(model: nn.Module, replay: Callable[[int], torch.Tensor], num_micro: in
             faults, loss) and returns its loss without calling backward.
         num_micro: number of micro-batches in the step.
         after_backward: called after each replayed backward (the step's gradient faults).
+        every: replay every micro-batch even after one went bad (the first bad one is still
+            the one reported): under FSDP each replay's forward and backward are
+            collectives, so every rank must run as many as the others.
 
     Returns:
         A dict with ``micro_batch``, ``first_nonfinite_module``, ``first_overflow_module``,
@@ -134,14 +139,16 @@ def trace(model: nn.Module, replay: Callable[[int], torch.Tensor], num_micro: in
             first_of = next((order[j][0] for j, a in enumerate(amaxes) if a > FP16_MAX), None)
             bad_grads = [n for n, ok in grad_order if not bool(ok)]
             bad_grads += [n for n in nonfinite_grads(model) if n not in bad_grads]
-            if not loss_finite or first_nf or bad_grads:
+            if (not loss_finite or first_nf or bad_grads) and not result["reproduced"]:
                 result = {"reproduced": True, "micro_batch": i, "loss_finite": loss_finite,
                           "first_nonfinite_module": first_nf,
                           "first_overflow_module": first_of,
                           "nonfinite_grad_params": bad_grads[:5],
                           "nonfinite_grad_count": len(bad_grads)}
-                break
-            if first_of and "first_overflow_module" not in result:
+                if not every:
+                    break
+            if first_of and "first_overflow_module" not in result \
+                    and not result["reproduced"]:
                 result.update(micro_batch=i, first_overflow_module=first_of)
     finally:
         for h in handles:

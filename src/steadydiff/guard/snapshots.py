@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from ..sharding import any_sharded, load_local, local
+
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` without frozen parameters (an adapter run's base never
@@ -24,9 +26,10 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _to_cpu(obj: Any) -> Any:
-    """Deep copy of a (nested) state dict with every tensor cloned to the CPU."""
+    """Deep copy of a (nested) state dict with every tensor cloned to the CPU (a sharded
+    tensor: this rank's shard, so each rank keeps its own part of a snapshot)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return local(obj).detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -90,9 +93,13 @@ class SnapshotRing:
 def restore_into(snap: Snapshot, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any = None, scaler: Any = None) -> None:
     """Restore model, optimizer, scheduler, scaler and RNG from ``snap`` (EMA: the caller)."""
-    frozen = any(not p.requires_grad for p in model.parameters())
-    model.load_state_dict(snap.model, strict=not frozen)  # frozen parameters: not in snap
-    optimizer.load_state_dict(_to_cpu(snap.optimizer))  # torch moves state to param devices
+    if any_sharded(model.parameters()):  # FSDP: this rank's shards, copied back in place
+        load_local(model, snap.model)
+        _load_sharded_optimizer(optimizer, snap.optimizer)
+    else:
+        frozen = any(not p.requires_grad for p in model.parameters())
+        model.load_state_dict(snap.model, strict=not frozen)  # frozen ones: not in snap
+        optimizer.load_state_dict(_to_cpu(snap.optimizer))  # torch moves state to devices
     if scheduler is not None and snap.scheduler is not None:
         scheduler.load_state_dict(snap.scheduler)
     if scaler is not None and snap.scaler is not None:
@@ -100,3 +107,25 @@ def restore_into(snap: Snapshot, *, model: torch.nn.Module, optimizer: torch.opt
     torch.set_rng_state(snap.rng)
     if snap.cuda_rng is not None:
         torch.cuda.set_rng_state_all(snap.cuda_rng)
+
+
+@torch.no_grad()
+def _load_sharded_optimizer(optimizer: torch.optim.Optimizer, saved: dict[str, Any]) -> None:
+    """Put a snapshot's optimizer state (each tensor this rank's shard) back into the live
+    state in place: ``load_state_dict`` would replace the sharded moments with plain
+    tensors. A parameter with no saved state (a snapshot before the first step) loses its
+    state, as a fresh optimizer has none."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        old = saved["state"].get(i)
+        if old is None:
+            optimizer.state.pop(p, None)
+            continue
+        live = optimizer.state[p]
+        for k, v in old.items():
+            if isinstance(v, torch.Tensor) and isinstance(live.get(k), torch.Tensor):
+                local(live[k]).copy_(v)
+            else:
+                live[k] = copy.deepcopy(v)
+    for g, sg in zip(optimizer.param_groups, saved["param_groups"]):
+        g.update({k: v for k, v in sg.items() if k != "params"})

@@ -16,6 +16,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from .. import sharding
 from ..kinds import ClipMode, Precision
 from . import clipping
 
@@ -104,7 +105,10 @@ class EMAHandle:
     def load(self, state: dict[str, Any]) -> None:
         e = self.ema
         if hasattr(e, "num_updates") and hasattr(e, "module"):
-            e.module.load_state_dict(state["module"], strict=not getattr(e, "shared", ()))
+            if sharding.any_sharded(e.module.parameters()):  # FSDP: a snapshot's own shards
+                sharding.load_local(e.module, state["module"])
+            else:
+                e.module.load_state_dict(state["module"], strict=not getattr(e, "shared", ()))
             e.num_updates = state["num_updates"]
             if getattr(e, "posthoc", None) is not None and "posthoc" in state:
                 e.posthoc.load_state(state["posthoc"])
@@ -140,6 +144,8 @@ class Update:
         named = [(n, p) for n, p in self.net.named_parameters() if p.requires_grad]
         self.names = [n for n, _ in named]
         self.params = [p for _, p in named]
+        # FSDP (train.parallel=fsdp): DTensor shards, whose checks are reduced over ranks
+        self.sharded = sharding.any_sharded(self.params)
 
     def norm(self, prog: ProgressLike) -> torch.Tensor:
         """Unscale the fp16 gradients (if a scaler is in use) and return their global norm

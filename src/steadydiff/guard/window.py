@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from .. import distributed, hostsync
+from .. import distributed, hostsync, sharding
 
 # the guard's attributes a healthy step changes on the host (everything else only changes
 # on an incident, which never happens inside a window)
@@ -65,7 +65,7 @@ def device_tensors(params: list[torch.Tensor], optimizer: torch.optim.Optimizer,
     if scaler is not None:
         out += [t for t in (getattr(scaler, "_scale", None),
                             getattr(scaler, "_growth_tracker", None)) if t is not None]
-    return out
+    return [sharding.local(t) for t in out]  # FSDP: this rank's shards (views: copied into)
 
 
 @dataclass

@@ -10,6 +10,22 @@ A checkpoint is a directory ``checkpoints/step_00001234/``:
     posthoc.safetensors (train.ema_posthoc only) the post-hoc EMA profiles' running averages
     manifest.json       size and sha256 of every file above; written last
 
+A sharded run (``train.parallel=fsdp``) writes the same directory with the tensors through
+``torch.distributed.checkpoint`` (DCP) instead, every rank its own shards:
+
+    dcp/.metadata       DCP's index of every tensor's shards (rank 0 writes it last)
+    dcp/__R_I.distcp    rank R's shards of the model, EMA and optimizer state
+    rng.pt, state.json  as above
+    manifest.json       ``"layout": "sharded"``, the world size, and the size and sha256 of
+                        every file every rank wrote (each rank hashes its own)
+
+It is written to the same kind of hidden temporary directory and renamed into place by rank 0
+only after every rank has reported its files, so a rank that dies mid-write leaves a
+temporary directory that is never used. DCP's ``.metadata`` is a pickle: it is read only
+after the manifest verified it, and only from runs you trust (docs/distributed.md). A sharded
+checkpoint loads on any number of processes (DCP reshards), and on one process without a
+process group (consolidated: :func:`load_checkpoint`).
+
 It is written to a hidden temporary directory, every file fsynced, then renamed into place,
 and the ``latest`` pointer is replaced atomically (``os.replace``). A kill at any moment leaves
 either the old or the new checkpoint complete, never a half-written one under a real name.
@@ -49,6 +65,10 @@ FILES = ("model.safetensors", "ema.safetensors", "optimizer.pt", "rng.pt", "stat
 # them, and then required): the post-hoc EMA profiles
 EXTRA_FILES = ("posthoc.safetensors",)
 _NAME = re.compile(r"^step_(\d{8,})$")  # the one definition of a checkpoint's name
+# a sharded checkpoint (train.parallel=fsdp): DCP's folder, and the files it always holds
+SHARDED = "sharded"  # manifest.json's "layout"
+DCP_DIR = "dcp"
+SHARDED_FILES = ("rng.pt", "state.json", f"{DCP_DIR}/.metadata")
 
 
 class CheckpointError(RuntimeError):
@@ -191,6 +211,8 @@ class Checkpoint:
     state: dict[str, Any]
     nonfinite: list[str] = field(default_factory=list)  # loaded with allow_nonfinite only
     extra: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # EXTRA_FILES
+    # a sharded checkpoint loaded without consolidating: its DCP folder (tensors not read)
+    sharded: Path | None = None
 
     @property
     def step(self) -> int:
@@ -284,14 +306,7 @@ def write_checkpoint_dir(final: Path, step: int, *,
         _write_json(tmp / "manifest.json", manifest)
         _fsync_file(tmp / "manifest.json")
         _fsync_dir(tmp)
-        if final.exists():  # the same step saved again (e.g. a rerun): swap, then drop the old
-            old = root / f".old-{name}-{os.getpid()}"
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-        _fsync_dir(root)
+        _replace_dir(tmp, final)  # the same step saved again (e.g. a rerun): swapped
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -353,7 +368,11 @@ def verify_checkpoint(path: Path) -> list[str]:
     except (ValueError, KeyError, TypeError) as e:
         return [f"{mf}: unreadable manifest ({e})"]
     problems = []
-    for f in FILES + tuple(f for f in EXTRA_FILES if f in files):
+    if manifest.get("layout") == SHARDED:  # every rank's DCP files, as listed
+        required = SHARDED_FILES + tuple(sorted(set(files) - set(SHARDED_FILES)))
+    else:
+        required = FILES + tuple(f for f in EXTRA_FILES if f in files)
+    for f in required:
         entry = files.get(f)
         p = path / f
         if entry is None:
@@ -419,10 +438,16 @@ def latest_good(root: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path, device: torch.device | str = "cpu", *,
-                    weights_only: bool = False, allow_nonfinite: bool = False) -> Checkpoint:
+                    weights_only: bool = False, allow_nonfinite: bool = False,
+                    consolidate: bool = True) -> Checkpoint:
     """Load a verified checkpoint directory. ``weights_only`` skips optimizer and RNG;
     ``allow_nonfinite`` returns weights holding NaN/Inf (named in ``Checkpoint.nonfinite``)
-    instead of refusing them: for looking at a diverged model, never for training it."""
+    instead of refusing them: for looking at a diverged model, never for training it.
+
+    A sharded checkpoint is read whole into one process (``consolidate``: full tensors in
+    ``model``/``ema``, the optimizer keyed by parameter name); ``consolidate=False`` leaves
+    its tensors on disk (``Checkpoint.sharded`` is their DCP folder): a training run loads
+    them straight into its own, possibly sharded, state (:func:`load_sharded_into`)."""
     # first: an absent accelerator is a DeviceError, not a file that "cannot be loaded safely"
     dev = str(resolve_device(device))
     problems = verify_checkpoint(path)
@@ -443,6 +468,9 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", *,
                                   f"weights_only=False unless you made it yourself.") from None
 
     state = safely("state.json", lambda p: json.loads(p.read_text()))
+    if is_sharded_checkpoint(path):
+        return _load_sharded(path, dev, state, safely, weights_only=weights_only,
+                             consolidate=consolidate, allow_nonfinite=allow_nonfinite)
     model = safely("model.safetensors", lambda p: load_file(str(p), device=dev))
     ema = safely("ema.safetensors", lambda p: load_file(str(p), device=dev))
     listed = json.loads((path / "manifest.json").read_text())["files"]
@@ -462,3 +490,228 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", *,
 def nonfinite_message(names: list[str]) -> str:
     """How a checkpoint's non-finite tensors are named in errors."""
     return f"non-finite weights in {', '.join(names[:5])}"
+
+
+
+# --------------------------------------------------------------------------- sharded (DCP)
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    """Whether the checkpoint at ``path`` is a sharded (DCP) one (its manifest says so)."""
+    try:
+        return json.loads((Path(path) / "manifest.json").read_text()).get("layout") == SHARDED
+    except (OSError, ValueError, AttributeError):
+        return (Path(path) / DCP_DIR).is_dir()
+
+
+def _dcp_state(model: torch.nn.Module, ema: torch.nn.Module,
+               optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What a sharded checkpoint holds, keyed by name: DCP's own state-dict views of the
+    model, the EMA and the optimizer (sharded DTensors under FSDP, plain tensors otherwise)."""
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    out: dict[str, Any] = {"model": get_model_state_dict(model),
+                           "ema": get_model_state_dict(ema)}
+    if optimizer is not None:
+        out["optimizer"] = get_optimizer_state_dict(model, optimizer)
+    return out
+
+
+def _files_of(tmp: Path, prefix: str) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of the files under ``tmp/DCP_DIR`` whose names start with ``prefix``
+    (fsynced first), keyed by their path in the checkpoint."""
+    out = {}
+    for p in sorted((tmp / DCP_DIR).iterdir()):
+        if p.name.startswith(prefix) and p.is_file():
+            _follow_umask(p)
+            _fsync_file(p)
+            out[f"{DCP_DIR}/{p.name}"] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+    return out
+
+
+def save_sharded(root: Path, step: int, *, model: torch.nn.Module, ema: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, state: dict[str, Any], keep: int = 3,
+                 on_file: Callable[[str], None] | None = None) -> Path:
+    """Write a verified sharded checkpoint for ``step`` under ``root`` (every rank calls
+    this: it is a collective) and point ``latest`` at it.
+
+    Every rank checks its shards finite (one all-gather: a non-finite value on any rank
+    refuses the checkpoint on all of them, nothing written), writes its shards through DCP
+    into the temporary directory and hashes them; rank 0 writes ``rng.pt``, ``state.json``
+    and, once every rank has reported, the manifest; then renames the directory into place,
+    moves ``latest`` and rotates. ``on_file("dcp")`` runs on each rank after its shards are
+    written (fault injection kills a rank there). Every rank returns the same path or raises
+    the same :class:`CheckpointError`/``OSError``."""
+    import torch.distributed.checkpoint as dcp
+
+    from .. import distributed
+    from ..sharding import local
+
+    rank = distributed.rank()
+    tensors = _dcp_state(model, ema, optimizer)
+    mine = [f"ema:{k}" if part == "ema" else k
+            for part in ("model", "ema")
+            for k in nonfinite_tensors({n: local(v) for n, v in tensors[part].items()})]
+    bad = sorted({b for r in distributed.gather_objects(mine) for b in r})
+    if bad:
+        raise CheckpointError(
+            f"refusing to write checkpoint at step {step}: non-finite values in "
+            f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}")
+    name = checkpoint_name(step)
+    final = root / name
+    tmp = root / distributed.broadcast_object(f".tmp-{name}-{os.getpid()}")
+    problem: BaseException | None = None
+    if rank == 0:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            (tmp / DCP_DIR).mkdir(parents=True)
+        except OSError as e:
+            problem = e
+    _agree(problem)
+    try:
+        dcp.save(tensors, checkpoint_id=str(tmp / DCP_DIR))
+        if on_file:
+            on_file(DCP_DIR)
+        problem, files = None, {}
+        try:
+            files = _files_of(tmp, f"__{rank}_")
+            if rank == 0:
+                torch.save(capture_rng(), tmp / "rng.pt")
+                _write_json(tmp / "state.json", {**state, "step": step,
+                                                 "format": FORMAT_VERSION})
+                files.update(_files_of(tmp, ".metadata"))
+                for f in ("rng.pt", "state.json"):
+                    _follow_umask(tmp / f)
+                    _fsync_file(tmp / f)
+                    files[f] = {"size": (tmp / f).stat().st_size, "sha256": _sha256(tmp / f)}
+        except OSError as e:
+            problem = e
+        reports = distributed.gather_objects((files, problem))
+        _agree(next((p for _, p in reports if p is not None), None))
+        if rank == 0:
+            try:
+                listed: dict[str, Any] = {}
+                for f, _ in reports:
+                    listed.update(f)
+                manifest = {"format": FORMAT_VERSION, "layout": SHARDED, "step": step,
+                            "world_size": len(reports), "finite": True, "files": listed}
+                _write_json(tmp / "manifest.json", manifest)
+                _fsync_file(tmp / "manifest.json")
+                _fsync_dir(tmp / DCP_DIR)
+                _fsync_dir(tmp)
+                _replace_dir(tmp, final)
+                _set_latest(root, name)
+                _rotate(root, keep, protect=name)
+            except OSError as e:
+                problem = e
+        _agree(problem)
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _agree(problem: BaseException | None) -> None:
+    """Raise on every rank what went wrong on the first rank where something did."""
+    from .. import distributed
+
+    problems = distributed.gather_objects(problem)
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise first
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Rename ``tmp`` to ``final``; one already there (the same step saved again) is swapped
+    out first and dropped after."""
+    root = final.parent
+    if final.exists():
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    _fsync_dir(root)
+
+
+def _load_sharded(path: Path, dev: str, state: dict[str, Any], safely, *, weights_only: bool,
+                  consolidate: bool, allow_nonfinite: bool) -> Checkpoint:
+    rng = None if weights_only else safely(
+        "rng.pt", lambda p: torch.load(p, map_location="cpu", weights_only=True))
+    if not consolidate:
+        return Checkpoint(path, {}, {}, None, rng, state, sharded=path / DCP_DIR)
+    full = safely(DCP_DIR, read_sharded)
+    model = {k: v.to(dev) for k, v in full["model"].items()}
+    ema = {k: v.to(dev) for k, v in full["ema"].items()}
+    opt = None if weights_only else full.get("optimizer")
+    bad = nonfinite_tensors(model) + [f"ema:{k}" for k in nonfinite_tensors(ema)]
+    if bad and not allow_nonfinite:
+        raise CheckpointError(f"{path}: {nonfinite_message(bad)}")
+    return Checkpoint(path, model, ema, opt, rng, state, nonfinite=bad)
+
+
+def read_sharded(folder: Path) -> dict[str, Any]:
+    """Every tensor of a DCP folder, whole, in this process (no process group needed): the
+    consolidated ``{"model", "ema", "optimizer"}`` of a sharded checkpoint, on the CPU.
+    DCP's ``.metadata`` is unpickled here: call it on verified checkpoints only."""
+    # DCP's own consolidation (what its dcp_to_torch_save does, without the extra file):
+    # the empty-state planner reads every tensor in the metadata, whole
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    out: dict[str, Any] = {}
+    _load_state_dict(out, storage_reader=FileSystemReader(str(folder)),
+                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    return out
+
+
+def load_sharded_into(folder: Path, *, model: torch.nn.Module, ema: torch.nn.Module,
+                      optimizer: torch.optim.Optimizer) -> None:
+    """Load a sharded checkpoint's DCP folder into a live run's model, EMA and optimizer,
+    whatever their layout: FSDP over any number of ranks (DCP reads each rank's part,
+    resharding), or a plain model in one process or under DDP (full tensors). Every rank
+    of the run calls it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    from .. import distributed
+
+    want = _dcp_state(model, ema, optimizer)
+    dcp.load(want, checkpoint_id=str(folder), no_dist=not distributed.active()
+             and not _group_exists())
+    set_model_state_dict(model, want["model"])
+    set_model_state_dict(ema, want["ema"])
+    set_optimizer_state_dict(model, optimizer, want["optimizer"])
+
+
+def _group_exists() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def load_full_into(c: Checkpoint, *, model: torch.nn.Module, ema: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer) -> None:
+    """Load a plain (one-file-per-part) checkpoint ``c`` into a sharded run: each rank takes
+    its shards of the full tensors (a DDP run continued with train.parallel=fsdp). The
+    optimizer's state is matched to the parameters by position, as it was saved."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    full = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, c.model, options=full)
+    set_model_state_dict(ema, c.ema, options=full)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    saved = c.optimizer or {"state": {}, "param_groups": []}
+    by_name = {"state": {names[int(i)]: v for i, v in saved["state"].items()},
+               "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]}
+                                for g in saved["param_groups"]]}
+    set_optimizer_state_dict(model, optimizer, by_name, options=full)

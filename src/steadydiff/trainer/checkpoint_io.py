@@ -62,9 +62,13 @@ class CheckpointIO:
         """
         s = self.state
         s.weights.verify(s)
-        model, ema = s.weights.tensors(s)
         step = s.step
         parts = {**self.parts(), **({"abort": abort} if abort else {})}
+        if s.sharded:  # FSDP: every rank writes its shards (trainer/checkpoint.py)
+            return ckpt.save_sharded(root, step, model=s.model, ema=s.ema.module,
+                                     optimizer=s.optimizer, state=parts, keep=keep,
+                                     on_file=lambda _name: s.faults.kill(step, "in_checkpoint"))
+        model, ema = s.weights.tensors(s)
         posthoc = s.ema.posthoc
         return ckpt.save_checkpoint(root, step, model=model, ema=ema, optimizer=s.optimizer,
                                     state=parts, keep=keep,
@@ -76,12 +80,18 @@ class CheckpointIO:
         """Load checkpoint ``c`` into a freshly built state (weights, optimizer, RNG,
         counters, and the parts that keep their own state)."""
         s = self.state
-        s.weights.restore(s, c)
         # the AdamW kernel is this run's (optim.fused, a speed key safe to change on resume),
         # not the checkpoint's: load_state_dict would put the saved groups' choice back
         kernel = [{k: g[k] for k in ("fused", "foreach") if k in g}
                   for g in s.optimizer.param_groups]
-        s.optimizer.load_state_dict(c.optimizer)
+        if c.sharded is not None:  # DCP: into this run's layout, sharded or not (resharded)
+            ckpt.load_sharded_into(c.sharded, model=s.model, ema=s.ema.module,
+                                   optimizer=s.optimizer)
+        elif s.sharded:  # a plain checkpoint continued with train.parallel=fsdp
+            ckpt.load_full_into(c, model=s.model, ema=s.ema.module, optimizer=s.optimizer)
+        else:
+            s.weights.restore(s, c)
+            s.optimizer.load_state_dict(c.optimizer)
         for g, k in zip(s.optimizer.param_groups, kernel):
             g.update(k)
             for p in g["params"] if g.get("fused") else ():  # fused: steps on the device

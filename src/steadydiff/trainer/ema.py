@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..config import TrainConfig
+from ..sharding import local
 from .posthoc import PowerProfiles, gated_weight
 
 
@@ -66,8 +67,9 @@ class EMA:
         if self._src is None:  # the trainable parameters only (frozen ones are shared)
             dst = dict(self.module.named_parameters())
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            self._src = [p for _, p in named]
-            self._dst = [dst[n] for n, _ in named]
+            # FSDP: the model and the EMA are sharded alike; each rank averages its shards
+            self._src = [local(p) for _, p in named]
+            self._dst = [local(dst[n]) for n, _ in named]
         if self.posthoc is not None:
             self.posthoc.update(self._src, gate)
         if step < self.start:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Literal
 import torch
 from tqdm import tqdm
 
-from .. import distributed, preflight, seeding
+from .. import distributed, preflight, seeding, sharding
 from ..adapters import AdapterRun
 from ..config import Config, ConfigError, config_diff, validate
 from ..data import make_loader, source_of
@@ -197,7 +197,7 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
     if every and (step + 1) % every == 0:  # per-layer gradient norms, before clipping
         grads = [p.grad if p.grad is not None else torch.zeros_like(p)
                  for p in model.parameters() if p.requires_grad]
-        layer_grads = torch.stack(torch._foreach_norm(grads))
+        layer_grads = sharding.norms(grads)  # FSDP: over every rank's shards
         if state.scaler:
             layer_grads = layer_grads / state.scaler.get_scale()
 
@@ -348,7 +348,18 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
         checkpointing = enable_checkpointing(model)
     if cfg.train.channels_last:  # conv weights NHWC (4-D tensors only), before EMA copies
         model = model.to(memory_format=torch.channels_last)
+    fsdp = cfg.train.parallel == "fsdp"
+    if fsdp and ctx.enabled:  # every rank shards rank 0's weights (DDP broadcasts its own)
+        distributed.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
     ema = EMA.from_config(model, cfg.train)
+    sharded = None
+    if fsdp:  # before the optimizer: it holds the sharded parameters
+        t = cfg.train
+        units = sharding.shard(model, device, precision=t.precision, offload=t.fsdp_offload)
+        sharding.shard(ema.module, device, precision=t.precision, offload=t.fsdp_offload)
+        sharded = (f"FSDP2 over {ctx.world_size} rank(s), {units} blocks + the root"
+                   + (f", {t.precision} gathered weights" if t.precision == "bf16" else "")
+                   + (", shards offloaded to CPU memory" if t.fsdp_offload else ""))
     optimizer = build_optimizer(model, cfg.optim)
     return TrainState(
         cfg=cfg, model=model, ema=ema, weights=weights, optimizer=optimizer,
@@ -358,7 +369,8 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
         update=Update(model, optimizer, clip_mode=cfg.optim.clip_mode,
                       clip=cfg.optim.grad_clip, ema=ema),
         rank=ctx.rank, world_size=ctx.world_size,
-        faults=make_injector(cfg.faults, ctx.rank), media=media, checkpointing=checkpointing)
+        faults=make_injector(cfg.faults, ctx.rank), media=media, checkpointing=checkpointing,
+        sharded=sharded)
 
 
 def attach_guard(state: TrainState, run_dir: Path | None,
@@ -390,10 +402,11 @@ def save(state: TrainState, run: RunDir | Path) -> Path | None:
     (returns None) and stopping (raises :class:`CheckpointSaveError`).
 
     Under torchrun rank 0 writes (the replicas are identical) and tells every rank the
-    outcome, so all of them go on, or all raise the same error, together."""
+    outcome, so all of them go on, or all raise the same error, together; under FSDP every
+    rank writes its own shards and the outcome is agreed in the writer."""
     run = run if isinstance(run, RunDir) else RunDir(run)
-    if state.world_size == 1:
-        return _save(state, run)
+    if state.world_size == 1 or state.sharded:  # FSDP: every rank writes its shards, and
+        return _save(state, run)                # every rank gets the same outcome
     outcome: tuple[str, Any] | None = None
     if state.rank == 0:
         try:
@@ -620,7 +633,8 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
         raise ConfigError("--grow-resolution continues a checkpoint at a larger size; "
                           f"{'--restart' if restart else '--no-resume'} starts over: choose one")
     owned = not (torch.distributed.is_available() and torch.distributed.is_initialized())
-    ctx, device = distributed.setup(cfg.train.device, cfg.train.dist_timeout)
+    ctx, device = distributed.setup(cfg.train.device, cfg.train.dist_timeout,
+                                    group_of_one=cfg.train.parallel == "fsdp")
     try:
         with distributed.Watchdog(cfg.train.watchdog_timeout if ctx.enabled else 0,
                                   ctx.rank) as watchdog, \
@@ -709,7 +723,8 @@ def _resume(state: TrainState, source: Path, allow_config_change: bool,
     checkpoint and, with ``grow`` and a larger ``data.image_size``, the resolution change
     still to carry out (:func:`~steadydiff.trainer.resolution.apply_growth`)."""
     cfg, world = state.cfg, state.world_size
-    c = ckpt.load_checkpoint(source, state.device)
+    # a sharded checkpoint's tensors go straight into this run's state (CheckpointIO)
+    c = ckpt.load_checkpoint(source, state.device, consolidate=False)
     if "posthoc_ema" in c.state:  # its EMA is a reconstruction: resuming would average on it
         raise ckpt.CheckpointError(
             f"{source} is a post-hoc EMA checkpoint (`steadydiff ema`), for sampling and "
@@ -801,7 +816,9 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         source = _resume_source(run, resume, main, restart)
     c, growth = (_resume(state, source, allow_config_change, say, grow) if source is not None
                  else (None, None))
-    if ctx.enabled:
+    if state.sharded:
+        say(f"sharding: {state.sharded}")
+    elif ctx.enabled:
         state.ddp = distributed.wrap(state.model, device)  # broadcasts rank 0's weights
     compile_forward(state)  # train.compile: lazy, the first step compiles
     guard = attach_guard(state, run_dir if main else None, data, defer=True)
@@ -880,10 +897,11 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
                     next_pos = state.batches_consumed
             out.final_checkpoint()
     except GuardAbort as e:
-        if main:
+        if main or state.sharded:  # FSDP: the abort point's checkpoint is every rank's
             # a changed adapter base is refused by every save: no abort point to write
             keep = e.incident is None or e.incident.kind != "adapter_base_modified"
             e.abort_point = abort_point(state, run, str(e), say, write=keep)
+        if main:
             _finish(state, run, "aborted", reason=str(e), tb=out.tb, abort=e.abort_point)
         # torchrun ends the group as soon as one worker exits non-zero: every rank waits
         # until rank 0 has written the abort point, summary.json and the report
@@ -993,9 +1011,11 @@ class _Outputs:
         written when the resumed run finishes."""
         state, main, tcfg = self.state, self.main, self.state.cfg.train
         step, out = state.step, self.window[-1]
-        if out.layer_grad_norms is not None and main:  # a layer-statistics step
-            self.layers.write(json.dumps(telemetry.layer_stats(state, out)) + "\n")
-            self.layers.flush()
+        if out.layer_grad_norms is not None and (main or state.sharded):  # layer statistics
+            row = telemetry.layer_stats(state, out)  # FSDP: collectives, on every rank
+            if main:
+                self.layers.write(json.dumps(row) + "\n")
+                self.layers.flush()
         if step % state.cfg.logging.log_every == 0 or done:
             now = time.perf_counter()
             row = telemetry.metrics_row(state, self.window, (now - self.tick) / len(self.window),
@@ -1022,9 +1042,11 @@ class _Outputs:
                 distributed.broadcast_object(state.evaluator.state_dict()))
             done = done or state.evaluator.stopped
         if (tcfg.sample_every and step % tcfg.sample_every == 0 or done and not interrupted) \
-                and main:
+                and (main or state.sharded):  # FSDP: the sharded EMA samples on every rank
             self.watchdog.beat(f"sample grid at step {step}")
-            self.samples.append(write_sample_grid(state, self.run.sample_grid(step), self.tb))
+            path = write_sample_grid(state, self.run.sample_grid(step), self.tb, write=main)
+            if main:
+                self.samples.append(path)
         if main:
             # before the checkpoint, whose state lists it; not at an interrupt (the run that
             # was never interrupted has none there: resume gives the same snapshots)
@@ -1105,12 +1127,17 @@ def _finish(state: TrainState, run: RunDir, status: str, reason: str | None = No
 
 
 @torch.no_grad()
-def write_sample_grid(state: TrainState, path: Path, tb: telemetry.TensorBoard | None = None
-                      ) -> Path:
+def write_sample_grid(state: TrainState, path: Path, tb: telemetry.TensorBoard | None = None,
+                      write: bool = True) -> Path:
     """Sample with the config's sampler and save a PNG grid (and add it to ``tb``): a text
     run's validation prompts (trainer/validation.py), else one column per class or
-    unconditional samples, from the EMA weights (``sample.use_ema``)."""
+    unconditional samples, from the EMA weights (``sample.use_ema``). ``write=False``
+    samples without saving (an FSDP rank other than 0: its forward passes are collectives
+    the saving rank needs)."""
     s = state.cfg.sample
+    if state.media.text and not write:
+        raise ValueError("a text run's grid is rendered by one process (FSDP is refused for "
+                         "Stable Diffusion models)")
     if state.media.text:
         validation.safe_render(state, path, tb)
     else:
@@ -1122,7 +1149,8 @@ def write_sample_grid(state: TrainState, path: Path, tb: telemetry.TensorBoard |
                        sampler=s.sampler, steps=s.steps, y=y, cfg_scale=s.cfg_scale,
                        eta=s.eta, generator=seeding.generator(state.device, s.seed),
                        device=state.device)
-        save_grid(x, path, nrow=grid_nrow(s.num, model.num_classes))
+        if write:
+            save_grid(x, path, nrow=grid_nrow(s.num, model.num_classes))
     if tb is not None and path.is_file():
         tb.image(path, state.step)
     return path

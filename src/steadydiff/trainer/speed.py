@@ -59,6 +59,8 @@ def resolve(cfg: Config, device: torch.device) -> tuple[Config, list[str]]:
     chosen: dict[str, object] = {}
     if t.precision == "auto":
         chosen["train.precision"] = resolve_precision("auto", device)
+        if chosen["train.precision"] == "fp16" and t.parallel == "fsdp":
+            chosen["train.precision"] = "fp32"  # no sharded grad scaler (config.py)
     if o.fused == "auto":
         chosen["optim.fused"] = device.type in FUSED_DEVICES
     if t.channels_last == "auto":
@@ -70,6 +72,9 @@ def resolve(cfg: Config, device: torch.device) -> tuple[Config, list[str]]:
     notes = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in chosen.items()]
     if chosen.get("train.precision") == "fp16":
         notes[0] += " (no native bf16 on this GPU; with the grad scaler)"
+    elif "train.precision" in chosen and t.parallel == "fsdp" and cuda \
+            and chosen["train.precision"] == "fp32":
+        notes[0] += " (no native bf16 on this GPU, and FSDP takes no fp16)"
     try:
         return replace(cfg, chosen), notes
     except ConfigError as e:  # a rule the chosen value breaks: say where the value came from

@@ -48,6 +48,8 @@ class TrainState:
     rank: int = 0
     world_size: int = 1
     ddp: nn.Module | None = None  # the DistributedDataParallel wrapper under torchrun
+    # train.parallel=fsdp: how the model and EMA are sharded (for the log); None: not sharded
+    sharded: str | None = None
     # torch.compile of the training forward (train.compile; trainer/compilation.py): shares
     # the model's parameters, is never saved
     compiled: nn.Module | None = None

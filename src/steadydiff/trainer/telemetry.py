@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from .. import distributed, hostsync
+from .. import distributed, hostsync, sharding
 from ..config import ConfigError
 from ..guard import probes
 from ..rundir import RunDir
@@ -114,7 +114,7 @@ def layer_stats(state: TrainState, out: StepOutput) -> dict[str, Any]:
     the step), weight norms, and the attention/normalization probes (one extra forward)."""
     names = [n for n, p in state.model.named_parameters() if p.requires_grad]
     params = [p for p in state.model.parameters() if p.requires_grad]
-    weights = hostsync.values(torch.stack(torch._foreach_norm(params)).float())
+    weights = hostsync.values(sharding.norms(params))  # FSDP: over every rank's shards
     row: dict[str, Any] = {"step": state.step,
                            "weight_norm": dict(zip(names, weights))}
     if out.layer_grad_norms is not None:
