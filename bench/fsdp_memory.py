@@ -57,8 +57,7 @@ def worker(out: str, overrides: list[str]) -> None:
             weights=sharding.local_bytes(state.update.params),
             optimizer=sharding.local_bytes(opt),
             ema=sharding.local_bytes(state.ema.module.parameters()),
-            snapshots=sum(sum(t.numel() * t.element_size() for t in _tensors(s))
-                          for s in state.guard.ring.ring) if state.guard else 0,
+            snapshots=sharding.nested_bytes(list(state.guard.ring.ring)) if state.guard else 0,
             snapshots_kept=len(state.guard.ring) if state.guard else 0,
             params=sum(p.numel() for p in state.update.params),
             rank=state.rank, world=state.world_size)
@@ -69,22 +68,6 @@ def worker(out: str, overrides: list[str]) -> None:
         cli_main(["train", str(CONFIG), "--out", run, "--set", *overrides])
     seen["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     Path(f"{out}.rank{seen.get('rank', distributed.rank())}").write_text(json.dumps(seen))
-
-
-def _tensors(obj):
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for k in ("model", "ema", "optimizer"):
-            yield from _tensors(getattr(obj, k, None))
 
 
 def run_variant(parallel: str, world: int, overrides: list[str]) -> list[dict]:

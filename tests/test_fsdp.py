@@ -77,6 +77,12 @@ def test_fsdp_matches_one_process_and_checkpoints_are_sharded(fsdp2, single):
     # and every rank ended holding the same whole state (its shards gathered)
     (r0, r1), (s0, s1) = ranks(fsdp2)
     assert same(r0, r1) and s0["incidents"] == s1["incidents"] == []
+    # what rank 0 held: about half of every tensor, the snapshots too
+    mem = json.loads((fsdp2 / "summary.json").read_text())["sharded_memory"]
+    full = sum(v.numel() * 4 for k, v in r0.items() if k.startswith("model."))
+    assert mem["world_size"] == 2 and 0.3 < mem["weights_bytes"] / full < 0.7
+    assert mem["optimizer_bytes"] >= 2 * mem["weights_bytes"]  # AdamW's two moments
+    assert mem["snapshots_kept"] >= 1 and 0 < mem["snapshots_bytes"] < 6 * full
 
 
 def test_nan_on_one_ranks_shard_makes_every_rank_act_together(tmp_path, fsdp2):
@@ -200,3 +206,22 @@ def test_export_a_sharded_run_as_one_file_and_sample_it(tmp_path, fsdp2):
     assert torch.equal(a, b)
     assert cli(["export", str(fsdp2), "--out", str(tmp_path / "model.pt")]) == 2
     assert not (tmp_path / "model.pt").exists()
+
+
+@pytest.mark.slow
+def test_a_plain_checkpoint_continues_sharded(tmp_path, single):
+    """A one-process run's checkpoint (one file per part) continued by 2 FSDP ranks: each
+    rank takes its shards of the weights, EMA and AdamW moments (matched by position), and
+    the continued run follows the plain one to rounding (wrong moments would not)."""
+    out = tmp_path / "cont"
+    (out / "checkpoints").mkdir(parents=True)
+    src = single / "checkpoints" / "step_00000004"
+    shutil.copytree(src, out / "checkpoints" / src.name)
+    shutil.copy(single / "config.yaml", out / "config.yaml")
+    rc, log = launch(out, *FSDP)
+    assert rc == 0, log
+    assert "resumed from" in log and "sharding: FSDP2 over 2 rank(s)" in log
+    final = f"step_{STEPS:08d}"
+    diff = max_diff(consolidated(out / "checkpoints" / final),
+                    consolidated(single / "checkpoints" / final))
+    assert diff < 1e-5, diff

@@ -28,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 __all__ = ["is_sharded", "local", "any_sharded", "norms", "total_norm", "all_finite",
-           "shard", "shard_units", "mesh", "load_local", "local_bytes"]
+           "shard", "shard_units", "mesh", "load_local", "local_bytes", "nested_bytes"]
 
 
 def is_sharded(t: Any) -> bool:
@@ -150,3 +150,17 @@ def load_local(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes this rank holds of ``tensors`` (a DTensor counts its shard only)."""
     return sum(local(t).numel() * local(t).element_size() for t in tensors)
+
+
+def nested_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a nested structure of dicts, lists, tuples and dataclasses (a
+    snapshot, a state dict), a DTensor counting its shard only."""
+    if isinstance(obj, torch.Tensor):
+        return local_bytes([obj])
+    if isinstance(obj, dict):
+        return sum(nested_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(nested_bytes(v) for v in obj)
+    if hasattr(obj, "__dataclass_fields__"):
+        return sum(nested_bytes(getattr(obj, k)) for k in obj.__dataclass_fields__)
+    return 0

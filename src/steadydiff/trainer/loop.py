@@ -79,7 +79,9 @@ RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints"
                # speed only: the same math, rounded differently at most (docs/speed.md)
                "optim.fused", "train.channels_last", "train.tf32", "data.pin_memory",
                # the same math in other kernels: a resumed run matches to rounding
-               "train.compile")
+               "train.compile",
+               # the same math over shards (another reduction order, like a new world size)
+               "train.parallel", "train.fsdp_offload")
 
 
 @dataclass
@@ -1113,7 +1115,8 @@ def _finish(state: TrainState, run: RunDir, status: str, reason: str | None = No
     steps = abort["step"] if abort else state.step  # the abort point moved the state back
     telemetry.write_summary(run.root, status, steps,
                             state.guard.num_incidents if state.guard else 0, summary, reason,
-                            signal=signal, abort=abort, time_budget=budget.summary(state))
+                            signal=signal, abort=abort, time_budget=budget.summary(state),
+                            memory=telemetry.shard_memory(state))
     if summary:
         print(summary)
     if tb:

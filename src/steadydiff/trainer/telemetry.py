@@ -158,16 +158,33 @@ class TensorBoard:
         self.writer.close()
 
 
+def shard_memory(state: TrainState) -> dict[str, Any] | None:
+    """Under FSDP (``train.parallel=fsdp``): the bytes this rank holds of the trainable
+    weights, the AdamW state, the EMA and the guard's rollback snapshots (each rank keeps its
+    own shards of them), for summary.json; None when the model is not sharded."""
+    if not state.sharded:
+        return None
+    opt = [v for st in state.optimizer.state.values() for v in st.values()]
+    ring = list(state.guard.ring.ring) if state.guard is not None else []
+    return {"world_size": state.world_size, "rank": state.rank,
+            "weights_bytes": sharding.local_bytes(state.update.params),
+            "optimizer_bytes": sharding.nested_bytes(opt),
+            "ema_bytes": sharding.local_bytes(state.ema.module.parameters()),
+            "snapshots_bytes": sharding.nested_bytes(ring), "snapshots_kept": len(ring)}
+
+
 def write_summary(run_dir: Path, status: str, steps: int, incidents: int,
                   guard_summary: str | None, reason: str | None = None,
                   signal: str | None = None, abort: dict[str, Any] | None = None,
-                  time_budget: dict[str, Any] | None = None) -> None:
+                  time_budget: dict[str, Any] | None = None,
+                  memory: dict[str, Any] | None = None) -> None:
     """summary.json: how the run ended (``finished``, ``interrupted`` by ``signal``, or
     ``aborted``, with ``abort``: the abort point's checkpoint and the command to resume from
     it, see ``loop.abort_point``; read by the report and the doctor); ``time_budget``
     (``train.max_time`` set): ``{max_time, used, ended}`` in seconds, ``ended`` when the
-    budget ended the run. Written to a temporary file and renamed, so a second signal (an
-    immediate exit) never leaves half a summary."""
+    budget ended the run; ``memory``: a sharded run's :func:`shard_memory`. Written to a
+    temporary file and renamed, so a second signal (an immediate exit) never leaves half a
+    summary."""
     summary: dict[str, Any] = {"status": status, "steps": steps, "incidents": incidents,
                                "guard_summary": guard_summary}
     if reason:
@@ -178,6 +195,8 @@ def write_summary(run_dir: Path, status: str, steps: int, incidents: int,
         summary["abort"] = abort
     if time_budget:
         summary["time_budget"] = time_budget
+    if memory:
+        summary["sharded_memory"] = memory
     path = RunDir(run_dir).summary
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(summary, indent=1))
