@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ...trainer.checkpoint import CheckpointError
-from .folder import SDFolderError, check_folder
+from .folder import SDFolderError, check_folder, is_sdxl_folder
 from .lora_files import LoraFileError, sgm_path
 
 __all__ = ["PICKLES", "is_single_file", "check_single_file", "load_single_file",
@@ -106,6 +106,15 @@ def check_single_file(path: str | Path, config: str | Path | None) -> tuple[Path
         root = check_folder(c, weights=False)
     except SDFolderError as e:
         raise SDFolderError(f"model.single_file_config: {e}") from None
+    if is_sdxl_folder(root):
+        # an SDXL file's second text encoder is in OpenCLIP's layout (fused qkv), which the
+        # export below does not write; reading without writing would leave a full fine-tune
+        # with no file to export, so both wait
+        raise SDFolderError(
+            f"model.single_file_config: {root} is an SDXL folder; SDXL single-file "
+            "checkpoints are not supported yet. Convert the file to a diffusers folder once "
+            "(StableDiffusionXLPipeline.from_single_file(FILE, config=FOLDER, "
+            "local_files_only=True).save_pretrained(OUT)) and set model.pretrained=OUT")
     keys = _keys(f)
     if not any(k.startswith(UNET) for k in keys):
         what = ("a diffusers UNet (its diffusion_pytorch_model.safetensors)"
