@@ -200,7 +200,9 @@ def test_sdxl_lora_with_buckets_resumes_bit_exactly_and_conditions_on_each_crop(
     real = UNet2DConditionModel.forward
 
     def forward(self, sample, timestep, encoder_hidden_states, *a, **kw):
-        seen.append((tuple(sample.shape[-2:]), kw["added_cond_kwargs"]["time_ids"].clone()))
+        if torch.is_grad_enabled():  # training steps (not the final sample grid)
+            seen.append((tuple(sample.shape[-2:]),
+                         kw["added_cond_kwargs"]["time_ids"].clone()))
         return real(self, sample, timestep, encoder_hidden_states, *a, **kw)
 
     monkeypatch.setattr(UNet2DConditionModel, "forward", forward)
@@ -308,3 +310,19 @@ def test_sdxl_vae_honours_force_upcast_and_nonfinite_fp16_latents_are_handled(
     rows = [r for r in incidents(tmp_path / "run") if r["kind"] == "sample_quarantined"]
     assert len(rows) == 1 and rows[0]["evidence"]["source"].endswith("img07.png")
     assert len(list((tmp_path / "run" / "cache" / "latents").rglob("*.safetensors"))) == 7
+
+
+def test_time_ids_without_buckets_follow_the_folders_crop(tmp_path):
+    """Without buckets each item's time ids are its original size and the centre crop the
+    folder makes (shorter side to S, centre square), or (h, w, 0, 0, S, S) when it squashes."""
+    from steadydiff.config import load_config
+    from steadydiff.data import build_dataset
+    from steadydiff.data.captions import build_captioned
+    from steadydiff.integrations.sd.sdxl import item_time_ids
+
+    data = mixed(tmp_path / "images", 3)  # 64x32, 32x64, 48x48 (w x h)
+    cfg = load_config("configs/sd_lora.yaml", [f"data.path={data}", "data.image_size=32"])
+    ds = build_captioned(cfg.data, build_dataset(cfg.data, seed=0), seed=0)
+    assert item_time_ids(ds, 32, True).tolist() == [
+        [32, 64, 0, 16, 32, 32], [64, 32, 16, 0, 32, 32], [48, 48, 0, 0, 32, 32]]
+    assert item_time_ids(ds, 32, False)[:, 2:4].eq(0).all()
