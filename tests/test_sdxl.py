@@ -111,6 +111,11 @@ def test_refiner_and_single_files_are_refused_by_name(xl_dir, tmp_path):
     save_file({"model.diffusion_model.x": torch.zeros(1)}, f)
     with pytest.raises(SDFolderError, match="SDXL single-file checkpoints are not supported"):
         _build(sd_config(f, shapes(tmp_path / "i", 2), f"model.single_file_config={xl_dir}"))
+    from steadydiff.integrations.sd.export import export
+
+    with pytest.raises(ckpt.CheckpointError, match="SDXL model has no single-file export"):
+        export(xl_dir, tmp_path / "out.safetensors")
+    assert not (tmp_path / "out.safetensors").exists()
 
 
 def test_sdxl_lora_loads_in_diffusers_in_both_formats_and_draws_the_same_image(xl_dir,
@@ -142,6 +147,12 @@ def test_sdxl_lora_loads_in_diffusers_in_both_formats_and_draws_the_same_image(x
     assert {k.split("_")[1] for k in kkeys} == {"unet", "te1", "te2"}
     assert any(k.startswith("lora_unet_input_blocks_") for k in kkeys)
 
+    from steadydiff.cli import main
+
+    png = tmp_path / "s.png"
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "a blue circle", "--num", "2",
+                 "--steps", "2", "--out", str(png), "--device", "cpu"]) == 0
+    assert Image.open(png).size[0] >= 32
     ours = steadydiff.load(tmp_path / "run", device="cpu", use_ema=False)
     z = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(3))
     x, _ = ours.sample(prompt="a red square", negative_prompt=None, sampler="ddim", steps=4,
@@ -192,6 +203,9 @@ def mixed(root: Path, n: int = 8) -> Path:
 @pytest.mark.slow
 def test_sdxl_lora_with_buckets_resumes_bit_exactly_and_conditions_on_each_crop(
         xl_dir, tmp_path, monkeypatch):
+    """Mixed aspect ratios in buckets, the LoRA on the UNet and both text encoders: every
+    step's batch is one bucket, the UNet gets each image's crop as its time ids, and a run
+    resumed mid-epoch equals an uninterrupted one bit for bit."""
     from diffusers import UNet2DConditionModel
 
     from steadydiff.data.buckets import bucket_layout
@@ -210,7 +224,7 @@ def test_sdxl_lora_with_buckets_resumes_bit_exactly_and_conditions_on_each_crop(
     fixed = ("optim.schedule=constant", "data.buckets=true", "data.bucket_step=16",
              "data.bucket_min_side=16", "data.bucket_max_side=64", "data.bucket_crop=random",
              f"data.cache_dir={tmp_path / 'cache'}", "train.checkpoint_every=3",
-             "optim.lr=0.01")
+             "optim.lr=0.01", "adapter.text_encoder=true")  # token ids + time ids in y
     straight = steadydiff.train(sd_config(xl_dir, data, *fixed, "train.steps=6"),
                                 out_dir=tmp_path / "straight")
     assert np.isfinite(straight.final_loss)
@@ -235,6 +249,7 @@ def test_sdxl_lora_with_buckets_resumes_bit_exactly_and_conditions_on_each_crop(
     a = ckpt.load_checkpoint(straight.checkpoint, "cpu", weights_only=True)
     b = ckpt.load_checkpoint(resumed.checkpoint, "cpu", weights_only=True)
     assert a.model.keys() == b.model.keys() and a.model
+    assert {k.split(".")[0] for k in a.model} == {"unet", "text_encoder", "text_encoder_2"}
     ups = [k for k in a.model if "lora_B" in k]
     assert ups and any(a.model[k].abs().max() > 0 for k in ups)  # the LoRA trained
     for k in a.model:

@@ -530,44 +530,47 @@ class TextToImage:
             self.latent_channels = int(vae.config.latent_channels)
 
     # -- text
-    def tokenize(self, prompts: list[str], time_ids: bool = True) -> Tensor:
+    def tokenize(self, prompts: list[str]) -> Tensor:
         """(B, L) long token ids, padded to the max length and truncated (as diffusers);
-        SDXL: (B, L1 + L2 [+ 6]) both tokenizers' ids [and the zero time-ids slot]."""
+        SDXL: (B, L1 + L2 + 6) both tokenizers' ids and the zero time-ids slot."""
         ids = self.tokenizer(list(prompts), padding="max_length", truncation=True,
                              max_length=self.context_len, return_tensors="pt").input_ids
         if self.sdxl is None:
             return ids
         ids_2 = self.tokenizer_2(list(prompts), padding="max_length", truncation=True,
                                  max_length=self.sdxl.ids_len[1], return_tensors="pt").input_ids
-        rest = [torch.zeros(len(ids), TIME_IDS, dtype=ids.dtype)] if time_ids else []
-        return torch.cat([ids, ids_2, *rest], dim=1)
+        return torch.cat([ids, ids_2, torch.zeros(len(ids), TIME_IDS, dtype=ids.dtype)], dim=1)
 
     @torch.no_grad()
-    def encode_prompts(self, prompts: list[str], time_ids: bool = True) -> Tensor:
+    def encode_prompts(self, prompts: list[str]) -> Tensor:
         """(B, L, D) float32: the text encoder's last hidden state, as diffusers'
         StableDiffusionPipeline conditions the UNet; with ``tokens`` (the model trains its
         own text encoder) the (B, L) token ids it encodes itself. SDXL: the packed
         condition (B, L + R + 1, D) of ``StableDiffusionXLPipeline.encode_prompt`` with the
-        zero time-ids slot (the drawn size), or without ``time_ids`` its text rows
-        (B, L + R, D) (what the cache holds; each sample's ids are added per item)."""
+        zero time-ids slot (the drawn size); :meth:`text_part` is its text (what the cache
+        holds: each sample's own time ids are added per item)."""
+        ids = self.tokenize(prompts).to(self.device)
         if self.tokens:
-            return self.tokenize(prompts, time_ids).to(self.device)
-        ids = self.tokenize(prompts, time_ids=False).to(self.device)
+            return ids
         if self.sdxl is not None:
             ids_1, ids_2, _ = self.sdxl.unpack_ids(ids)
-            y = self.sdxl.pack(*encode_sdxl(self.text_encoder, self.text_encoder_2, ids_1,
-                                            ids_2))
-            return y if time_ids else y[:, :self.sdxl.text_rows]
+            return self.sdxl.pack(*encode_sdxl(self.text_encoder, self.text_encoder_2, ids_1,
+                                               ids_2))
         mask = None
         if getattr(self.text_encoder.config, "use_attention_mask", False):
             mask = (ids != self.tokenizer.pad_token_id).long().to(self.device)
         out = self.text_encoder(ids, attention_mask=mask)[0]
         return out.float()
 
+    def text_part(self, y: Tensor) -> Tensor:
+        """The text of a condition from :meth:`encode_prompts` or :meth:`tokenize` (SDXL:
+        without the time-ids slot; else ``y`` itself)."""
+        return y if self.sdxl is None else y[:, :self.sdxl.rows_of(y)]
+
     def null_text(self) -> Tensor:
         """(L, D) float32, the text rows of the null condition: the empty caption's
         encoding, or zeros for an SDXL pipeline with ``force_zeros_for_empty_prompt``."""
-        null = self.encode_prompts([""], time_ids=False)[0].float()
+        null = self.text_part(self.encode_prompts([""]))[0].float()
         return torch.zeros_like(null) if self.force_zeros and null.is_floating_point() \
             else null
 

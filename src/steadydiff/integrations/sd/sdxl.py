@@ -53,9 +53,13 @@ def encode_sdxl(text_encoder: nn.Module, text_encoder_2: nn.Module, ids: Tensor,
     return torch.cat([h1, out2.hidden_states[-2]], dim=-1), out2[0]
 
 
-def default_time_ids(h: int, w: int, n: int, device: torch.device) -> Tensor:
-    """(n, 6) float32 ``(h, w, 0, 0, h, w)``: an uncropped image drawn at its own size."""
-    return torch.tensor([h, w, 0, 0, h, w], dtype=torch.float32, device=device).expand(n, -1)
+def default_time_ids(h: int, w: int, n: int, device: torch.device | str) -> Tensor:
+    """(n, 6) float32 ``(h, w, 0, 0, h, w)``: an uncropped image drawn at its own size.
+    Filled on ``device`` (no host-to-device copy: it runs in every step)."""
+    out = torch.zeros(n, TIME_IDS, device=device)
+    for col, v in ((0, h), (1, w), (4, h), (5, w)):
+        out[:, col] = v
+    return out
 
 
 @dataclass(frozen=True)

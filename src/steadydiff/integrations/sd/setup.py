@@ -198,7 +198,7 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         if a.kind == "hypernetwork":  # registered after the UNet: its own tensor names
             model.hypernetwork = hyper
         if text_encoder is not None:
-            model.set_null_ids(media.tokenize([""], time_ids=False)[0].to(device))
+            model.set_null_ids(media.text_part(media.tokenize([""]))[0].to(device))
     else:
         tok, te = load_text_parts(m.text_encoder)
         vae = load_vae(m.vae) if m.vae else None
@@ -270,7 +270,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
         texts = token_ids(media, captions)
     else:
         # SDXL: the text rows (both encoders + pooled); the time ids are added per item
-        texts = encode_texts(captions, lambda p: media.encode_prompts(p, time_ids=False),
+        texts = encode_texts(captions, lambda p: media.text_part(media.encode_prompts(p)),
                              encoder_id=media.text_identity(), cache_dir=cache_dir)
         if media.force_zeros:  # caption dropout trains the null condition guidance uses
             texts.null = torch.zeros_like(texts.null)
@@ -344,9 +344,9 @@ def token_ids(media: TextToImage, captions: list[str]) -> TextResult:
     with its LoRA encodes them in the step)."""
     distinct = list(dict.fromkeys(captions))
     row = {c: i for i, c in enumerate(distinct)}
-    return TextResult(contexts=media.tokenize(distinct, time_ids=False), captions=distinct,
+    return TextResult(contexts=media.text_part(media.tokenize(distinct)), captions=distinct,
                       caption_index=torch.tensor([row[c] for c in captions]),
-                      null=media.tokenize([""], time_ids=False)[0])
+                      null=media.text_part(media.tokenize([""]))[0])
 
 
 def record_quarantine(guard, encoded: EncodedDataset) -> None:

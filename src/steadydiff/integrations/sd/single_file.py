@@ -39,7 +39,7 @@ from torch import Tensor, nn
 
 from ...trainer.checkpoint import CheckpointError
 from .folder import SDFolderError, check_folder, is_sdxl_folder
-from .lora_files import LoraFileError, sgm_path
+from .lora_files import LoraFileError, is_sdxl, sgm_path
 
 __all__ = ["PICKLES", "is_single_file", "check_single_file", "load_single_file",
            "to_original", "write_single_file", "export_single_file", "UNET", "VAE",
@@ -306,6 +306,11 @@ def export_single_file(out: str | Path, unet: nn.Module, vae: nn.Module | None,
     floating-point tensor."""
     from safetensors import safe_open
 
+    if is_sdxl(unet):
+        raise CheckpointError(
+            "an SDXL model has no single-file export yet (its second text encoder's "
+            "OpenCLIP layout is not written): use the diffusers folder (RUN/model for a "
+            "full fine-tune); StableDiffusionXLPipeline.from_pretrained loads it")
     if base_file is not None:
         tensors = to_original(unet)
         with safe_open(str(base_file), framework="pt") as h:
