@@ -96,7 +96,7 @@ def test_conditioning_equals_the_pipelines_encode_prompt_and_unet_call(xl_dir, t
     assert (ours - default).abs().max() > 1e-4  # the time ids matter
 
 
-def test_refiner_and_single_files_are_refused_by_name(xl_dir, tmp_path):
+def test_the_refiner_is_refused_by_name(xl_dir, tmp_path):
     ref = tmp_path / "refiner"
     shutil.copytree(xl_dir, ref)
     index = json.loads((ref / "model_index.json").read_text())
@@ -105,17 +105,60 @@ def test_refiner_and_single_files_are_refused_by_name(xl_dir, tmp_path):
     (ref / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(SDFolderError, match="without text_encoder, tokenizer.*refiner"):
         check_folder(ref)
-    f = tmp_path / "xl.safetensors"
-    from safetensors.torch import save_file
 
-    save_file({"model.diffusion_model.x": torch.zeros(1)}, f)
-    with pytest.raises(SDFolderError, match="SDXL single-file checkpoints are not supported"):
-        _build(sd_config(f, shapes(tmp_path / "i", 2), f"model.single_file_config={xl_dir}"))
+
+@pytest.fixture
+def offline(monkeypatch):
+    """A connection attempt fails loudly: the single-file loader must use the local
+    config folder only."""
+    import socket
+
+    def refuse(*a, **k):
+        raise OSError("network access attempted in an offline test")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def test_sdxl_single_file_round_trips_through_diffusers_loader_exactly(xl_dir, tmp_path,
+                                                                       offline):
+    """The folder written as one original-layout SDXL file (conditioner.embedders.0 =
+    CLIP, .1 = OpenCLIP with fused qkv) loads through StableDiffusionXLPipeline's
+    from_single_file with the folder as config to the same tensors, every part."""
+    from safetensors import safe_open
+
     from steadydiff.integrations.sd.export import export
+    from steadydiff.integrations.sd.source import load_parts
 
-    with pytest.raises(ckpt.CheckpointError, match="SDXL model has no single-file export"):
-        export(xl_dir, tmp_path / "out.safetensors")
-    assert not (tmp_path / "out.safetensors").exists()
+    f = export(xl_dir, tmp_path / "xl.safetensors")
+    with safe_open(f, "pt") as h:
+        keys = list(h.keys())
+    assert any(k.startswith("conditioner.embedders.1.model.transformer.resblocks.0.attn."
+                            "in_proj_weight") for k in keys)
+    a, b = load_parts(xl_dir), load_parts(f, xl_dir)
+    for part in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        sa, sb = getattr(a, part).state_dict(), getattr(b, part).state_dict()
+        assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa), part
+    assert b.force_zeros and b.tokenizer_2.pad_token == "!"
+
+
+@pytest.mark.slow
+def test_sdxl_full_fine_tune_from_a_single_file_is_exported_as_one(xl_dir, tmp_path,
+                                                                   offline):
+    from steadydiff.integrations.sd.export import export
+    from steadydiff.integrations.sd.source import load_parts
+
+    f = export(xl_dir, tmp_path / "xl.safetensors")
+    res = steadydiff.train(sd_config(f, shapes(tmp_path / "images"), "adapter.kind=none",
+                                     "train.steps=1", "optim.lr=0.01",
+                                     f"model.single_file_config={xl_dir}"),
+                           out_dir=tmp_path / "run")
+    assert np.isfinite(res.final_loss)
+    base, out = load_parts(f, xl_dir), load_parts(tmp_path / "run" / "model.safetensors", xl_dir)
+    trained = dict(out.unet.named_parameters())
+    assert any(not torch.equal(p, trained[n]) for n, p in base.unet.named_parameters())
+    te2 = dict(out.text_encoder_2.named_parameters())
+    assert all(torch.equal(p, te2[n]) for n, p in base.text_encoder_2.named_parameters())
 
 
 def test_sdxl_lora_loads_in_diffusers_in_both_formats_and_draws_the_same_image(xl_dir,
