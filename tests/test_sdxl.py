@@ -21,7 +21,6 @@ pytest.importorskip("peft")
 import steadydiff  # noqa: E402
 from steadydiff.config import ConfigError  # noqa: E402
 from steadydiff.integrations.sd.folder import SDFolderError, check_folder  # noqa: E402
-from steadydiff.integrations.sd.tiny import make_tiny_sdxl  # noqa: E402
 from steadydiff.trainer import checkpoint as ckpt  # noqa: E402
 
 from test_sd import incidents, sd_config, shapes  # noqa: E402
@@ -29,7 +28,13 @@ from test_sd import incidents, sd_config, shapes  # noqa: E402
 
 @pytest.fixture(scope="module")
 def xl_dir(tmp_path_factory) -> Path:
-    return make_tiny_sdxl(tmp_path_factory.mktemp("sdxl") / "tiny-sdxl", image_size=32)
+    """The tiny SDXL folder, written by the command users run
+    (``python -m steadydiff.integrations.sd.tiny OUT --sdxl``: make_tiny_sdxl)."""
+    from steadydiff.integrations.sd.tiny import main
+
+    out = tmp_path_factory.mktemp("sdxl") / "tiny-sdxl"
+    main([str(out), "--sdxl", "--image-size", "32"])
+    return out
 
 
 def _pipe(root: Path):
