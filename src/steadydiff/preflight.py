@@ -50,7 +50,10 @@ class Preflight:
                    "hypernetwork": f"hypernetwork [1, {cfg.adapter.hidden_mult:g}, 1] "
                                    f"{cfg.adapter.hyper_activation}"}.get(cfg.adapter.kind,
                                                                          "full fine-tune")
-            arch, cond = f"Stable Diffusion UNet of {m.pretrained}, {how}", "text-conditioned"
+            from .integrations.sd.folder import is_sdxl_folder  # no diffusers import
+
+            unet = "SDXL UNet" if is_sdxl_folder(m.pretrained) else "Stable Diffusion UNet"
+            arch, cond = f"{unet} of {m.pretrained}, {how}", "text-conditioned"
         elif m.text_encoder:
             cond = "text-conditioned" + (", latent space" if m.vae else "")
         describe = getattr(self.data, "describe", None)

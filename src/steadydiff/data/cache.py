@@ -585,6 +585,10 @@ class EncodedDataset(Dataset):
             None (or one that varies nothing): every epoch the same caption.
         tokenize: ``list[str] -> (B, L)`` token ids, needed with shuffle (``texts`` then
             holds token ids and the model encodes them in the step).
+        extra: ``(N, k)`` per-item values that ride with the caption's context (SDXL's
+            size/crop ids, each item's own): appended as one more row (its first k
+            columns, the rest zeros) to an ``(L, D)`` context, or as k more ids to token
+            ids ``(L,)``; caption dropout and shuffle change the caption, never them.
 
     Attributes:
         num_classes: 0 (the condition is the context, not a class).
@@ -603,8 +607,12 @@ class EncodedDataset(Dataset):
 
     def __init__(self, source: Dataset, latents: LatentResult | None = None,
                  texts: TextResult | None = None, *, variants: Any = None,
-                 tokenize: Callable[[list[str]], torch.Tensor] | None = None) -> None:
+                 tokenize: Callable[[list[str]], torch.Tensor] | None = None,
+                 extra: torch.Tensor | None = None) -> None:
         n = len(source)
+        if extra is not None and (texts is None or extra.ndim != 2 or len(extra) != n):
+            raise DataError(f"extra per-item values must be (N={n}, k) beside the texts, got "
+                            f"{tuple(extra.shape)}")
         if latents is not None and latents.total != n:
             raise DataError(f"the latents were encoded from {latents.total} items but the "
                             f"dataset has {n}: encode this dataset")
@@ -647,6 +655,7 @@ class EncodedDataset(Dataset):
             if tokenize is None or texts is None:
                 raise ValueError("shuffled captions need texts and a tokenize callable")
             self._captions = [texts.captions[int(r)] for r in self._rows]
+        self._extra = extra[self._index] if extra is not None else None  # (N_kept, k)
         x0 = self._latents[0] if self._latents is not None else self[0][0]
         self.channels, self.image_size = int(x0.shape[0]), int(x0.shape[-1])
         if self.bucket_layout is not None and self._latents is not None:
@@ -657,7 +666,7 @@ class EncodedDataset(Dataset):
     def __len__(self) -> int:
         return len(self._index)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _item(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self._latents is not None:
             x = self._latents[i].clone()  # a copy: an in-place edit must not reach the cache
         else:
@@ -666,18 +675,33 @@ class EncodedDataset(Dataset):
             return x, torch.tensor(0)
         return x, self._contexts[self._rows[i]].clone()
 
+    def _with_extra(self, i: int, ctx: torch.Tensor) -> torch.Tensor:
+        """``ctx`` with item ``i``'s extra values (see ``extra``) appended."""
+        if self._extra is None:
+            return ctx
+        e = self._extra[i]
+        if ctx.ndim == 1:  # token ids
+            return torch.cat([ctx, e.to(ctx.dtype)])
+        row = ctx.new_zeros(1, ctx.shape[1])
+        row[0, :len(e)] = e
+        return torch.cat([ctx, row])
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, ctx = self._item(i)
+        return x, self._with_extra(i, ctx)
+
     def item_at(self, i: int, epoch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Item ``i`` as the data stream's ``(i, epoch)`` key sees it: its caption shuffled
         and/or dropped for that epoch (a pure function of the run seed, ``epoch`` and ``i``);
         without varying captions, ``self[i]``."""
         if self.variants is None or self._contexts is None:
             return self[i]
-        x, ctx = self[i]
+        x, ctx = self._item(i)
         if self._captions is not None:  # shuffle: the epoch's caption as token ids (L,)
-            return x, self._tokenize([self.variants(self._captions[i], i, epoch)])[0]
-        if self.variants.dropped(i, epoch):  # the empty caption's cached embedding
+            ctx = self._tokenize([self.variants(self._captions[i], i, epoch)])[0]
+        elif self.variants.dropped(i, epoch):  # the empty caption's cached embedding
             ctx = self.null_context.clone()
-        return x, ctx
+        return x, self._with_extra(i, ctx)
 
     def source_index(self, i: int) -> int:
         """The index in the source dataset of item ``i``."""

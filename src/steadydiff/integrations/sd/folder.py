@@ -29,8 +29,9 @@ from typing import Any
 
 from ...config import ConfigError
 
-__all__ = ["SDFolderError", "SD_PARTS", "check_folder", "read_json", "diffusion_settings",
-           "SDParts", "load_folder_parts", "load_text_parts", "load_vae"]
+__all__ = ["SDFolderError", "SD_PARTS", "SDXL_PARTS", "check_folder", "read_json",
+           "diffusion_settings", "is_sdxl_folder", "SDParts", "load_folder_parts",
+           "load_text_parts", "load_vae"]
 
 # The parts a Stable Diffusion 1.x/2.x folder must have, and the classes that may fill them
 # (model_index.json names them as [library, class]).
@@ -44,6 +45,13 @@ SD_PARTS: dict[str, tuple[str, ...]] = {
                   "DPMSolverMultistepScheduler", "UniPCMultistepScheduler"),
 }
 SD_PIPELINES = ("StableDiffusionPipeline",)
+# SDXL (Podell et al. 2023): two CLIP text encoders, the second with its projection (the
+# pooled embedding); the base pipeline's layout. The refiner (an Img2Img folder without
+# text_encoder/, conditioned on an aesthetic score) is refused by name.
+SDXL_PARTS: dict[str, tuple[str, ...]] = {
+    **SD_PARTS, "text_encoder_2": ("CLIPTextModelWithProjection",),
+    "tokenizer_2": ("CLIPTokenizer", "CLIPTokenizerFast"),
+}
 SDXL_PIPELINES = ("StableDiffusionXLPipeline", "StableDiffusionXLImg2ImgPipeline")
 
 
@@ -71,15 +79,43 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     return d
 
 
-def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS), *,
+def is_sdxl_folder(root: str | Path) -> bool:
+    """Whether the diffusers folder ``root`` holds an SDXL pipeline (model_index.json's
+    ``_class_name``; the folder is not otherwise checked)."""
+    p = Path(root).expanduser() / "model_index.json"
+    return p.is_file() and read_json(p, "the pipeline's index").get("_class_name") \
+        in SDXL_PIPELINES
+
+
+def _check_sdxl_index(root: Path, index: dict[str, Any]) -> None:
+    """Refuse what an SDXL folder cannot train: the refiner (no first text encoder, an
+    aesthetic-score conditioning), an Img2Img folder without both text encoders."""
+    cls = index.get("_class_name")
+    missing = [p for p in ("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
+               if not (isinstance(index.get(p), list) and index[p][1])]
+    if missing:
+        refiner = " (an SDXL refiner has only text_encoder_2)" if "text_encoder" in missing \
+            else ""
+        raise SDFolderError(f"{root} is an SDXL {cls} folder without {', '.join(missing)}"
+                            f"{refiner}; steadydiff fine-tunes the SDXL base "
+                            "(StableDiffusionXLPipeline: text_encoder + text_encoder_2, "
+                            "tokenizer + tokenizer_2)")
+    if index.get("requires_aesthetics_score"):
+        raise SDFolderError(f"{root}: requires_aesthetics_score is true (an SDXL refiner's "
+                            "aesthetic-score conditioning), which steadydiff does not train; "
+                            "use the SDXL base folder")
+
+
+def check_folder(path: str | Path, parts: tuple[str, ...] | None = None, *,
                  weights: bool = True) -> Path:
-    """Check that ``path`` is a Stable Diffusion 1.x/2.x diffusers folder with ``parts``
-    (and their safetensors weights unless ``weights`` is false: a single file's config).
+    """Check that ``path`` is a Stable Diffusion 1.x/2.x or SDXL diffusers folder with
+    ``parts`` (None: every part of its pipeline, :data:`SD_PARTS` or :data:`SDXL_PARTS`)
+    and their safetensors weights unless ``weights`` is false (a single file's config).
 
     Raises:
         SDFolderError: the path is missing, a file (a single-file checkpoint goes through
             ``source.model_root``), has no or a broken ``model_index.json``, is an SDXL
-            pipeline, or lacks a part (its folder, config or safetensors weights).
+            refiner, or lacks a part (its folder, config or safetensors weights).
     """
     root = Path(path).expanduser()
     if not root.exists():
@@ -93,33 +129,42 @@ def check_folder(path: str | Path, parts: tuple[str, ...] = tuple(SD_PARTS), *,
                   "(written by save_pretrained); is this the right folder?")
     cls = index.get("_class_name")
     if cls in SDXL_PIPELINES:
-        raise SDFolderError(f"{root} is an SDXL model ({cls}); steadydiff fine-tunes Stable "
-                            "Diffusion 1.x/2.x folders (StableDiffusionPipeline) for now")
-    if cls not in SD_PIPELINES:
+        _check_sdxl_index(root, index)
+        table = SDXL_PARTS
+    elif cls in SD_PIPELINES:
+        table = SD_PARTS
+    else:
         raise SDFolderError(f"{root}/model_index.json: _class_name is {cls!r}; expected "
-                            f"{' or '.join(SD_PIPELINES)} (a Stable Diffusion 1.x/2.x folder)")
+                            f"{' or '.join(SD_PIPELINES + SDXL_PIPELINES[:1])} (a Stable "
+                            "Diffusion 1.x/2.x or SDXL folder)")
+    parts = tuple(table) if parts is None else parts
     for part in parts:
         entry = index.get(part)
-        allowed = SD_PARTS[part]
+        allowed = table[part]
         if not (isinstance(entry, list) and len(entry) == 2 and entry[1] in allowed):
             raise SDFolderError(f"{root}/model_index.json: {part!r} is {entry!r}; expected "
                                 f"[library, class] with class {' or '.join(allowed)}")
         sub = root / part
         if not sub.is_dir():
-            raise SDFolderError(f"{sub}/ is missing: a Stable Diffusion folder needs "
+            raise SDFolderError(f"{sub}/ is missing: a {cls} folder needs "
                                 f"{', '.join(p + '/' for p in parts)}")
-        if part == "tokenizer":
+        if part.startswith("tokenizer"):
             if not ((sub / "tokenizer.json").is_file()
                     or ((sub / "vocab.json").is_file() and (sub / "merges.txt").is_file())):
                 raise SDFolderError(f"{sub}/ has neither tokenizer.json nor vocab.json + "
                                     "merges.txt")
             continue
         config = "scheduler_config.json" if part == "scheduler" else "config.json"
-        read_json(sub / config, f"the {part}'s configuration")
+        conf = read_json(sub / config, f"the {part}'s configuration")
+        if part == "unet" and table is SDXL_PARTS and \
+                conf.get("addition_embed_type") != "text_time":
+            raise SDFolderError(f"{sub}/config.json: addition_embed_type is "
+                                f"{conf.get('addition_embed_type')!r}; an SDXL UNet has "
+                                "'text_time' (the pooled text + size/crop conditioning)")
         if part == "scheduler" or not weights:
             continue
-        weights = list(sub.glob("*.safetensors")) + list(sub.glob("*.safetensors.index.json"))
-        if not weights:
+        found = list(sub.glob("*.safetensors")) + list(sub.glob("*.safetensors.index.json"))
+        if not found:
             pickled = [p.name for p in sub.glob("*.bin")]
             hint = (f" (it has {', '.join(pickled)}: pickled weights, which steadydiff never "
                     "unpickles; re-save the model with save_pretrained(..., "
@@ -165,13 +210,18 @@ def diffusion_settings(root: str | Path) -> dict[str, Any]:
 
 @dataclass
 class SDParts:
-    """The loaded parts of a Stable Diffusion folder (frozen ones in eval mode)."""
+    """The loaded parts of a Stable Diffusion folder (frozen ones in eval mode); an SDXL
+    folder's second text encoder (with projection) and tokenizer, and its pipeline's
+    ``force_zeros_for_empty_prompt`` (the null condition is zeros, not the encoded "")."""
 
     root: Path
     unet: Any
     vae: Any
     text_encoder: Any
     tokenizer: Any
+    text_encoder_2: Any = None
+    tokenizer_2: Any = None
+    force_zeros: bool = False
 
 
 def _load(what: str, fn, sub: Path, **kw):
@@ -212,12 +262,23 @@ def load_text_parts(path: str | Path):
 
 
 def load_folder_parts(path: str | Path) -> SDParts:
-    """Every part of the diffusers SD folder at ``path`` (checked first), fp32 on the CPU;
-    the caller moves them and sets their dtypes."""
+    """Every part of the diffusers SD (or SDXL) folder at ``path`` (checked first), fp32 on
+    the CPU; the caller moves them and sets their dtypes."""
     from diffusers import UNet2DConditionModel
+    from transformers import AutoTokenizer, CLIPTextModelWithProjection
 
     root = check_folder(path)
     unet = _load("UNet", UNet2DConditionModel.from_pretrained, root / "unet",
                  use_safetensors=True)
     tok, te = load_text_parts(root)
-    return SDParts(root, unet, load_vae(root), te, tok)
+    parts = SDParts(root, unet, load_vae(root), te, tok)
+    if is_sdxl_folder(root):
+        parts.tokenizer_2 = _load("tokenizer", AutoTokenizer.from_pretrained,
+                                  root / "tokenizer_2")
+        parts.text_encoder_2 = _load("second text encoder",
+                                     CLIPTextModelWithProjection.from_pretrained,
+                                     root / "text_encoder_2", use_safetensors=True).eval()
+        # diffusers' StableDiffusionXLPipeline registers it (default True) in model_index
+        parts.force_zeros = bool(read_json(root / "model_index.json", "the pipeline's index")
+                                 .get("force_zeros_for_empty_prompt", True))
+    return parts

@@ -39,6 +39,8 @@ __all__ = ["is_sdxl", "sgm_path", "kohya_names", "kohya_state_dict", "save_kohya
            "LoraFileError"]
 
 PICKLES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
+# a diffusers LoRA file's prefixes (StableDiffusionXLPipeline.save_lora_weights adds the third)
+_DIFFUSERS = ("unet.", "text_encoder.", "text_encoder_2.")
 
 
 class LoraFileError(ValueError):
@@ -317,14 +319,13 @@ def read_lora_file(path: str | Path) -> LoraFile:
     if all(k.startswith(("lora_unet_", "lora_te")) for k in sd):
         layers = _kohya_layers(f, sd)
         fmt = "kohya"
-    elif all(k.startswith(("unet.", "text_encoder.")) for k in sd):
+    elif all(k.startswith(_DIFFUSERS) for k in sd):
         layers = _diffusers_layers(f, sd, meta)
         fmt = "diffusers"
     else:
-        odd = [k for k in sd if not k.startswith(("lora_unet_", "lora_te", "unet.",
-                                                  "text_encoder."))][:3]
+        odd = [k for k in sd if not k.startswith(("lora_unet_", "lora_te") + _DIFFUSERS)][:3]
         raise LoraFileError(f"{f}: neither kohya (lora_unet_*/lora_te*) nor diffusers "
-                            f"(unet.*/text_encoder.*) LoRA keys, e.g. {odd}")
+                            f"(unet.*/text_encoder.*/text_encoder_2.*) LoRA keys, e.g. {odd}")
     for name, (d, u, _) in layers.items():
         if d.ndim < 2 or u.ndim < 2 or u.shape[1] != d.shape[0]:
             raise LoraFileError(f"{f}: {name}: lora_down {tuple(d.shape)} and lora_up "
@@ -358,12 +359,12 @@ def _diffusers_layers(f: Path, sd: dict[str, Tensor], meta: dict[str, str]
 
     # diffusers' own renames to peft's: the UNet's .lora.down/up, the text encoder's
     # .lora_linear_layer.down/up -> .lora_A/.lora_B
-    unet = convert_unet_state_dict_to_peft({k: v for k, v in sd.items() if k.startswith("unet.")})
-    te = {k: v for k, v in sd.items() if k.startswith("text_encoder.")}
-    peft = {**unet, **(convert_state_dict_to_peft(te) if te else {})}
-    # CLIP paths with their text_model level, whichever transformers wrote the file
-    peft = {("text_encoder." + _clip_path(k[len("text_encoder."):])
-             if k.startswith("text_encoder.") else k): v for k, v in peft.items()}
+    peft = convert_unet_state_dict_to_peft({k: v for k, v in sd.items() if k.startswith("unet.")})
+    for prefix in _DIFFUSERS[1:]:  # text_encoder. and SDXL's text_encoder_2.
+        te = {k: v for k, v in sd.items() if k.startswith(prefix)}
+        # CLIP paths with their text_model level, whichever transformers wrote the file
+        peft.update({prefix + _clip_path(k[len(prefix):]): v
+                     for k, v in (convert_state_dict_to_peft(te) if te else {}).items()})
     alphas: dict[str, float] = {}
     if "lora_adapter_metadata" in meta:  # diffusers' record of each LoraConfig
         for k, conf in json.loads(meta["lora_adapter_metadata"]).items():
@@ -399,15 +400,15 @@ def load_lora_file(path: str | Path, unet: nn.Module,
     lf = read_lora_file(path)
     if lf.format == "kohya":
         ours = {k: m for k, (m, _) in kohya_names(unet, text_encoders).items()}
-    else:
-        tes = [t for t in text_encoders if t is not None]
+    else:  # diffusers: text_encoder.* and (SDXL) text_encoder_2.*, by position
         ours = {f"unet.{n}": m for n, m in _lora_layers(unet).items()}
-        if tes:
-            ours.update({f"text_encoder.{_clip_path(n)}": m
-                         for n, m in _lora_layers(tes[0]).items()})
+        for prefix, te in zip(_DIFFUSERS[1:], text_encoders):
+            if te is not None:
+                ours.update({f"{prefix}{_clip_path(n)}": m
+                             for n, m in _lora_layers(te).items()})
     unknown = sorted(set(lf.layers) - set(ours))
     if unknown:
-        te = any(k.startswith(("lora_te", "text_encoder.")) for k in unknown)
+        te = any(k.startswith(("lora_te", "text_encoder")) for k in unknown)
         hint = ("the file has a text encoder LoRA: set adapter.text_encoder=true" if te and
                 not any(t is not None for t in text_encoders) else
                 "adapter.targets must cover every layer the file adapts")

@@ -31,6 +31,7 @@ from ...trainer import precision as prec
 from ...trainer.hooks import Weights
 from ...trainer.checkpoint import Checkpoint, CheckpointError
 from .lora_files import LORA_FILE, base_model_hashes, save_kohya
+from .sdxl import TIME_IDS, SDXLLayout, encode_sdxl
 
 __all__ = ["to_device", "SDDenoiser", "TextToImage", "PeftLoraWeights", "FullUNetWeights", "add_lora",
            "lora_targets", "upcast_aware_attention", "lora_state_dict", "save_lora",
@@ -74,31 +75,44 @@ class SDDenoiser(nn.Module):
     Args:
         unet: the UNet (frozen with a LoRA, or trainable).
         context_len: L of the text context (the tokenizer's max length, 77 for CLIP).
+        text_encoder: a text encoder that trains with its LoRA (or encodes shuffled
+            captions): y is then its token ids and the context is computed here.
+        text_encoder_2, sdxl: an SDXL UNet's second text encoder (with the first, when the
+            encoders run in the step) and the layout of its packed condition
+            (:class:`~steadydiff.integrations.sd.sdxl.SDXLLayout`).
+        down: the VAE's downsampling (an SDXL sample's default size is the latent's x it).
 
     Attributes:
         num_classes: 0 (conditioned on text, not labels). context_dim: D, the UNet's
         ``cross_attention_dim``. in_channels, image_size: the latents' C and side.
-        null_context: (L, D) buffer, the empty caption's encoding (set by the trainer).
+        null_context: (L, D) buffer, the empty caption's encoding (set by the trainer);
+        SDXL: (L + R, D), the text rows of the null condition (hidden states + pooled).
     """
 
     num_classes = 0
 
     def __init__(self, unet: nn.Module, context_len: int = 77,
-                 text_encoder: nn.Module | None = None) -> None:
+                 text_encoder: nn.Module | None = None, *,
+                 text_encoder_2: nn.Module | None = None, sdxl: SDXLLayout | None = None,
+                 down: int = 8) -> None:
         super().__init__()
         self.unet = unet
         # a text encoder with its own LoRA trains with the UNet: y is then token ids (N, L)
         # and the context is computed here, in the step
         self.text_encoder = text_encoder
+        self.text_encoder_2 = text_encoder_2
+        self.sdxl, self.down = sdxl, down
         if text_encoder is not None:
-            self.register_buffer("null_ids", torch.zeros(context_len, dtype=torch.long))
+            n_ids = sdxl.text_ids if sdxl is not None else context_len
+            self.register_buffer("null_ids", torch.zeros(n_ids, dtype=torch.long))
         c = unet.config
         dim = c.cross_attention_dim
         self.context_dim = int(dim if isinstance(dim, int) else dim[0])
         self.in_channels = int(c.in_channels)
         self.image_size = int(c.sample_size if isinstance(c.sample_size, int)
                               else c.sample_size[0])
-        self.register_buffer("null_context", torch.zeros(context_len, self.context_dim))
+        rows = sdxl.text_rows if sdxl is not None else context_len
+        self.register_buffer("null_context", torch.zeros(rows, self.context_dim))
 
     def enable_gradient_checkpointing(self) -> str:
         """Gradient checkpointing through the libraries' own switches: diffusers' for the
@@ -107,15 +121,16 @@ class SDDenoiser(nn.Module):
         checkpointed (``steadydiff.models.enable_checkpointing``)."""
         self.unet.enable_gradient_checkpointing()
         what = f"the UNet's blocks ({type(self.unet).__name__}, diffusers)"
-        if self.text_encoder is not None:
-            te = self.text_encoder  # transformers 5 renamed the switch (the old name warns)
-            on = getattr(te, "activation_checkpointing_enable", None)
+        for te in (self.text_encoder, self.text_encoder_2):
+            if te is None:
+                continue
+            on = getattr(te, "activation_checkpointing_enable", None)  # transformers 5 name
             if on is not None:
                 on(activation_checkpointing_kwargs={"use_reentrant": False})
             else:
                 te.gradient_checkpointing_enable(
                     gradient_checkpointing_kwargs={"use_reentrant": False})
-            what += f" and the text encoder's layers ({type(self.text_encoder).__name__})"
+            what += f" and the text encoder's layers ({type(te).__name__})"
         return what + " recomputed in the backward pass"
 
     def set_null_context(self, ctx: Tensor) -> None:
@@ -129,29 +144,57 @@ class SDDenoiser(nn.Module):
         self.null_ids.copy_(ids.reshape(-1))
 
     def null_condition(self, y: Tensor) -> Tensor:
-        if not y.is_floating_point():  # token ids
-            return self.null_ids.expand(y.shape[0], -1)
-        return self.null_context.to(y.dtype).expand(y.shape[0], -1, -1)
+        n = y.shape[0]
+        null = (self.null_ids.expand(n, -1) if not y.is_floating_point()  # token ids
+                else self.null_context.to(y.dtype).expand(n, -1, -1))
+        if self.sdxl is None:
+            return null
+        # SDXL: the text is nulled, the sample's size/crop ids are kept (diffusers'
+        # negative_add_time_ids = add_time_ids)
+        return torch.cat([null, y[:, null.shape[1]:]], dim=1)
 
     def encode(self, ids: Tensor) -> Tensor:
-        """(N, L) token ids -> (N, L, D) context through the trained text encoder."""
+        """(N, L) token ids -> (N, L, D) context through the trained text encoder (SDXL:
+        (N, L1 + L2 + 6) -> the packed y, see sdxl.py)."""
         if self.text_encoder is None:
             raise ValueError("token ids need the model's own text encoder (adapter."
                              "text_encoder=true); pass the text context (N, L, D)")
-        return self.text_encoder(ids, return_dict=False)[0]
+        if self.sdxl is None:
+            return self.text_encoder(ids, return_dict=False)[0]
+        ids_1, ids_2, time_ids = self.sdxl.unpack_ids(ids)
+        embeds, pooled = encode_sdxl(self.text_encoder, self.text_encoder_2, ids_1, ids_2)
+        if self.sdxl.force_zeros:  # the empty caption's condition is zeros (diffusers')
+            keep = (ids[:, :self.sdxl.text_ids] != self.null_ids).any(dim=1)  # (N,)
+            embeds = embeds * keep[:, None, None].to(embeds.dtype)
+            pooled = pooled * keep[:, None].to(pooled.dtype)
+        return self.sdxl.pack(embeds, pooled, time_ids)
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
         n = x.shape[0]
         if y is not None and not y.is_floating_point():
             y = self.encode(y)
-        if y is None:
-            y = (self.encode(self.null_ids.expand(n, -1)) if self.text_encoder is not None
-                 else self.null_context.expand(n, -1, -1))
+        if y is None:  # the null condition (SDXL: + the zero time-ids slot, own size)
+            if self.text_encoder is not None:
+                ids = self.null_ids.expand(n, -1)
+                if self.sdxl is not None:
+                    ids = torch.cat([ids, ids.new_zeros(n, TIME_IDS)], dim=1)
+                y = self.encode(ids)
+            else:
+                y = self.null_context.expand(n, -1, -1)
+                if self.sdxl is not None:
+                    y = torch.cat([y, y.new_zeros(n, 1, y.shape[2])], dim=1)
         if y.ndim != 3 or y.shape[0] != n or y.shape[2] != self.context_dim:
             raise ValueError(f"the UNet expects a text context (N={n}, L, {self.context_dim}), "
                              f"got {tuple(y.shape)}")
         t = t.expand(n) if t.ndim == 0 else t
-        return self.unet(x, t, encoder_hidden_states=y, return_dict=False)[0]
+        if self.sdxl is None:
+            return self.unet(x, t, encoder_hidden_states=y, return_dict=False)[0]
+        embeds, pooled, time_ids = self.sdxl.unpack(y)
+        time_ids = self.sdxl.fill_time_ids(time_ids, x.shape[-2] * self.down,
+                                           x.shape[-1] * self.down)
+        cond = {"text_embeds": pooled.to(embeds.dtype), "time_ids": time_ids}
+        return self.unet(x, t, encoder_hidden_states=embeds, added_cond_kwargs=cond,
+                         return_dict=False)[0]
 
 
 # --------------------------------------------------------------------------- LoRA
@@ -221,21 +264,25 @@ def _adapter_metadata(module: nn.Module) -> dict[str, Any] | None:
 
 
 def save_lora(unet: nn.Module, out: str | Path, text_encoder: nn.Module | None = None, *,
-              format: str = "diffusers", kohya_name: str = "lora",
-              metadata: dict[str, Any] | None = None) -> Path:
+              text_encoder_2: nn.Module | None = None, format: str = "diffusers",
+              kohya_name: str = "lora", metadata: dict[str, Any] | None = None) -> Path:
     """Write ``out/pytorch_lora_weights.safetensors`` (diffusers' LoRA format; with the text
-    encoder's LoRA too when given) and/or ``out/<kohya_name>.safetensors`` (kohya/A1111
-    format with ``metadata``, see lora_files.py), per ``format`` (diffusers | kohya | both),
-    atomically: a previous file stays whole until the new one is complete. Returns the
-    diffusers file's path (the kohya file's with format=kohya)."""
-    from diffusers import StableDiffusionPipeline
+    encoders' LoRA too when given: SDXL's second as ``text_encoder_2.*``, as
+    ``StableDiffusionXLPipeline.save_lora_weights`` writes) and/or
+    ``out/<kohya_name>.safetensors`` (kohya/A1111 format with ``metadata``, see
+    lora_files.py), per ``format`` (diffusers | kohya | both), atomically: a previous file
+    stays whole until the new one is complete. Returns the diffusers file's path (the kohya
+    file's with format=kohya)."""
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+
+    from .lora_files import is_sdxl
 
     if format not in ("diffusers", "kohya", "both"):
         raise ValueError(f"LoRA format {format!r}: use diffusers, kohya or both")
     kohya = None
     if format != "diffusers":
-        kohya = save_kohya(Path(out) / f"{kohya_name}.safetensors", unet, [text_encoder],
-                           metadata)
+        kohya = save_kohya(Path(out) / f"{kohya_name}.safetensors", unet,
+                           [text_encoder, text_encoder_2], metadata)
         if format == "kohya":
             return kohya
 
@@ -243,18 +290,26 @@ def save_lora(unet: nn.Module, out: str | Path, text_encoder: nn.Module | None =
     out.mkdir(parents=True, exist_ok=True)
     sd = lora_state_dict(unet)
     te = lora_state_dict(text_encoder) if text_encoder is not None else None
-    bad = [k for k, v in {**sd, **(te or {})}.items() if not torch.isfinite(v).all()]
+    te2 = lora_state_dict(text_encoder_2) if text_encoder_2 is not None else None
+    bad = [k for k, v in {**sd, **(te or {}), **(te2 or {})}.items()
+           if not torch.isfinite(v).all()]
     if bad:
         raise CheckpointError(f"the LoRA has non-finite weights ({bad[0]} and {len(bad) - 1} "
                               "more): not written")
+    meta = {"unet_lora_adapter_metadata": _adapter_metadata(unet),
+            "text_encoder_lora_adapter_metadata": (_adapter_metadata(text_encoder)
+                                                   if te else None)}
     with tempfile.TemporaryDirectory(dir=out, prefix=".lora-") as tmp:
-        StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=sd,
-                                                  text_encoder_lora_layers=te,
-                                                  safe_serialization=True,
-                                                  unet_lora_adapter_metadata=_adapter_metadata(unet),
-                                                  text_encoder_lora_adapter_metadata=(
-                                                      _adapter_metadata(text_encoder)
-                                                      if te else None))
+        if is_sdxl(unet):  # diffusers' own SDXL writer: unet / text_encoder / text_encoder_2
+            StableDiffusionXLPipeline.save_lora_weights(
+                tmp, unet_lora_layers=sd, text_encoder_lora_layers=te,
+                text_encoder_2_lora_layers=te2, safe_serialization=True, **meta,
+                text_encoder_2_lora_adapter_metadata=(_adapter_metadata(text_encoder_2)
+                                                      if te2 else None))
+        else:
+            StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=sd,
+                                                      text_encoder_lora_layers=te,
+                                                      safe_serialization=True, **meta)
         with open(Path(tmp) / LORA_FILE, "rb") as f:
             os.fsync(f.fileno())
         os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
@@ -336,8 +391,9 @@ class PeftLoraWeights(_SDWeights):
         model = state.ema.module if state.cfg.sample.use_ema else state.model
         cfg = state.cfg
         # a frozen text encoder in the model (shuffled captions) has no LoRA to save
-        te = model.text_encoder if getattr(model.text_encoder, "peft_config", None) else None
-        return save_lora(model.unet, root / "lora", te,
+        te, te2 = (t if getattr(t, "peft_config", None) else None
+                   for t in (model.text_encoder, model.text_encoder_2))
+        return save_lora(model.unet, root / "lora", te, text_encoder_2=te2,
                          format=cfg.adapter.lora_format, kohya_name=root.name,
                          metadata=self._kohya_metadata(state, root))
 
@@ -354,6 +410,7 @@ class PeftLoraWeights(_SDWeights):
                 "ss_text_encoder_lr": cfg.optim.lr if cfg.adapter.text_encoder else None,
                 "ss_train_batch_size": cfg.train.batch_size,
                 "ss_resolution": f"({cfg.data.image_size}, {cfg.data.image_size})",
+                "ss_enable_bucket": cfg.data.buckets,
                 "ss_mixed_precision": state.precision, "ss_seed": cfg.train.seed,
                 "ss_network_dropout": cfg.adapter.dropout,
                 "ss_training_started_at": self._started,
@@ -394,9 +451,12 @@ class FullUNetWeights(_SDWeights):
         return export_pipeline(model.unet, self.base, root / "model")
 
 
+TEXT_ENCODERS = ("text_encoder.", "text_encoder_2.")  # SDDenoiser's text encoders' prefixes
+
+
 def unet_only(model: nn.Module) -> dict[str, Tensor]:
     """``model``'s state dict without a frozen text encoder's tensors."""
-    return {k: v for k, v in model.state_dict().items() if not k.startswith("text_encoder.")}
+    return {k: v for k, v in model.state_dict().items() if not k.startswith(TEXT_ENCODERS)}
 
 
 def load_unet_only(model: nn.Module, saved: dict[str, Tensor], path: Any) -> None:
@@ -407,7 +467,7 @@ def load_unet_only(model: nn.Module, saved: dict[str, Tensor], path: Any) -> Non
     except RuntimeError as e:
         raise CheckpointError(f"{path}: weights do not match the model its config describes: "
                               f"{e}") from None
-    missing = [k for k in missing if not k.startswith("text_encoder.")]
+    missing = [k for k in missing if not k.startswith(TEXT_ENCODERS)]
     if missing or extra:
         raise CheckpointError(f"{path}: weights do not match the model its config describes "
                               f"(missing {missing[:2]}, unexpected {list(extra)[:2]})")
@@ -430,13 +490,17 @@ class TextToImage:
         tokenizer, text_encoder: a transformers tokenizer and CLIP text model (frozen).
         vae: a diffusers AutoencoderKL (frozen) or None (pixel space).
         device: where they run. text_dtype, vae_dtype: their dtypes.
+        tokenizer_2, text_encoder_2: SDXL's second tokenizer and CLIPTextModelWithProjection;
+            the contexts are then SDXL's packed condition (:attr:`sdxl`, sdxl.py).
+        force_zeros: SDXL's ``force_zeros_for_empty_prompt`` (the null condition is zeros).
     """
 
     text = True
 
     def __init__(self, tokenizer, text_encoder: nn.Module, vae: nn.Module | None,
                  device: torch.device, text_dtype: torch.dtype = torch.float32,
-                 vae_dtype: torch.dtype = torch.float32) -> None:
+                 vae_dtype: torch.dtype = torch.float32, *, tokenizer_2=None,
+                 text_encoder_2: nn.Module | None = None, force_zeros: bool = False) -> None:
         self.tokenizer = tokenizer
         self.text_encoder = to_device(text_encoder, device, text_dtype).eval().requires_grad_(False)
         self.vae = to_device(vae, device, vae_dtype).eval().requires_grad_(False) if vae else None
@@ -444,6 +508,19 @@ class TextToImage:
         self.context_len = int(tokenizer.model_max_length)
         self.tokens = False  # True: prompts become token ids (the model encodes them)
         self.context_dim = int(text_encoder.config.hidden_size)
+        self.tokenizer_2, self.text_encoder_2 = tokenizer_2, None
+        self.sdxl: SDXLLayout | None = None
+        self.force_zeros = False  # the null condition is zeros (SDXL), not the encoded ""
+        if text_encoder_2 is not None:
+            self.text_encoder_2 = to_device(text_encoder_2, device,
+                                            text_dtype).eval().requires_grad_(False)
+            self.context_dim += int(text_encoder_2.config.hidden_size)
+            self.force_zeros = force_zeros
+            self.sdxl = SDXLLayout(
+                text_len=self.context_len, width=self.context_dim,
+                pooled_dim=int(text_encoder_2.config.projection_dim),
+                ids_len=(self.context_len, int(tokenizer_2.model_max_length)),
+                force_zeros=force_zeros)
         self.latent = vae is not None
         self._other_vaes: dict[torch.dtype, nn.Module] = {}
         if vae is not None:
@@ -454,23 +531,59 @@ class TextToImage:
 
     # -- text
     def tokenize(self, prompts: list[str]) -> Tensor:
-        """(B, L) long token ids, padded to the max length and truncated (as diffusers)."""
-        return self.tokenizer(list(prompts), padding="max_length", truncation=True,
-                              max_length=self.context_len, return_tensors="pt").input_ids
+        """(B, L) long token ids, padded to the max length and truncated (as diffusers);
+        SDXL: (B, L1 + L2 + 6) both tokenizers' ids and the zero time-ids slot."""
+        ids = self.tokenizer(list(prompts), padding="max_length", truncation=True,
+                             max_length=self.context_len, return_tensors="pt").input_ids
+        if self.sdxl is None:
+            return ids
+        ids_2 = self.tokenizer_2(list(prompts), padding="max_length", truncation=True,
+                                 max_length=self.sdxl.ids_len[1], return_tensors="pt").input_ids
+        return torch.cat([ids, ids_2, torch.zeros(len(ids), TIME_IDS, dtype=ids.dtype)], dim=1)
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Tensor:
         """(B, L, D) float32: the text encoder's last hidden state, as diffusers'
         StableDiffusionPipeline conditions the UNet; with ``tokens`` (the model trains its
-        own text encoder) the (B, L) token ids it encodes itself."""
-        ids = self.tokenize(prompts)
+        own text encoder) the (B, L) token ids it encodes itself. SDXL: the packed
+        condition (B, L + R + 1, D) of ``StableDiffusionXLPipeline.encode_prompt`` with the
+        zero time-ids slot (the drawn size); :meth:`text_part` is its text (what the cache
+        holds: each sample's own time ids are added per item)."""
+        ids = self.tokenize(prompts).to(self.device)
         if self.tokens:
-            return ids.to(self.device)
+            return ids
+        if self.sdxl is not None:
+            ids_1, ids_2, _ = self.sdxl.unpack_ids(ids)
+            return self.sdxl.pack(*encode_sdxl(self.text_encoder, self.text_encoder_2, ids_1,
+                                               ids_2))
         mask = None
         if getattr(self.text_encoder.config, "use_attention_mask", False):
             mask = (ids != self.tokenizer.pad_token_id).long().to(self.device)
-        out = self.text_encoder(ids.to(self.device), attention_mask=mask)[0]
+        out = self.text_encoder(ids, attention_mask=mask)[0]
         return out.float()
+
+    def text_part(self, y: Tensor) -> Tensor:
+        """The text of a condition from :meth:`encode_prompts` or :meth:`tokenize` (SDXL:
+        without the time-ids slot; else ``y`` itself)."""
+        return y if self.sdxl is None else y[:, :self.sdxl.rows_of(y)]
+
+    def null_text(self) -> Tensor:
+        """(L, D) float32, the text rows of the null condition: the empty caption's
+        encoding, or zeros for an SDXL pipeline with ``force_zeros_for_empty_prompt``."""
+        null = self.text_part(self.encode_prompts([""]))[0].float()
+        return torch.zeros_like(null) if self.force_zeros and null.is_floating_point() \
+            else null
+
+    def text_identity(self) -> str:
+        """What the cached text contexts are a function of (``module_identity``): the text
+        encoder and its dtype; SDXL: both encoders and the packing."""
+        from ...data.cache import module_identity
+
+        extra: dict[str, Any] = {"dtype": str(self.text_dtype)}
+        if self.sdxl is not None:
+            extra.update(sdxl="penultimate+pooled/1", layout=repr(self.sdxl),
+                         text_encoder_2=module_identity(self.text_encoder_2))
+        return module_identity(self.text_encoder, extra)
 
     # -- latents
     @torch.no_grad()

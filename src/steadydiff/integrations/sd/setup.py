@@ -31,6 +31,7 @@ from ...trainer.hooks import FULL_WEIGHTS, Weights
 from .hypernetwork import HypernetworkWeights, add_hypernetwork
 from .source import load_parts, model_root
 from .folder import load_text_parts, load_vae, read_json
+from .sdxl import item_time_ids
 from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
                     TextToImage, add_lora, load_unet_only, to_device,
                     upcast_aware_attention)
@@ -128,8 +129,19 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
     vae_dtype = _dtype(m.vae_precision) if m.vae_precision else frozen
     if m.pretrained:
         parts = load_parts(m.pretrained, m.single_file_config)
+        sdxl = parts.text_encoder_2 is not None
+        if sdxl and not m.vae_precision and vae_dtype == torch.float16 and \
+                getattr(parts.vae.config, "force_upcast", False):
+            # the SDXL VAE overflows in fp16; its config says so (force_upcast) and
+            # diffusers' SDXL pipeline then runs it in fp32: so do we, unless the user
+            # chose model.vae_precision (e.g. fp16 for the fp16-fix VAE)
+            vae_dtype = torch.float32
+            log.info("the SDXL VAE runs in fp32: its config has force_upcast=true and "
+                     "model.vae_precision is unset")
         media = TextToImage(parts.tokenizer, parts.text_encoder, parts.vae, device, frozen,
-                            vae_dtype)
+                            vae_dtype, tokenizer_2=parts.tokenizer_2,
+                            text_encoder_2=parts.text_encoder_2,
+                            force_zeros=parts.force_zeros)
         unet = parts.unet
         upcast_aware_attention(unet)
         if m.upcast_attention:
@@ -137,23 +149,26 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 if is_attention(mod):
                     mod.upcast_attention = True
         weights: Weights
-        text_encoder = None
+        text_encoder = text_encoder_2 = None
         if a.kind == "lora":
             to_device(unet, device, frozen)
             targets = add_lora(unet, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                                targets=a.targets)
             if a.text_encoder:  # its LoRA trains too: the model encodes token ids itself
-                text_encoder = media.text_encoder
-                targets += ["text_encoder." + n for n in add_lora(
-                    text_encoder, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
-                    targets=TEXT_ENCODER_TARGETS)]
+                text_encoder, text_encoder_2 = media.text_encoder, media.text_encoder_2
+                for name, te in (("text_encoder.", text_encoder),
+                                 ("text_encoder_2.", text_encoder_2)):
+                    if te is not None:  # SDXL: both encoders, as kohya's sd-scripts do
+                        targets += [name + n for n in add_lora(
+                            te, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
+                            targets=TEXT_ENCODER_TARGETS)]
                 media.tokens = True
             if a.init_from:  # continue a LoRA (ours, kohya's, diffusers'): rename, copy
                 from .lora_files import LoraFileError, load_lora_file
 
                 try:
-                    load_lora_file(a.init_from, unet, [text_encoder], rank=a.rank,
-                                   alpha=a.alpha or a.rank)
+                    load_lora_file(a.init_from, unet, [text_encoder, text_encoder_2],
+                                   rank=a.rank, alpha=a.alpha or a.rank)
                 except LoraFileError as e:
                     raise ConfigError(f"adapter.init_from: {e}") from None
             weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank)
@@ -171,15 +186,19 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             weights = FullUNetWeights(parts.root)
         if cfg.data.caption_shuffle and text_encoder is None:
             # Shuffled captions differ every epoch: encoded in the step by the frozen text
-            # encoder (as kohya does; caching every permutation is not possible), from the
-            # token ids the data stream carries.
+            # encoder(s) (as kohya does; caching every permutation is not possible), from
+            # the token ids the data stream carries.
             text_encoder = media.text_encoder.requires_grad_(False)
+            if media.text_encoder_2 is not None:
+                text_encoder_2 = media.text_encoder_2.requires_grad_(False)
             media.tokens = True
-        model: nn.Module = SDDenoiser(unet, media.context_len, text_encoder).to(device)
+        model: nn.Module = SDDenoiser(unet, media.context_len, text_encoder,
+                                      text_encoder_2=text_encoder_2, sdxl=media.sdxl,
+                                      down=media.down).to(device)
         if a.kind == "hypernetwork":  # registered after the UNet: its own tensor names
             model.hypernetwork = hyper
         if text_encoder is not None:
-            model.set_null_ids(media.tokenize([""])[0].to(device))
+            model.set_null_ids(media.text_part(media.tokenize([""]))[0].to(device))
     else:
         tok, te = load_text_parts(m.text_encoder)
         vae = load_vae(m.vae) if m.vae else None
@@ -190,8 +209,11 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         model = model.to(device)
         weights = FULL_WEIGHTS
     with torch.no_grad():
-        null = media.encode_prompts([""]).to(device)
-        model.set_null_context((model.encode(null) if media.tokens else null)[0].float())
+        # the null condition's text: the empty caption encoded (SDXL's force_zeros: zeros);
+        # through the model's own encoder(s) when they run in the step
+        null = (model.encode(media.encode_prompts([""]).to(device))[0] if media.tokens
+                else media.null_text().to(device))
+        model.set_null_context(null[:model.null_context.shape[0]].float())
     return model, weights, media
 
 
@@ -247,9 +269,11 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     if media.tokens:  # the text encoder trains: its inputs, not its outputs, are fixed
         texts = token_ids(media, captions)
     else:
-        te_id = module_identity(media.text_encoder, {"dtype": str(media.text_dtype)})
-        texts = encode_texts(captions, media.encode_prompts, encoder_id=te_id,
-                             cache_dir=cache_dir)
+        # SDXL: the text rows (both encoders + pooled); the time ids are added per item
+        texts = encode_texts(captions, lambda p: media.text_part(media.encode_prompts(p)),
+                             encoder_id=media.text_identity(), cache_dir=cache_dir)
+        if media.force_zeros:  # caption dropout trains the null condition guidance uses
+            texts.null = torch.zeros_like(texts.null)
     latents = None
     if media.latent:
         vae_id = module_identity(media.vae, {"dtype": str(media.vae_dtype)})
@@ -266,8 +290,16 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                if latents.quarantined else "")
             + (f" ({cache_dir})" if cfg.data.cache_latents else " (in memory only)"))
     variants = CaptionVariants.from_config(cfg.data, cfg.train.seed)
+    extra = None
+    if media.sdxl is not None:  # each image's size/crop conditioning, from its real crop
+        extra = item_time_ids(data, cfg.data.image_size, cfg.data.center_crop)
+        if not media.tokens:
+            extra = extra.to(texts.contexts.dtype)
+        else:
+            extra = extra.round().long()
     out = EncodedDataset(data, latents, texts, variants=variants,
-                         tokenize=Tokenize(media.tokenizer, media.context_len))
+                         tokenize=Tokenize(media.tokenizer, media.context_len,
+                                           media.tokenizer_2), extra=extra)
     out.caption_overflow = len(over)
     if out.variants is not None:
         d = cfg.data
@@ -281,14 +313,18 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
 
 class Tokenize:
     """``list[str] -> (B, L)`` token ids, padded and truncated to ``length`` (what
-    :meth:`TextToImage.tokenize` does), small enough to send to DataLoader workers."""
+    :meth:`TextToImage.tokenize` does without time ids), small enough to send to DataLoader
+    workers; with SDXL's ``tokenizer_2`` (B, L + L2), both tokenizers' ids."""
 
-    def __init__(self, tokenizer, length: int) -> None:
-        self.tokenizer, self.length = tokenizer, length
+    def __init__(self, tokenizer, length: int, tokenizer_2=None) -> None:
+        self.tokenizer, self.length, self.tokenizer_2 = tokenizer, length, tokenizer_2
 
     def __call__(self, prompts: list[str]) -> torch.Tensor:
-        return self.tokenizer(list(prompts), padding="max_length", truncation=True,
-                              max_length=self.length, return_tensors="pt").input_ids
+        out = [t(list(prompts), padding="max_length", truncation=True,
+                 max_length=int(t.model_max_length) if t is self.tokenizer_2 else self.length,
+                 return_tensors="pt").input_ids
+               for t in (self.tokenizer, self.tokenizer_2) if t is not None]
+        return torch.cat(out, dim=1)
 
 
 def caption_overflow(media: TextToImage, data, captions: list[str]) -> list[tuple[str, int]]:
@@ -308,9 +344,9 @@ def token_ids(media: TextToImage, captions: list[str]) -> TextResult:
     with its LoRA encodes them in the step)."""
     distinct = list(dict.fromkeys(captions))
     row = {c: i for i, c in enumerate(distinct)}
-    return TextResult(contexts=media.tokenize(distinct), captions=distinct,
+    return TextResult(contexts=media.text_part(media.tokenize(distinct)), captions=distinct,
                       caption_index=torch.tensor([row[c] for c in captions]),
-                      null=media.tokenize([""])[0])
+                      null=media.text_part(media.tokenize([""]))[0])
 
 
 def record_quarantine(guard, encoded: EncodedDataset) -> None:

@@ -8,8 +8,11 @@ Such a file holds the original latent-diffusion layout (Rombach et al. 2022, the
     first_stage_model.*       the VAE        (encoder.down.N.block.M, mid.attn_1, ...)
     cond_stage_model.*        the text encoder (SD 1.x: transformer.text_model.*, a HF CLIP)
 
-and no configuration. Reading goes through diffusers' own single-file loader
-(``StableDiffusionPipeline.from_single_file``) with ``config=`` a local diffusers folder
+and no configuration; an SDXL file has ``conditioner.embedders.0.transformer.*`` (CLIP) and
+``conditioner.embedders.1.model.*`` (OpenCLIP's text tower, fused qkv) instead of
+``cond_stage_model.*``. Reading goes through diffusers' own single-file loader
+(``StableDiffusionPipeline.from_single_file``, or ``StableDiffusionXLPipeline``'s for an
+SDXL config folder) with ``config=`` a local diffusers folder
 (``model.single_file_config``) and ``local_files_only=True``: the folder supplies every
 config (UNet, VAE, text encoder, tokenizer, scheduler; its weights are not needed), so
 nothing is looked up on the hub. Without a local config diffusers would infer a hub
@@ -38,14 +41,15 @@ import torch
 from torch import Tensor, nn
 
 from ...trainer.checkpoint import CheckpointError
-from .folder import SDFolderError, check_folder
-from .lora_files import LoraFileError, sgm_path
+from .folder import SDFolderError, SDParts, check_folder, is_sdxl_folder
+from .lora_files import LoraFileError, is_sdxl, sgm_path
 
 __all__ = ["PICKLES", "is_single_file", "check_single_file", "load_single_file",
            "to_original", "write_single_file", "export_single_file", "UNET", "VAE",
            "TEXT"]
 
 UNET, VAE, TEXT = "model.diffusion_model.", "first_stage_model.", "cond_stage_model."
+SDXL_TE1, SDXL_TE2 = "conditioner.embedders.0.transformer.", "conditioner.embedders.1.model."
 PICKLES = (".ckpt", ".pt", ".pth", ".bin")
 _CLIP_SD1 = TEXT + "transformer."  # SD 1.x: a transformers CLIPTextModel under this prefix
 
@@ -127,22 +131,30 @@ def _keys(f: Path) -> list[str]:
                             f"({e})") from None
 
 
-def load_single_file(path: str | Path, config: str | Path) -> tuple[Any, Any, Any, Any]:
-    """(unet, vae, text_encoder, tokenizer) of a single-file checkpoint, fp32 on the CPU,
-    through diffusers' ``from_single_file`` with the local ``config`` folder only.
+def load_single_file(path: str | Path, config: str | Path) -> SDParts:
+    """The parts of a single-file checkpoint (SD 1.x/2.x, or SDXL with an SDXL config
+    folder: both text encoders), fp32 on the CPU, through diffusers' ``from_single_file``
+    (``StableDiffusionPipeline``'s or ``StableDiffusionXLPipeline``'s) with the local
+    ``config`` folder only.
 
     Raises:
         SDFolderError: see :func:`check_single_file`; or the loader failed (a file of
             another architecture than the config, or it tried to reach the network).
     """
-    from diffusers import StableDiffusionPipeline
+    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
     from diffusers.loaders.single_file_utils import SingleFileComponentError
 
     f, root = check_single_file(path, config)
+    xl = is_sdxl_folder(root)
     try:
-        pipe = StableDiffusionPipeline.from_single_file(
-            str(f), config=str(root), local_files_only=True, torch_dtype=torch.float32,
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+        if xl:
+            pipe = StableDiffusionXLPipeline.from_single_file(
+                str(f), config=str(root), local_files_only=True, torch_dtype=torch.float32,
+                add_watermarker=False)
+        else:
+            pipe = StableDiffusionPipeline.from_single_file(
+                str(f), config=str(root), local_files_only=True, torch_dtype=torch.float32,
+                safety_checker=None, feature_extractor=None, requires_safety_checker=False)
     except (OSError, ValueError, KeyError, RuntimeError, SingleFileComponentError) as e:
         msg = str(e).splitlines()[0] if str(e) else ""
         offline = any(w in msg.lower() for w in ("offline", "connect", "huggingface.co",
@@ -153,7 +165,11 @@ def load_single_file(path: str | Path, config: str | Path) -> tuple[Any, Any, An
         raise SDFolderError(f"model.pretrained: {f} does not load with "
                             f"model.single_file_config={root}: {type(e).__name__}: "
                             f"{msg}{hint}") from None
-    return pipe.unet, pipe.vae.eval(), pipe.text_encoder.eval(), pipe.tokenizer
+    parts = SDParts(f, pipe.unet, pipe.vae.eval(), pipe.text_encoder.eval(), pipe.tokenizer)
+    if xl:
+        parts.text_encoder_2, parts.tokenizer_2 = pipe.text_encoder_2.eval(), pipe.tokenizer_2
+        parts.force_zeros = bool(pipe.config.get("force_zeros_for_empty_prompt", True))
+    return parts
 
 
 # --------------------------------------------------------------------------- writing
@@ -218,14 +234,54 @@ def _rename(sd: dict[str, Tensor], rules, prefix: str) -> dict[str, Tensor]:
     return out
 
 
+def _open_clip_keys(te: nn.Module, prefix: str) -> dict[str, Tensor]:
+    """A transformers CLIPTextModelWithProjection as OpenCLIP's text tower (SDXL's second
+    text encoder in a single file): the inverse of diffusers' ``convert_open_clip_checkpoint``,
+    through its own table (``DIFFUSERS_TO_LDM_MAPPING["openclip"]``); q, k, v fused into
+    ``attn.in_proj_weight`` / ``in_proj_bias``, the projection transposed."""
+    from diffusers.loaders.single_file_utils import DIFFUSERS_TO_LDM_MAPPING
+
+    table = DIFFUSERS_TO_LDM_MAPPING["openclip"]
+    sd = {("text_model." + k if k.split(".", 1)[0] in ("encoder", "embeddings",
+                                                     "final_layer_norm") else k):
+          v.detach().to("cpu").contiguous() for k, v in te.state_dict().items()}
+    out: dict[str, Tensor] = {}
+    for hf, ldm in table["layers"].items():
+        if hf in sd:
+            t = sd.pop(hf)
+            out[prefix + ldm] = t.T.contiguous() if ldm == "text_projection" else t
+    sd.pop("text_model.embeddings.position_ids", None)
+    layer = "text_model.encoder.layers."
+    fused: dict[str, dict[str, Tensor]] = {}
+    for k, v in sd.items():
+        if not k.startswith(layer):
+            raise CheckpointError(f"the second text encoder's {k} has no OpenCLIP name")
+        m = re.fullmatch(r"(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", k[len(layer):])
+        if m:
+            fused.setdefault(f"{m[1]}.{m[3]}", {})[m[2]] = v
+            continue
+        name = k
+        for hf, ldm in table["transformer"].items():
+            if not hf.startswith("transformer."):
+                name = name.replace(hf, ldm)
+        out[prefix + "transformer." + name] = v
+    for key, qkv in fused.items():
+        i, what = key.split(".")
+        out[f"{prefix}transformer.resblocks.{i}.attn.in_proj_{what}"] = \
+            torch.cat([qkv["q"], qkv["k"], qkv["v"]]).contiguous()
+    return out
+
+
 def to_original(unet: nn.Module, vae: nn.Module | None = None,
-                text_encoder: nn.Module | None = None) -> dict[str, Tensor]:
+                text_encoder: nn.Module | None = None,
+                text_encoder_2: nn.Module | None = None) -> dict[str, Tensor]:
     """The original single-file state dict of diffusers parts (CPU tensors, own dtypes).
 
     The VAE's attention projections are 1x1 convolutions in the original code (linear
     layers in diffusers): reshaped to (C, C, 1, 1). The text encoder is written in the
     SD 1.x layout (``cond_stage_model.transformer.text_model.*``, the transformers CLIP
-    keys).
+    keys); an SDXL UNet's two under ``conditioner.embedders.0.transformer.`` (the same CLIP
+    keys) and ``conditioner.embedders.1.model.`` (OpenCLIP's layout, :func:`_open_clip_keys`).
 
     Raises:
         CheckpointError: a part without an original layout (an SD 2.x OpenCLIP text
@@ -241,6 +297,13 @@ def to_original(unet: nn.Module, vae: nn.Module | None = None,
             if re.search(r"\.mid\.attn_1\.(q|k|v|proj_out)\.weight$", k) and t.ndim == 2:
                 v[k] = t[:, :, None, None].contiguous()
         out.update(v)
+    if is_sdxl(unet):
+        if text_encoder is not None:
+            pre = SDXL_TE1 + ("" if hasattr(text_encoder, "text_model") else "text_model.")
+            out.update({pre + k: v for k, v in cpu(text_encoder).items()})
+        if text_encoder_2 is not None:
+            out.update(_open_clip_keys(text_encoder_2, SDXL_TE2))
+        return out
     if text_encoder is not None:
         act = getattr(text_encoder.config, "hidden_act", "quick_gelu")
         if act != "quick_gelu":  # SD 1.x CLIP ViT-L uses quick_gelu; SD 2.x OpenCLIP gelu
@@ -287,7 +350,8 @@ def write_single_file(out: str | Path, tensors: dict[str, Tensor],
 
 def export_single_file(out: str | Path, unet: nn.Module, vae: nn.Module | None,
                        text_encoder: nn.Module | None, base_file: str | Path | None = None,
-                       dtype: torch.dtype | None = None) -> Path:
+                       dtype: torch.dtype | None = None,
+                       text_encoder_2: nn.Module | None = None) -> Path:
     """A fine-tuned UNet (and its VAE and text encoder) as one original-layout file.
 
     With ``base_file`` (the run started from a single file) only the UNet is converted:
@@ -307,7 +371,9 @@ def export_single_file(out: str | Path, unet: nn.Module, vae: nn.Module | None,
                     dtype = h.get_slice(k).get_dtype()
                     dtype = {"F16": torch.float16, "BF16": torch.bfloat16}.get(dtype)
     else:
-        tensors = to_original(unet, vae, text_encoder)
+        if is_sdxl(unet) and (text_encoder is None) != (text_encoder_2 is None):
+            raise CheckpointError("an SDXL single file needs both text encoders or neither")
+        tensors = to_original(unet, vae, text_encoder, text_encoder_2)
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     return write_single_file(out, tensors, {"written_by": "steadydiff"})

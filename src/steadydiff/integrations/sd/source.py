@@ -55,6 +55,5 @@ def load_parts(path: str | Path, config: str | Path | None = None) -> SDParts:
     checkpoint ``path`` with the config folder ``config``, fp32 on the CPU; the caller
     moves them and sets their dtypes. ``root`` is the folder or the file."""
     if is_single_file(path):
-        unet, vae, te, tok = load_single_file(path, config)
-        return SDParts(Path(path).expanduser(), unet, vae, te, tok)
+        return load_single_file(path, config)
     return load_folder_parts(path)
