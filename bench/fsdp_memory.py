@@ -10,7 +10,7 @@ after the backward pass), the AdamW moments, the EMA, and the guard's rollback s
 and its process memory (peak RSS, which also holds Python, torch, the data and, under FSDP,
 the full model each rank builds before sharding it). The bar is the first group: FSDP's
 weights + gradients + optimizer state per rank ~ 1/N of DDP's. Prints a Markdown table and a
-JSON line (docs/BENCHMARKS.md, "FSDP memory").
+JSON line with ``--json`` (docs/BENCHMARKS.md, "FSDP memory").
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ def main() -> None:
     ap.add_argument("--preset", default="S", help="model.dit.preset (default S: DiT-S)")
     ap.add_argument("--worlds", default="2,3", help="comma-separated world sizes")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--json", action="store_true", help="end with one JSON line (with the "
+                    "machine and the versions)")
     a = ap.parse_args()
     if a.mode == "worker":
         return worker(a.out, a.overrides)
@@ -125,7 +127,11 @@ def main() -> None:
               f"**{o['state_bytes'] / MIB:.1f}** | {o['state_bytes'] / ddp[o['world']]:.3f}× | "
               f"{o['ema'] / MIB:.1f} | {o['snapshots'] / MIB:.1f} ({o['snapshots_kept']}) | "
               f"{o['peak_rss'] / MIB:.0f} |")
-    print(json.dumps({"preset": a.preset, "results": out}))
+    if a.json:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from throughput import env_info
+
+        print(json.dumps({**env_info(), "preset": a.preset, "results": out}))
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def _last_json(stdout: str) -> dict:
                                     "logging_overhead.py", "eval_samplers.py",
                                     "eval_sanity.py", "eval_curves.py", "posthoc_ema.py",
                                     "grow_resolution.py", "sd_overhead.py", "sd_faults.py",
-                                    "fashion_text.py", "gpu.py"])
+                                    "fashion_text.py", "gpu.py", "fsdp_memory.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -448,3 +448,15 @@ def test_gpu_bench_sync_window_spans_every_period():
     assert gpu.sync_window(cfg) % 200 == 0 or gpu.sync_window(cfg) == 40
     cfg = replace(cfg, {"logging.log_every": 7, "guard.snapshot_every": 50})
     assert gpu.sync_window(cfg) == 50  # lcm 350 is over the cap: the longest period
+
+
+@pytest.mark.slow  # two torchrun jobs of two ranks: ~40 s
+def test_fsdp_memory_smoke():
+    p = _run("fsdp_memory.py", "--preset", "tiny", "--worlds", "2", "--steps", "1", "--json",
+             timeout=600)
+    out = _last_json(p.stdout)
+    by = {r["parallel"]: r for r in out["results"]}
+    assert by["ddp"]["world"] == by["fsdp"]["world"] == 2
+    ratio = by["fsdp"]["state_bytes"] / by["ddp"]["state_bytes"]
+    assert 0.45 < ratio < 0.6, ratio  # each rank: about half of every tensor
+    assert by["fsdp"]["snapshots"] < by["ddp"]["snapshots"]

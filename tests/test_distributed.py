@@ -77,18 +77,23 @@ def final_checkpoint(out: Path) -> dict:
 @pytest.fixture(scope="module")
 def two(tmp_path_factory) -> Path:
     """A clean two-process run (the reference for the fault and resume tests)."""
-    out = tmp_path_factory.mktemp("two")
-    rc, log = launch(out)
-    assert rc == 0, log
-    return out
+    return trained(tmp_path_factory, "two")
 
 
 @pytest.fixture(scope="module")
 def one(tmp_path_factory) -> Path:
     """The same global batch in one process."""
-    out = tmp_path_factory.mktemp("one")
-    rc, log = launch(out, procs=1)
+    return trained(tmp_path_factory, "one", procs=1)
+
+
+def trained(factory, name: str, *overrides: str, procs: int = 2,
+            expect: str | None = None) -> Path:
+    """A clean run in a fresh folder (a module fixture's reference run); ``expect``: a line
+    its log must hold."""
+    out = factory.mktemp(name)
+    rc, log = launch(out, *overrides, procs=procs)
     assert rc == 0, log
+    assert expect is None or expect in log, log
     return out
 
 
@@ -149,6 +154,18 @@ def test_lora_fine_tune_on_two_ranks(tmp_path, two):
     assert any("lora" in k for k in r0) and s0["incidents"] == []
 
 
+def agreed_run(out: Path, *overrides: str) -> tuple[dict, dict, list[tuple]]:
+    """Train 2 ranks into ``out``; both must end holding the same state and record the same
+    (step, kind, action) decisions. Returns rank 0's tensors, its record and the decisions."""
+    rc, log = launch(out, *overrides)
+    assert rc == 0, log
+    (r0, r1), (s0, s1) = ranks(out)
+    assert same(r0, r1)
+    decisions = [(i["step"], i["kind"], i["action"]) for i in s0["incidents"]]
+    assert decisions == [(i["step"], i["kind"], i["action"]) for i in s1["incidents"]]
+    return r0, s0, decisions
+
+
 def test_fault_on_one_rank_makes_every_rank_act_the_same(tmp_path, two):
     """NaN in rank 1's batch (skip), NaN in rank 1's weights (rollback), and a flipped bit in
     rank 1's weights (the fingerprint check resynchronizes): both ranks record the same
@@ -156,12 +173,7 @@ def test_fault_on_one_rank_makes_every_rank_act_the_same(tmp_path, two):
     faults = json.dumps([{"kind": "nan_batch", "step": 2, "rank": 1},
                          {"kind": "param_nan", "step": 4, "rank": 1},
                          {"kind": "bitflip", "step": 6, "rank": 1}])
-    rc, log = launch(tmp_path, f"faults={faults}", "guard.snapshot_every=2")
-    assert rc == 0, log
-    (r0, r1), (s0, s1) = ranks(tmp_path)
-    assert same(r0, r1)
-    decisions = [(i["step"], i["kind"], i["action"]) for i in s0["incidents"]]
-    assert decisions == [(i["step"], i["kind"], i["action"]) for i in s1["incidents"]]
+    r0, s0, decisions = agreed_run(tmp_path, f"faults={faults}", "guard.snapshot_every=2")
     kinds = {k: (st, a) for st, k, a in decisions}
     # one NaN pixel in rank 1's first sample: that sample is dropped, both ranks redo the
     # step on the rest (the redone backward all-reduces like any other)

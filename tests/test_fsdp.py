@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_distributed import STEPS, launch, ranks, same
+from test_distributed import STEPS, agreed_run, launch, ranks, same, trained
 from steadydiff.config import ConfigError, load_config
 from steadydiff.trainer import checkpoint as ckpt
 
@@ -45,20 +45,13 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 @pytest.fixture(scope="module")
 def fsdp2(tmp_path_factory) -> Path:
     """A clean two-rank FSDP run (the reference for the fault and resume tests)."""
-    out = tmp_path_factory.mktemp("fsdp2")
-    rc, log = launch(out, *FSDP)
-    assert rc == 0, log
-    assert "sharding: FSDP2 over 2 rank(s)" in log
-    return out
+    return trained(tmp_path_factory, "fsdp2", *FSDP, expect="sharding: FSDP2 over 2 rank(s)")
 
 
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> Path:
     """The same global batch in one plain process (no sharding)."""
-    out = tmp_path_factory.mktemp("single")
-    rc, log = launch(out, procs=1)
-    assert rc == 0, log
-    return out
+    return trained(tmp_path_factory, "single", procs=1)
 
 
 def test_fsdp_matches_one_process_and_checkpoints_are_sharded(fsdp2, single):
@@ -93,12 +86,8 @@ def test_nan_on_one_ranks_shard_makes_every_rank_act_together(tmp_path, fsdp2):
     faults = json.dumps([{"kind": "nan_batch", "step": 2, "rank": 1},
                          {"kind": "param_nan", "step": 4, "rank": 1},
                          {"kind": "grad_nan", "step": 6, "rank": 1}])
-    rc, log = launch(tmp_path, *FSDP, f"faults={faults}", "guard.snapshot_every=2")
-    assert rc == 0, log
-    (r0, r1), (s0, s1) = ranks(tmp_path)
-    assert same(r0, r1)
-    decisions = [(i["step"], i["kind"], i["action"]) for i in s0["incidents"]]
-    assert decisions == [(i["step"], i["kind"], i["action"]) for i in s1["incidents"]]
+    r0, s0, decisions = agreed_run(tmp_path, *FSDP, f"faults={faults}",
+                                   "guard.snapshot_every=2")
     kinds = {k: (st, a) for st, k, a in decisions}
     assert kinds["bad_batch"] == (2, "drop_samples")
     assert kinds["nonfinite_params"][1] == "rollback"
@@ -107,7 +96,7 @@ def test_nan_on_one_ranks_shard_makes_every_rank_act_together(tmp_path, fsdp2):
     # the parameter is named although only rank 1's shard of it went bad
     assert by_kind["nonfinite_params"]["evidence"]["params"]
     assert all(torch.isfinite(v).all() for v in r0.values())
-    assert s0["step"] == s1["step"] == STEPS
+    assert s0["step"] == STEPS
 
 
 def test_save_on_two_ranks_loads_on_three_and_on_one(tmp_path, fsdp2):
