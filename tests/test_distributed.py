@@ -40,8 +40,10 @@ def _env() -> dict:
     return env
 
 
-def launch(out: Path, *overrides: str, procs: int = 2, timeout: float = 300) -> tuple[int, str]:
-    """Train into ``out`` with ``procs`` processes; returns (exit status, combined log)."""
+def launch(out: Path, *overrides: str, procs: int = 2, timeout: float = 300,
+           config: Path = CONFIG, base: list[str] = BASE) -> tuple[int, str]:
+    """Train ``config`` (with ``base`` and ``overrides``) into ``out`` with ``procs``
+    processes; returns (exit status, combined log)."""
     out.mkdir(parents=True, exist_ok=True)
     head = ([sys.executable, "-m", "torch.distributed.run", "--standalone",
              f"--nproc_per_node={procs}"] if procs > 1 else [sys.executable])
@@ -49,7 +51,7 @@ def launch(out: Path, *overrides: str, procs: int = 2, timeout: float = 300) -> 
     log = out.with_name(f"{out.name}-logs") / f"log_{time.monotonic_ns()}.txt"
     log.parent.mkdir(exist_ok=True)
     with open(log, "w") as f:
-        r = subprocess.run(head + [str(WORKER), str(CONFIG), str(out), *BASE, *overrides],
+        r = subprocess.run(head + [str(WORKER), str(config), str(out), *base, *overrides],
                            stdout=f, stderr=subprocess.STDOUT, env=_env(), timeout=timeout)
     return r.returncode, log.read_text()
 

@@ -202,8 +202,9 @@ def _parser() -> argparse.ArgumentParser:
                              "layout A1111/ComfyUI load)",
                         description="--out FILE: the model of a run or checkpoint of "
                                     "steadydiff's own UNet/DiT (a sharded FSDP checkpoint is "
-                                    "consolidated in this process), EMA weights by default, "
-                                    "with its config in the file's metadata: "
+                                    "consolidated in this process), its EMA weights "
+                                    "(--raw-weights: the raw ones), with its config in the "
+                                    "file's metadata: "
                                     "steadydiff.load(FILE) and `steadydiff sample FILE` read "
                                     "it. --single-file FILE: export a full Stable Diffusion "
                                     "fine-tune (a run or "

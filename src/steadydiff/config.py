@@ -912,8 +912,8 @@ class Config(Section):
         refused = [
             (self.adapter.kind != "none", f"adapter.kind={self.adapter.kind} (an adapter's "
              "trainable part is small: use train.parallel=ddp)"),
-            (bool(self.model.pretrained or self.model.text_encoder), "text-conditioned "
-             "models (model.pretrained, model.text_encoder: use train.parallel=ddp)"),
+            (self.data.caption_shuffle, "data.caption_shuffle (the text encoder would run "
+             "in the step, inside the sharded model: set it false)"),
             (t.precision == "fp16", "train.precision=fp16 (the grad scaler would see only "
              "each rank's shard: use bf16 or fp32)"),
             (t.ema_posthoc, "train.ema_posthoc (set it false)"),

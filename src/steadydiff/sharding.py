@@ -88,13 +88,21 @@ def all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
 def shard_units(model: nn.Module) -> list[nn.Module]:
     """The modules :func:`shard` wraps one by one: each a unit of FSDP's all-gather (its
     weights are gathered just before it runs and freed after). Our models' blocks are the
-    ``Checkpointable`` ones; a model without any gives the children of its ``ModuleList``\\ s
-    (transformer layers, a diffusers UNet's down/up blocks). Outermost first."""
+    ``Checkpointable`` ones; a model without any gives the children of its outermost
+    ``ModuleList``\\ s (a diffusers UNet's down and up blocks, the resnets and attentions of
+    its mid block; transformer layers), never one inside another."""
     from .models.layers import Checkpointable
 
     units = [m for m in model.modules() if isinstance(m, Checkpointable) and m is not model]
-    if not units:
-        units = [c for m in model.modules() if isinstance(m, nn.ModuleList) for c in m]
+    if units:
+        return units
+    inside: set[int] = set()  # modules within a unit already chosen (pre-order walk)
+    for m in model.modules():
+        if id(m) in inside or not isinstance(m, nn.ModuleList):
+            continue
+        for c in m:
+            units.append(c)
+            inside.update(id(x) for x in c.modules())
     return units
 
 
@@ -133,7 +141,11 @@ def shard(model: nn.Module, device: torch.device, *, precision: str = "fp32",
     units = shard_units(model)
     for u in units:
         fully_shard(u, **kw)
-    fully_shard(model, **kw)
+    # the root too reshards after its forward (FSDP2 keeps the root gathered by default, for
+    # the backward that follows in training): after a forward with no backward (a probe, a
+    # sample grid, the EMA's sampling) every parameter is its shard again, which is what the
+    # guard's checks, the snapshots and the EMA's in-place average read and write
+    fully_shard(model, reshard_after_forward=True, **kw)
     return len(units)
 
 
@@ -144,7 +156,11 @@ def load_local(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
     own = dict(module.named_parameters())
     own.update(dict(module.named_buffers()))
     for k, v in values.items():
-        local(own[k]).copy_(v)
+        dst = local(own[k])
+        if dst.shape != v.shape:  # a parameter not in its sharded state: a bug, say which
+            raise RuntimeError(f"{k}: this rank holds {tuple(dst.shape)}, the saved shard is "
+                               f"{tuple(v.shape)}")
+        dst.copy_(v)
 
 
 def local_bytes(tensors: Iterable[torch.Tensor]) -> int:

@@ -1138,11 +1138,8 @@ def write_sample_grid(state: TrainState, path: Path, tb: telemetry.TensorBoard |
     samples without saving (an FSDP rank other than 0: its forward passes are collectives
     the saving rank needs)."""
     s = state.cfg.sample
-    if state.media.text and not write:
-        raise ValueError("a text run's grid is rendered by one process (FSDP is refused for "
-                         "Stable Diffusion models)")
     if state.media.text:
-        validation.safe_render(state, path, tb)
+        validation.safe_render(state, path, tb, write)
     else:
         with validation.sampling_model(state) as model:  # an fp16/bf16 base: its autocast
             y = (torch.arange(s.num, device=state.device) % model.num_classes

@@ -199,12 +199,14 @@ def _padded(x: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return out
 
 
-def render(state: TrainState, path: Path, tb: Any = None) -> Path:
+def render(state: TrainState, path: Path, tb: Any = None, write: bool = True) -> Path:
     """Draw every validation prompt (``state.prompts``) and write the grid ``path``, its
     side folder (prompts.json, one PNG per prompt) and, given ``tb`` (the run's
     :class:`~steadydiff.trainer.telemetry.TensorBoard`), one image per prompt. Never
     raises for a failed or non-finite prompt: each is named in a warning and in
-    prompts.json. Returns ``path``."""
+    prompts.json. ``write=False`` draws and writes nothing (an FSDP rank other than 0:
+    its share of the sharded model's forward passes is what rank 0 draws with). Returns
+    ``path``."""
     prompts, s, step = state.prompts, state.cfg.sample, state.step
     if not prompts:
         return path
@@ -212,6 +214,8 @@ def render(state: TrainState, path: Path, tb: Any = None) -> Path:
     results = [Rendered(p, c) for p, c in zip(prompts, cells)]
     with sampling_model(state) as model:
         drawn = draw(state, model, prompts, [len(c) for c in cells])
+    if not write:
+        return path
     for r, (x, err) in zip(results, drawn):
         r.images, r.error = x, err
     # non-finite images: one read for all prompts (counted: the run's only host syncs are
@@ -261,11 +265,11 @@ def render(state: TrainState, path: Path, tb: Any = None) -> Path:
     return path
 
 
-def safe_render(state: TrainState, path: Path, tb: Any = None) -> Path:
+def safe_render(state: TrainState, path: Path, tb: Any = None, write: bool = True) -> Path:
     """:func:`render`, and anything it did not foresee (a full disk, a broken writer) a
     warning rather than the end of the run."""
     try:
-        return render(state, path, tb)
+        return render(state, path, tb, write)
     except Exception as e:  # noqa: BLE001 (a render must never stop training)
         log.warning("validation at step %d failed: %s: %s; training goes on", state.step,
                     type(e).__name__, e)

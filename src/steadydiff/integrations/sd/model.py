@@ -443,12 +443,34 @@ class FullUNetWeights(_SDWeights):
         if not final:  # a multi-GB copy: once, at the end
             return None
         model = state.ema.module if state.cfg.sample.use_ema else state.model
+        if state.sharded:  # FSDP: every rank's shards gathered on rank 0's CPU, once
+            model = _consolidated(model)
+            if model is None:
+                return None  # not rank 0: it only gave its shards
         if self.base.is_file():
             from .single_file import export_single_file
 
             return export_single_file(root / "model.safetensors", model.unet, None, None,
                                       base_file=self.base)
         return export_pipeline(model.unet, self.base, root / "model")
+
+
+def _consolidated(model: nn.Module) -> nn.Module | None:
+    """An FSDP-sharded :class:`SDDenoiser`'s UNet whole, as a plain module in rank 0's CPU
+    memory (a collective: every rank calls it; None on the others)."""
+    from diffusers import UNet2DConditionModel
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from ... import distributed
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    if distributed.rank() != 0:
+        return None
+    unet = UNet2DConditionModel.from_config(model.unet.config)
+    unet.load_state_dict({k[len("unet."):]: v for k, v in full.items()
+                          if k.startswith("unet.")})
+    return nn.ModuleDict({"unet": unet})
 
 
 TEXT_ENCODERS = ("text_encoder.", "text_encoder_2.")  # SDDenoiser's text encoders' prefixes
