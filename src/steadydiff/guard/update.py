@@ -179,7 +179,10 @@ class Update:
             prog.scaler.step(self.optimizer)
             prog.scaler.update()
         elif gate is not None and self.fused:
-            self.optimizer.found_inf = (~gate).float()  # 0-dim, read by the fused kernel
+            # 0-dim, read by the fused kernel on the parameters' device (FSDP's CPU
+            # offload steps on the CPU: then a device-to-host copy, which that step needs
+            # anyway)
+            self.optimizer.found_inf = (~gate).float().to(sharding.local(self.params[0]).device)
             try:
                 self.optimizer.step()
             finally:

@@ -681,11 +681,8 @@ def load_sharded_into(folder: Path, *, model: torch.nn.Module, ema: torch.nn.Mod
     from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                          set_optimizer_state_dict)
 
-    from .. import distributed
-
     want = _dcp_state(model, ema, optimizer)
-    dcp.load(want, checkpoint_id=str(folder), no_dist=not distributed.active()
-             and not _group_exists())
+    dcp.load(want, checkpoint_id=str(folder), no_dist=not _group_exists())
     set_model_state_dict(model, want["model"])
     set_model_state_dict(ema, want["ema"])
     set_optimizer_state_dict(model, optimizer, want["optimizer"])
