@@ -37,7 +37,7 @@ def worker(out: str, overrides: list[str]) -> None:
     from steadydiff import distributed, sharding
     from steadydiff.cli import main as cli_main
     from steadydiff.guard import update as update_mod
-    from steadydiff.trainer import loop
+    from steadydiff.trainer import loop, telemetry
 
     seen: dict = {}
     norm = update_mod.Update.norm
@@ -51,14 +51,11 @@ def worker(out: str, overrides: list[str]) -> None:
 
     def spy_step(state, batch):
         result = step(state, batch)
-        opt = [v for st in state.optimizer.state.values() for v in st.values()
-               if isinstance(v, torch.Tensor)]
+        held = telemetry.held_bytes(state)  # what a sharded run's summary.json reports
         seen.update(
-            weights=sharding.local_bytes(state.update.params),
-            optimizer=sharding.local_bytes(opt),
-            ema=sharding.local_bytes(state.ema.module.parameters()),
-            snapshots=sharding.nested_bytes(list(state.guard.ring.ring)) if state.guard else 0,
-            snapshots_kept=len(state.guard.ring) if state.guard else 0,
+            weights=held["weights_bytes"], optimizer=held["optimizer_bytes"],
+            ema=held["ema_bytes"], snapshots=held["snapshots_bytes"],
+            snapshots_kept=held["snapshots_kept"],
             params=sum(p.numel() for p in state.update.params),
             rank=state.rank, world=state.world_size)
         return result

@@ -152,14 +152,19 @@ def active() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def group_exists() -> bool:
+    """Whether this process is in a process group (of any size, one included)."""
+    return dist.is_available() and dist.is_initialized()
+
+
 def rank() -> int:
     """This process's rank in the group (0 when there is none)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return dist.get_rank() if group_exists() else 0
 
 
 def is_main() -> bool:
     """Rank 0, or not distributed: the process that writes files and prints."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    return not group_exists() or dist.get_rank() == 0
 
 
 def wrap(model: nn.Module, device: torch.device) -> nn.Module:
@@ -304,5 +309,5 @@ class Watchdog:
 
 __all__ = ["DistContext", "DistributedError", "EXIT_DIST_FAILURE", "Watchdog", "active",
            "barrier", "broadcast_object", "broadcast_tensors", "describe_failure",
-           "gather_objects", "gather_rows", "is_main", "launched_by_torchrun",
+           "gather_objects", "gather_rows", "group_exists", "is_main", "launched_by_torchrun",
            "optimizer_tensors", "rank", "setup", "teardown", "tensor_fingerprint", "wrap"]

@@ -170,11 +170,7 @@ class _Pending:
 
 def _all_finite(tensors: list[torch.Tensor]) -> torch.Tensor:
     """0-dim bool tensor: every tensor finite (one fused norm reduction, no sync)."""
-    if sharding.any_sharded(tensors):  # FSDP: every rank's shards
-        return sharding.all_finite(tensors)
-    if not tensors:
-        return torch.tensor(True)
-    return torch.isfinite(torch.stack(torch._foreach_norm(tensors)).sum())
+    return sharding.all_finite(tensors)  # FSDP: over every rank's shards
 
 
 @dataclass
@@ -1314,14 +1310,11 @@ class Guard:
         if snap is not None:
             pairs = [(n, p, snap.model[n]) for n, p in self.net.named_parameters()
                      if n in snap.model]
-            if self.update.sharded:  # a snapshot holds this rank's shards
-                now = hostsync.values(sharding.norms([p.detach() for _, p, _ in pairs]))
-                refs = hostsync.values(sharding.norms([r.float() for _, _, r in pairs],
-                                                      reduce=True))
-            else:
-                now = hostsync.values(torch.stack([p.detach().float().norm()
-                                                   for _, p, _ in pairs])) if pairs else []
-                refs = [float(ref.float().norm()) for _, _, ref in pairs]  # on the CPU
+            # a snapshot holds this rank's shards (FSDP): their norms are reduced too
+            now = hostsync.values(sharding.norms([p.detach() for _, p, _ in pairs])) \
+                if pairs else []
+            refs = hostsync.values(sharding.norms([r.float() for _, _, r in pairs],
+                                                  reduce=self.update.sharded)) if pairs else []
             ratios = [(a / max(r, 1e-12), n) for a, r, (n, _, _) in zip(now, refs, pairs)]
             ratios.sort(reverse=True)
             out["weight_growth_since_snapshot"] = [{"param": n, "norm_ratio": r}

@@ -681,17 +681,13 @@ def load_sharded_into(folder: Path, *, model: torch.nn.Module, ema: torch.nn.Mod
     from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                          set_optimizer_state_dict)
 
+    from .. import distributed
+
     want = _dcp_state(model, ema, optimizer)
-    dcp.load(want, checkpoint_id=str(folder), no_dist=not _group_exists())
+    dcp.load(want, checkpoint_id=str(folder), no_dist=not distributed.group_exists())
     set_model_state_dict(model, want["model"])
     set_model_state_dict(ema, want["ema"])
     set_optimizer_state_dict(model, optimizer, want["optimizer"])
-
-
-def _group_exists() -> bool:
-    import torch.distributed as dist
-
-    return dist.is_available() and dist.is_initialized()
 
 
 def load_full_into(c: Checkpoint, *, model: torch.nn.Module, ema: torch.nn.Module,

@@ -1116,7 +1116,7 @@ def _finish(state: TrainState, run: RunDir, status: str, reason: str | None = No
     telemetry.write_summary(run.root, status, steps,
                             state.guard.num_incidents if state.guard else 0, summary, reason,
                             signal=signal, abort=abort, time_budget=budget.summary(state),
-                            memory=telemetry.shard_memory(state))
+                            memory=telemetry.held_bytes(state) if state.sharded else None)
     if summary:
         print(summary)
     if tb:

@@ -158,12 +158,10 @@ class TensorBoard:
         self.writer.close()
 
 
-def shard_memory(state: TrainState) -> dict[str, Any] | None:
-    """Under FSDP (``train.parallel=fsdp``): the bytes this rank holds of the trainable
-    weights, the AdamW state, the EMA and the guard's rollback snapshots (each rank keeps its
-    own shards of them), for summary.json; None when the model is not sharded."""
-    if not state.sharded:
-        return None
+def held_bytes(state: TrainState) -> dict[str, Any]:
+    """The bytes this rank holds of the trainable weights, the AdamW state, the EMA and the
+    guard's rollback snapshots (under FSDP each rank keeps its own shards of them): a
+    sharded run's summary.json, and bench/fsdp_memory.py for both layouts."""
     opt = [v for st in state.optimizer.state.values() for v in st.values()]
     ring = list(state.guard.ring.ring) if state.guard is not None else []
     return {"world_size": state.world_size, "rank": state.rank,
@@ -182,7 +180,7 @@ def write_summary(run_dir: Path, status: str, steps: int, incidents: int,
     ``aborted``, with ``abort``: the abort point's checkpoint and the command to resume from
     it, see ``loop.abort_point``; read by the report and the doctor); ``time_budget``
     (``train.max_time`` set): ``{max_time, used, ended}`` in seconds, ``ended`` when the
-    budget ended the run; ``memory``: a sharded run's :func:`shard_memory`. Written to a
+    budget ended the run; ``memory``: a sharded run's :func:`held_bytes`. Written to a
     temporary file and renamed, so a second signal (an immediate exit) never leaves half a
     summary."""
     summary: dict[str, Any] = {"status": status, "steps": steps, "incidents": incidents,
