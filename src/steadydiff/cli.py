@@ -1,4 +1,5 @@
-"""The command line: ``steadydiff train | sample | eval | ema | report | doctor | merge``.
+"""The command line: ``steadydiff train | sample | eval | ema | report | doctor | merge |
+export | condition``.
 
 Thin by design: parse arguments, build a config, call a library function. Exit codes:
 0 finished (with or without recoveries), 2 bad input (config, data, checkpoint, arguments, a
@@ -28,7 +29,7 @@ import sys
 from pathlib import Path
 
 from . import __version__
-from .kinds import SAMPLER_NAMES
+from .kinds import CONDITION_KINDS, SAMPLER_NAMES
 
 EXIT_OK, EXIT_BAD_INPUT, EXIT_ABORTED, EXIT_SAVE_FAILED = 0, 2, 3, 4
 EXIT_INTERRUPTED = 6  # = trainer.preempt.EXIT_INTERRUPTED (not imported: it imports torch)
@@ -227,6 +228,40 @@ def _parser() -> argparse.ArgumentParser:
     xp.add_argument("--half", action="store_true",
                     help="write fp16 tensors (half the size; what most shared files use)")
 
+    cn = sub.add_parser("condition", formatter_class=_Formatter,
+                        help="make ControlNet conditioning images (Canny edges, gray, tile) "
+                             "from a folder of images",
+                        description="Write one conditioning image per image of DATA (OpenCV, "
+                                    "no network weights) under the same relative path in "
+                                    "--out, as PNG, with conditioning.json recording the kind "
+                                    "and parameters (a run over the folder records it). "
+                                    "DATA/conditioning is where data.conditioning=folder "
+                                    "looks. Existing files are never replaced (--force: only "
+                                    "those an earlier run of this command wrote). See "
+                                    "docs/controlnet.md.")
+    cn.add_argument("data", help="the image folder (searched recursively)")
+    cn.add_argument("--kind", required=True, choices=CONDITION_KINDS,
+                    help="canny: edges with double thresholds; gray: luminance; tile: a "
+                         "blurred downscale")
+    cn.add_argument("--out", default=None, help="output folder (default: DATA/conditioning)")
+    cn.add_argument("--low", type=float, default=None,
+                    help="canny: the lower hysteresis threshold (default 100)")
+    cn.add_argument("--high", type=float, default=None,
+                    help="canny: the upper hysteresis threshold (default 200)")
+    cn.add_argument("--aperture", type=int, default=None,
+                    help="canny: Sobel kernel side, 3, 5 or 7 (default 3)")
+    cn.add_argument("--l2", action="store_const", const=True, default=None,
+                    help="canny: the exact L2 gradient magnitude (default: L1)")
+    cn.add_argument("--blur", type=int, default=None,
+                    help="canny: Gaussian blur kernel side before the edges, odd; 0: none "
+                         "(default 0)")
+    cn.add_argument("--factor", type=int, default=None,
+                    help="tile: how much the image is shrunk before enlarging it back "
+                         "(default 8)")
+    cn.add_argument("--force", action="store_true",
+                    help="replace the files an earlier `steadydiff condition` wrote in --out "
+                         "(never anything else)")
+
     d = sub.add_parser("doctor", formatter_class=_Formatter,
                        help="post-mortem: name the likely causes of a run's trouble",
                        description="Examine a run directory or a checkpoint (weights, EMA, a "
@@ -243,6 +278,28 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--verbose", action="store_true", help="also list info findings")
     d.add_argument("--device", default="cpu", help="where the probe forward pass runs")
     return p
+
+
+def cmd_condition(a: argparse.Namespace) -> int:
+    from .data import DataError
+    from .data.conditioning import make_conditioning
+
+    params = {k: getattr(a, k) for k in ("low", "high", "aperture", "l2", "blur", "factor")
+              if getattr(a, k) is not None}
+    try:
+        rep = make_conditioning(a.data, a.out, a.kind, params, force=a.force,
+                                say=lambda s: print(s, file=sys.stderr))
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    shown = ", ".join(f"{k}={v}" for k, v in rep.recipe["params"].items()) or "no parameters"
+    print(f"condition: {len(rep.written)} {a.kind} maps ({shown}) written to {rep.out} in "
+          f"{rep.seconds:.1f} s; recipe in {rep.out / 'conditioning.json'}")
+    for path, why in list(rep.skipped.items())[:5]:
+        print(f"  skipped {path}: {why}")
+    if len(rep.skipped) > 5:
+        print(f"  ... and {len(rep.skipped) - 5} more skipped")
+    return EXIT_OK
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
@@ -439,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(argv)
     handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "ema": cmd_ema,
+                "condition": cmd_condition,
                 "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge,
                 "export": cmd_export}
     try:

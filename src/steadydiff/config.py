@@ -30,6 +30,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
 
 from .durations import parse_duration
 from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BucketCrop, CaptionSource, Channels, MissingCaption, ClipMode,
+                    ConditioningMatch, ConditioningSource,
                     CompileBackend, CompileMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, HyperActivation,
                     LossWeighting, LoraFormat, LRSchedule, ModelKind, OnSaveError, OptimizerName, Parallel,
@@ -190,6 +191,25 @@ class DataConfig(Section):
         "center", description="buckets: where the crop of an image to its bucket lies: "
         "center, or random (seeded by train.seed and the image, the same every epoch)")
 
+    conditioning: ConditioningSource = Field(
+        "none", description="ControlNet training (controlnet.enabled): where each image's "
+        "conditioning image is: folder (data.conditioning_dir: the same relative path, any "
+        "image extension), jsonl (the data.conditioning_column of metadata.jsonl, relative "
+        "to its folder, as diffusers' train_controlnet.py reads it), auto (the folder when it "
+        "exists, else the column); none: no conditioning images (docs/controlnet.md)")
+    conditioning_dir: str = Field(
+        "conditioning", min_length=1, description="data.conditioning=folder|auto: the folder "
+        "of conditioning images, relative to data.path (its files are then not training "
+        "images) or absolute")
+    conditioning_column: str = Field(
+        "conditioning_image", min_length=1, description="data.conditioning=jsonl|auto: the "
+        "metadata.jsonl key holding each image's conditioning image path")
+    conditioning_match: ConditioningMatch = Field(
+        "size", description="how an image and its conditioning image must agree: size (the "
+        "same pixel size) or aspect (the same aspect ratio, within a pixel; the conditioning "
+        "image is resized with the image's crop); a pair that does not is an error naming "
+        "both files")
+
     _pin_memory = field_validator("pin_memory", mode="before")(_auto_bool)
 
     @model_validator(mode="after")
@@ -230,6 +250,12 @@ class DataConfig(Section):
                              f"{self.dataset} has no fixed native size: remove data.pad_to")
         if self.buckets:
             self.bucket_sides()  # raises naming the key
+        if self.conditioning != "none" and self.dataset != "folder":
+            raise ValueError(f"data.conditioning={self.conditioning} pairs the images of a "
+                             f"folder with conditioning images (data.dataset=folder); "
+                             f"data.dataset={self.dataset} has none: set data.dataset=folder, "
+                             "or pass a dataset with conditioning images to steadydiff.train "
+                             "(docs/controlnet.md)")
         return self
 
     def bucket_sides(self) -> tuple[int, int]:
@@ -757,6 +783,46 @@ class AdapterConfig(Section):
     # adapter.base is required unless model.pretrained is the base: checked by Config
 
 
+# --------------------------------------------------------------------------- controlnet
+
+
+class ControlNetConfig(Section):
+    """Training a ControlNet over a frozen Stable Diffusion model (docs/controlnet.md)."""
+
+    enabled: Bool = Field(
+        False, description="train a ControlNet (Zhang et al. 2023) beside model.pretrained's "
+        "frozen UNet, on (image, conditioning image, caption) triples (data.conditioning)")
+    init_from: str | None = Field(
+        None, description="continue this local ControlNet (a diffusers ControlNet folder with "
+        "config.json, or a single .safetensors in the diffusers or original layout beside a "
+        "config.json); null: ControlNetModel.from_unet(the base UNet), zero convolutions at "
+        "zero")
+    conditioning_channels: Int = Field(
+        3, ge=1, le=16, description="channels of the conditioning image (3: RGB, as "
+        "diffusers' ControlNets; 1: gray); with controlnet.init_from, that model's")
+    scale: float = Field(
+        1.0, ge=0.0, le=10.0, description="sampling: the ControlNet's residuals x this "
+        "(diffusers' controlnet_conditioning_scale); validation prompts and `steadydiff "
+        "sample --control-scale`")
+    start: float = Field(
+        0.0, ge=0.0, le=1.0, description="sampling: the fraction of the steps after which "
+        "the control starts (diffusers' control_guidance_start)")
+    end: float = Field(
+        1.0, ge=0.0, le=1.0, description="sampling: the fraction of the steps after which "
+        "the control stops (diffusers' control_guidance_end)")
+    control_images: tuple[str, ...] = Field(
+        (), description="validation: one conditioning image per sample.prompts entry "
+        "(cycled; paths, relative to the working directory); empty: the conditioning images "
+        "of the first dataset items")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ControlNetConfig":
+        if self.start >= self.end:
+            raise ValueError(f"controlnet.start ({self.start}) must be below controlnet.end "
+                             f"({self.end}): the control acts on the steps between them")
+        return self
+
+
 # --------------------------------------------------------------------------- faults
 
 
@@ -807,6 +873,7 @@ class Config(Section):
     eval: EvalConfig = EvalConfig()
     guard: GuardConfig = GuardConfig()
     adapter: AdapterConfig = AdapterConfig()
+    controlnet: ControlNetConfig = ControlNetConfig()
     faults: tuple[FaultConfig, ...] = ()
 
     @model_validator(mode="after")
@@ -897,8 +964,39 @@ class Config(Section):
                              f"(data.dataset {' or '.join(LABELLED_DATASETS)}); an image "
                              "folder has none: set eval.every=0 and use `steadydiff eval "
                              "--inception-weights` (see docs/evaluation.md)")
+        self._check_controlnet()
         self._check_fsdp()
         return self
+
+    def _check_controlnet(self) -> None:
+        """A ControlNet trains beside a frozen Stable Diffusion UNet on paired data."""
+        c, d = self.controlnet, self.data
+        if d.conditioning != "none" and not c.enabled:
+            raise ValueError(f"data.conditioning={d.conditioning} pairs images with "
+                             "conditioning images for ControlNet training: set "
+                             "controlnet.enabled=true, or data.conditioning=none")
+        if not c.enabled:
+            for key, off in (("init_from", None), ("control_images", ())):
+                if getattr(c, key) != off:
+                    raise ValueError(f"controlnet.{key} applies to ControlNet training: set "
+                                     f"controlnet.enabled=true or remove controlnet.{key}")
+            return
+        if not self.model.pretrained:
+            raise ValueError("controlnet.enabled trains a ControlNet for a Stable Diffusion "
+                             "model: set model.pretrained (a local diffusers folder or "
+                             "single file)")
+        if self.adapter.kind != "none":
+            raise ValueError(f"controlnet.enabled trains the ControlNet with the base UNet "
+                             f"frozen; adapter.kind={self.adapter.kind} would train the UNet "
+                             "too: set adapter.kind=none (train a LoRA in its own run and "
+                             "sample with both: steadydiff sample RUN --lora FILE)")
+        if d.caption_shuffle:
+            raise ValueError("data.caption_shuffle runs the text encoder in the step, which "
+                             "ControlNet training does not support: set "
+                             "data.caption_shuffle=false (data.caption_dropout works)")
+        if self.train.parallel == "fsdp":
+            raise ValueError("train.parallel=fsdp shards a full fine-tune; a ControlNet "
+                             "trains under train.parallel=ddp")
 
     def _check_fsdp(self) -> None:
         """What train.parallel=fsdp does not combine with (yet): each named with the way out

@@ -40,6 +40,24 @@ CAPTION_SOURCES: tuple[CaptionSource, ...] = get_args(CaptionSource)
 MissingCaption = Literal["error", "empty"]
 MISSING_CAPTIONS: tuple[MissingCaption, ...] = get_args(MissingCaption)
 
+# ControlNet training (controlnet.enabled; data/pairs.py): where each image's
+# conditioning image is: none; folder (data.conditioning_dir, the same relative path, any
+# image extension); jsonl (a column of metadata.jsonl, diffusers' train_controlnet.py
+# convention); auto (the folder when it exists, else the column).
+ConditioningSource = Literal["none", "auto", "folder", "jsonl"]
+CONDITIONING_SOURCES: tuple[ConditioningSource, ...] = get_args(ConditioningSource)
+
+# How an image and its conditioning image must agree: the same pixel size, or only the same
+# aspect ratio (the conditioning image is then resized with the image's crop).
+ConditioningMatch = Literal["size", "aspect"]
+CONDITIONING_MATCHES: tuple[ConditioningMatch, ...] = get_args(ConditioningMatch)
+
+# The conditioning images `steadydiff condition` makes (data/conditioning.py, OpenCV, no
+# network weights): canny edges (double thresholds), grayscale (recolouring), tile (a
+# blurred downscale: detail ControlNets).
+ConditionKind = Literal["canny", "gray", "tile"]
+CONDITION_KINDS: tuple[ConditionKind, ...] = get_args(ConditionKind)
+
 Channels = Literal[1, 3]
 CHANNELS: tuple[Channels, ...] = get_args(Channels)
 
@@ -150,6 +168,8 @@ FAULT_WHERES: tuple[FaultWhere, ...] = get_args(FaultWhere)
 
 
 __all__ = [
+    "CONDITIONING_SOURCES", "ConditioningSource", "CONDITIONING_MATCHES", "ConditioningMatch",
+    "CONDITION_KINDS", "ConditionKind",
     "ADAPTER_KINDS", "CAPTION_SOURCES", "CHANNELS", "COMPILE_BACKENDS", "COMPILE_MODES", "MISSING_CAPTIONS", "CLIP_MODES", "DATASETS", "DEVICE_NAMES", "DIT_PRESETS",
     "EVAL_METRICS", "FAULT_KINDS", "FAULT_WHERES", "LABELLED_DATASETS", "LOSS_WEIGHTINGS",
     "LR_SCHEDULES", "MODEL_KINDS", "ON_SAVE_ERRORS", "PRECISIONS", "PRECISION_SETTINGS",

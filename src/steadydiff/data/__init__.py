@@ -411,6 +411,8 @@ class ImageFolderDataset(Dataset):
         random_crop: buckets: a seeded random crop offset per image (the same every epoch),
             else centered.
         crop_seed: the seed of the random crops (the run seed).
+        exclude: folders and files under ``root`` that are not images of this dataset (a
+            ControlNet data set's conditioning images, data/pairs.py).
 
     Attributes:
         paths: the usable image paths, sorted; ``labels``: their labels.
@@ -430,7 +432,7 @@ class ImageFolderDataset(Dataset):
                  channels: Channels = 3, class_labels: bool = False,
                  center_crop: bool = True, follow_symlinks: bool = False,
                  buckets: list[tuple[int, int]] | None = None, random_crop: bool = False,
-                 crop_seed: int = 0) -> None:
+                 crop_seed: int = 0, exclude: Iterable[str | os.PathLike[str]] = ()) -> None:
         if channels not in CHANNELS:
             raise DataError(f"image folder: channels must be 1 or 3, got {channels!r}")
         if image_size < 1:
@@ -443,6 +445,7 @@ class ImageFolderDataset(Dataset):
         self.bad_paths: dict[str, str] = {}
         self.skipped = 0
         self.skipped_symlinks = 0
+        self.exclude = {os.path.realpath(p) for p in exclude}
         # Indices found bad at load time, so a second visit jumps straight to the replacement.
         self._bad_index: set[int] = set()
 
@@ -521,7 +524,7 @@ class ImageFolderDataset(Dataset):
                 st = d.stat()
             except OSError:
                 continue
-            if (st.st_dev, st.st_ino) in seen:
+            if (st.st_dev, st.st_ino) in seen or os.path.realpath(d) in self.exclude:
                 continue
             seen.add((st.st_dev, st.st_ino))
             try:
@@ -551,7 +554,8 @@ class ImageFolderDataset(Dataset):
                 try:
                     if e.is_dir():  # follows symlinks that passed the check above
                         (linked if e.is_symlink() else real).append(path)
-                    elif is_image and e.is_file():
+                    elif is_image and e.is_file() and \
+                            os.path.realpath(e.path) not in self.exclude:
                         found.append((path.relative_to(self.root).as_posix(), path))
                 except OSError:
                     continue
@@ -595,8 +599,20 @@ class ImageFolderDataset(Dataset):
     def _load(self, path: Path, crop: Crop | None = None) -> torch.Tensor:
         """Decode, convert, resize/crop; returns (C, S, S) float32 in [-1, 1] (with
         ``crop``: (C, bh, bw), resized and cropped to its bucket)."""
+        x = self.pixels(path, crop).to(torch.float32)
+        return x.div_(127.5).sub_(1.0).contiguous()
+
+    def pixels(self, path: Path, crop: Crop | None = None,
+               channels: Channels | None = None) -> torch.Tensor:
+        """The file ``path`` as this dataset prepares its images: (C, S, S) uint8 (with
+        ``crop``: (C, bh, bw)), converted to ``channels`` (None: the dataset's).
+
+        ``crop`` is in the pixels of the image it was planned for; a file of another size
+        but the same aspect ratio (a ControlNet conditioning image at another resolution)
+        gets the same region, scaled to its own pixels. Raises what Pillow raises for a
+        bad file (see ``_BAD_IMAGE_ERRORS``)."""
         s = self.image_size
-        mode = "RGB" if self.channels == 3 else "L"
+        mode = "RGB" if (channels or self.channels) == 3 else "L"
         with _refuse_bombs(), Image.open(path) as im:
             # JPEG can decode at 1/2, 1/4, 1/8 scale for free; draft keeps both sides >= S,
             # so the final resize still shrinks (antialiased) and never upsamples needlessly.
@@ -624,9 +640,8 @@ class ImageFolderDataset(Dataset):
                 # Pillow's bicubic filter widens its support when shrinking: antialiased.
                 im = im.resize((s, s), Image.Resampling.BICUBIC, box=box)
             a = np.asarray(im, dtype=np.uint8)
-        x = torch.from_numpy(a.copy()).to(torch.float32)
-        x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)  # (H, W[, C]) -> (C, H, W)
-        return x.div_(127.5).sub_(1.0).contiguous()
+        x = torch.from_numpy(a.copy())
+        return (x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)).contiguous()
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -1126,13 +1141,16 @@ class ClassSubset(Dataset):
 # --------------------------------------------------------------------------- config
 
 
-def build_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
+def build_dataset(cfg: DataConfig, seed: int = 0,
+                  exclude: Iterable[str | os.PathLike[str]] = ()) -> Dataset:
     """The dataset named by ``cfg`` (``data`` section): digits, Fashion-MNIST (train split;
     ``data.path`` overrides the folder of its idx files) or an image folder.
 
     Args:
         cfg: the ``data`` section.
         seed: the run seed (``data.bucket_crop=random``: each image's crop offset).
+        exclude: folder data: folders and files under ``data.path`` that are not training
+            images (a ControlNet data set's conditioning images, data/pairs.py).
 
     Returns:
         A dataset of ``(image, label)`` pairs with ``num_classes``, ``channels``,
@@ -1157,7 +1175,8 @@ def build_dataset(cfg: DataConfig, seed: int = 0) -> Dataset:
         data = ImageFolderDataset(cfg.path, cfg.image_size, cfg.channels,
                                   class_labels=cfg.class_labels, center_crop=cfg.center_crop,
                                   follow_symlinks=cfg.follow_symlinks, buckets=buckets,
-                                  random_crop=cfg.bucket_crop == "random", crop_seed=seed)
+                                  random_crop=cfg.bucket_crop == "random", crop_seed=seed,
+                                  exclude=exclude)
     else:
         raise DataError(f"data.dataset {cfg.dataset!r} is unknown; valid: "
                         f"{', '.join(DATASETS)}")

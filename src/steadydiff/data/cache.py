@@ -56,9 +56,11 @@ from torch.utils.data import Dataset
 
 from steadydiff.data import DataError, source_of
 from steadydiff.data.buckets import BucketLayout, bucket_layout
+from steadydiff.data.pairs import conditioning_of, pair_name
 
-__all__ = ["module_identity", "file_digest", "encode_latents", "encode_texts", "LatentResult",
-           "TextResult", "EncodedDataset"]
+__all__ = ["module_identity", "file_digest", "encode_latents", "encode_texts",
+           "encode_conditioning", "append_rows", "LatentResult", "TextResult",
+           "ConditioningResult", "EncodedDataset"]
 
 log = logging.getLogger(__name__)
 
@@ -167,9 +169,10 @@ class _Store:
     def path(self, key: str) -> Path:
         return self.root / key[:2] / f"{key}.safetensors"
 
-    def load(self, key: str, ndim: int) -> torch.Tensor | None:
+    def load(self, key: str, ndim: int, dtype: torch.dtype = torch.float32
+             ) -> torch.Tensor | None:
         """The cached tensor, or None for any reason not to trust it (absent, unreadable,
-        truncated, another key, not float32, not ``ndim``-D, not finite)."""
+        truncated, another key, not ``dtype``, not ``ndim``-D, not finite)."""
         p = self.path(key)
         try:
             data = p.read_bytes()
@@ -183,7 +186,7 @@ class _Store:
             t = st_load(data).get(self.name)
         except Exception:  # noqa: BLE001 - see above
             return None
-        if meta.get("key") != key or t is None or t.dtype != torch.float32 or t.ndim != ndim \
+        if meta.get("key") != key or t is None or t.dtype != dtype or t.ndim != ndim \
                 or not bool(torch.isfinite(t).all()):
             return None
         return t
@@ -274,6 +277,18 @@ class LatentResult:
     hits: int = 0
     misses: int = 0
     seconds: float = 0.0
+
+    def without(self, records: dict[int, dict[str, Any]]) -> "LatentResult":
+        """This result with the items ``records`` names also quarantined (left out)."""
+        drop = set(records) & set(self.index)
+        if not drop:
+            return self
+        keep = [k for k, i in enumerate(self.index) if i not in drop]
+        lat = ([self.latents[k] for k in keep] if isinstance(self.latents, list)
+               else self.latents[keep])
+        return LatentResult(lat, [self.index[k] for k in keep], self.total,
+                            {**self.quarantined, **{i: records[i] for i in drop}},
+                            self.reencoded, self.hits, self.misses, self.seconds)
 
 
 def _fetch(dataset: Dataset, i: int) -> tuple[torch.Tensor, bool]:
@@ -560,6 +575,114 @@ def encode_texts(captions: Sequence[str],
                       hits=hits, misses=misses, seconds=time.perf_counter() - t0)
 
 
+# --------------------------------------------------------------------------- conditioning
+
+
+@dataclass
+class ConditioningResult:
+    """What :func:`encode_conditioning` returns: where each item's conditioning image
+    (ControlNet training, data/pairs.py) is read from when the item is drawn.
+
+    An image folder's conditioning images are prepared once (cropped and resized like their
+    images) and kept as uint8 ``(C, H, W)`` safetensors under ``conditioning/`` of the cache
+    (keyed by the file's sha256, the preparation and the crop): they are pixels, not
+    latents, and uint8 holds them exactly in a quarter of float32's space. An item reads its
+    file when drawn (a miss, e.g. a deleted entry, decodes the source file again: the same
+    bytes); nothing is held in memory. Without a cache directory (``data.cache_latents:
+    false``) every draw decodes the source file. A user dataset's ``conditioning(i)`` is
+    called when the item is drawn.
+
+    Attributes:
+        source: the paired dataset.
+        keys: per source item, its cache key (None: no cache, or a user dataset).
+        root: the cache's conditioning folder, or None.
+        quarantined: ``{i: {"index", "source", "why"}}``: conditioning images that cannot
+            be decoded (left out of training with their images).
+        hits, misses, seconds: as for latents.
+    """
+
+    source: Any
+    keys: list[str] | None = None
+    root: Path | None = None
+    quarantined: dict[int, dict[str, Any]] = field(default_factory=dict)
+    hits: int = 0
+    misses: int = 0
+    seconds: float = 0.0
+
+    def get(self, i: int) -> torch.Tensor:
+        """Source item ``i``'s conditioning image, float32 (C, H, W) in [0, 1] (a user
+        dataset's as it gives it)."""
+        pixels = getattr(self.source, "conditioning_pixels", None)
+        if not callable(pixels):
+            return conditioning_of(self.source, i)
+        t = None
+        if self.keys is not None and self.root is not None:
+            t = _Store(self.root, "conditioning").load(self.keys[i], 3, torch.uint8)
+        if t is None:
+            t = pixels(i)
+        return t.to(torch.float32).div_(255.0)
+
+
+def encode_conditioning(dataset: Dataset, *, prep: str, cache_dir: Path | str | None,
+                        progress: bool = False) -> ConditioningResult:
+    """Prepare and cache every conditioning image of a paired image folder (see
+    :class:`ConditioningResult`); for a user dataset, nothing (it is read when drawn).
+
+    Args:
+        dataset: with ``conditioning_pixels(i)`` (uint8, data/pairs.py) and
+            ``conditioning_path_of(i)``, or a user dataset with ``conditioning(i)``.
+        prep: the preparation (size, crop, channels): another is another entry.
+        cache_dir: the cache root (None: decode on every draw).
+
+    Returns:
+        The result; a file that cannot be decoded is quarantined (its image with it).
+    """
+    t0 = time.perf_counter()
+    res = ConditioningResult(source=dataset)
+    pixels = getattr(dataset, "conditioning_pixels", None)
+    if not callable(pixels) or cache_dir is None:
+        return res
+    n = len(dataset)
+    store = _Store(Path(cache_dir) / "conditioning", "conditioning")
+    paths = [str(dataset.conditioning_path_of(i)) for i in range(n)]
+    layout = bucket_layout(dataset)
+    item_prep = ([f"{prep},bucket={c.target_size[1]}x{c.target_size[0]},"
+                  f"crop={c.crop_top_left[0]},{c.crop_top_left[1]}" for c in layout.crops]
+                 if layout is not None else [prep] * n)
+    res.keys = [_sha("conditioning", file_digest(p), item_prep[i]) for i, p in enumerate(paths)]
+    res.root = store.root
+    show = _Progress(progress, "conditioning images", n)
+    for i in range(n):
+        if store.load(res.keys[i], 3, torch.uint8) is not None:
+            res.hits += 1
+            continue
+        try:
+            t = pixels(i)
+        except DataError as e:
+            res.quarantined[i] = {"index": i, "source": source_of(dataset, i),
+                                  "conditioning": paths[i], "why": str(e)}
+            log.warning("conditioning: quarantined dataset item %d: %s", i, e)
+            continue
+        store.save(res.keys[i], t, {"prep": item_prep[i], "source": paths[i]})
+        res.misses += 1
+        show(i + 1, res.hits)
+    res.seconds = time.perf_counter() - t0
+    show(n, res.hits, end=True)
+    return res
+
+
+def append_rows(ctx: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``ctx`` (L, D) with ``values`` (any shape, flattened) appended as ``ceil(n / D)`` more
+    rows of width D, the last one zero-padded: how a ControlNet's conditioning image rides
+    at the end of the condition y (integrations/controlnet.py takes it back off the end)."""
+    flat = values.reshape(-1).to(ctx.dtype)
+    d = ctx.shape[1]
+    rows = -(-flat.numel() // d)
+    out = ctx.new_zeros(rows * d)
+    out[:flat.numel()] = flat
+    return torch.cat([ctx, out.view(rows, d)])
+
+
 # --------------------------------------------------------------------------- the dataset
 
 
@@ -589,6 +712,9 @@ class EncodedDataset(Dataset):
             size/crop ids, each item's own): appended as one more row (its first k
             columns, the rest zeros) to an ``(L, D)`` context, or as k more ids to token
             ids ``(L,)``; caption dropout and shuffle change the caption, never them.
+        conditioning: a ControlNet's conditioning images (:func:`encode_conditioning`),
+            appended after ``extra`` as rows of the context's width (:func:`append_rows`);
+            its quarantined items are left out with their images.
 
     Attributes:
         num_classes: 0 (the condition is the context, not a class).
@@ -608,7 +734,8 @@ class EncodedDataset(Dataset):
     def __init__(self, source: Dataset, latents: LatentResult | None = None,
                  texts: TextResult | None = None, *, variants: Any = None,
                  tokenize: Callable[[list[str]], torch.Tensor] | None = None,
-                 extra: torch.Tensor | None = None) -> None:
+                 extra: torch.Tensor | None = None,
+                 conditioning: ConditioningResult | None = None) -> None:
         n = len(source)
         if extra is not None and (texts is None or extra.ndim != 2 or len(extra) != n):
             raise DataError(f"extra per-item values must be (N={n}, k) beside the texts, got "
@@ -620,13 +747,20 @@ class EncodedDataset(Dataset):
             raise DataError(f"{len(texts.caption_index)} captions were encoded but the "
                             f"dataset has {n} items: one caption per item")
         self.source_name = type(source).__name__
+        if conditioning is not None and (texts is None or tokenize is not None
+                                         and variants is not None and variants.shuffle):
+            raise ValueError("conditioning images ride with a text context (L, D)")
+        if conditioning is not None and conditioning.quarantined and latents is not None:
+            latents = latents.without(conditioning.quarantined)
         self._index = torch.as_tensor(latents.index if latents is not None else range(n),
                                       dtype=torch.int64)  # (N_kept,) source indices
         if len(self._index) == 0:
             q = len(latents.quarantined) if latents is not None else 0
             raise DataError(f"no items to train on: {self.source_name} has {n} items"
                             + (f", all {q} quarantined (non-finite latents)" if q else ""))
-        self._paths = [source_of(source, int(i)) for i in self._index]
+        # a pair is named by both files (the guard's drop and quarantine records)
+        self._paths = [(pair_name(source, int(i)) if conditioning is not None else None)
+                       or source_of(source, int(i)) for i in self._index]
         # Bucketed data: each kept item's bucket and crop (the batch sampler and SDXL's
         # add_time_ids read them; steadydiff.data.buckets.time_ids)
         layout = bucket_layout(source)
@@ -656,6 +790,7 @@ class EncodedDataset(Dataset):
                 raise ValueError("shuffled captions need texts and a tokenize callable")
             self._captions = [texts.captions[int(r)] for r in self._rows]
         self._extra = extra[self._index] if extra is not None else None  # (N_kept, k)
+        self.conditioning = conditioning
         x0 = self._latents[0] if self._latents is not None else self[0][0]
         self.channels, self.image_size = int(x0.shape[0]), int(x0.shape[-1])
         if self.bucket_layout is not None and self._latents is not None:
@@ -676,7 +811,15 @@ class EncodedDataset(Dataset):
         return x, self._contexts[self._rows[i]].clone()
 
     def _with_extra(self, i: int, ctx: torch.Tensor) -> torch.Tensor:
-        """``ctx`` with item ``i``'s extra values (see ``extra``) appended."""
+        """``ctx`` with item ``i``'s extra values (see ``extra``) and conditioning image
+        (see ``conditioning``) appended."""
+        if self.conditioning is not None:
+            ctx = append_rows(self._add_extra(i, ctx),
+                              self.conditioning.get(int(self._index[i])))
+            return ctx
+        return self._add_extra(i, ctx)
+
+    def _add_extra(self, i: int, ctx: torch.Tensor) -> torch.Tensor:
         if self._extra is None:
             return ctx
         e = self._extra[i]

@@ -32,9 +32,9 @@ import json
 import logging
 import os
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -160,6 +160,36 @@ def _read_metadata(path: Path, folder_rel: str,
         out.setdefault(img, (caption, where))
 
 
+def metadata_files(root: Path, rels: Sequence[str]) -> list[tuple[str, Path]]:
+    """The metadata.jsonl files that may name the images ``rels`` (paths relative to
+    ``root``): one in every folder from the root down to each image, as ``(folder relative to
+    root, file)``, sorted. (A metadata.jsonl in a folder without images would name only files
+    the folder does not use.)"""
+    folders = {""}
+    for rel in rels:
+        parts = rel.split("/")[:-1]
+        folders.update("/".join(parts[:k]) for k in range(1, len(parts) + 1))
+    return [(d, root / d / METADATA_FILE) for d in sorted(folders)
+            if (root / d / METADATA_FILE).is_file()]
+
+
+def read_jsonl_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``("file:line", object)`` for each non-blank line of a metadata.jsonl; a line that is
+    not a JSON object is a DataError naming the file and line."""
+    text = _read_text(path, "the metadata file")
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(obj, dict):
+            raise DataError(f"{where}: a JSON {type(obj).__name__}, not an object")
+        yield where, obj
+
+
 def _unknown_entries(root: Path, unknown: list[tuple[str, str]]) -> DataError:
     """The error for metadata entries that name no image of the folder, saying why each
     file might not be there."""
@@ -199,18 +229,9 @@ def _read_all(root: str | os.PathLike[str], paths: Sequence[str | os.PathLike[st
     meta: dict[str, tuple[str, str]] = {}
     n_meta = 0
     if source != "txt":
-        # Every folder from the root down to each image may hold a metadata.jsonl: the ones
-        # that could name an image of this folder. (A metadata.jsonl in a folder without
-        # images would name only files the folder does not use.)
-        folders = {""}
-        for rel in rels:
-            parts = rel.split("/")[:-1]
-            folders.update("/".join(parts[:k]) for k in range(1, len(parts) + 1))
-        for d in sorted(folders):
-            f = root / d / METADATA_FILE
-            if f.is_file():
-                n_meta += 1
-                _read_metadata(f, d, meta)
+        for d, f in metadata_files(root, rels):
+            n_meta += 1
+            _read_metadata(f, d, meta)
         used = set(rels)
         # Entries for files the folder dropped as unreadable are no error: the image was
         # already logged and skipped, and one bad file must not stop the run.
@@ -722,7 +743,7 @@ def build_captioned(cfg: DataConfig, data: Dataset, seed: int = 0) -> Dataset:
 
 __all__ = [
     "CLASS_NAMES", "METADATA_FILE", "PHRASINGS", "TEXT_KEYS", "CaptionVariants",
-    "CaptionedImageFolder", "ClassCaptions", "build_captioned", "join_tags",
-    "overflow_message", "phrase", "phrasing_ids", "prompt_for", "read_captions", "split_tags",
+    "CaptionedImageFolder", "ClassCaptions", "build_captioned", "join_tags", "metadata_files",
+    "overflow_message", "phrase", "phrasing_ids", "prompt_for", "read_captions", "read_jsonl_lines", "split_tags",
     "token_overflow", "with_trigger",
 ]
