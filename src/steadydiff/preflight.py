@@ -21,6 +21,7 @@ from .config import Config, ConfigError
 from .data import as_pairs, build_dataset, check_labels, labels_of
 from .data.buckets import bucket_layout, describe_histogram
 from .data.captions import build_captioned
+from .data.pairs import build_paired, is_paired
 from .durations import format_duration
 from .devices import resolve_device
 from .models import build_model
@@ -163,6 +164,19 @@ def text_model(cfg: Config) -> bool:
 def _text_data(cfg: Config, dataset: Dataset | None) -> Dataset:
     """The captioned data of a text run: ``cfg.data``'s with its captions, or a user
     dataset of (image, caption) items with a ``captions`` list."""
+    if cfg.controlnet.enabled:
+        if dataset is None:
+            if cfg.data.conditioning == "none":
+                raise ConfigError("controlnet.enabled trains on (image, conditioning image, "
+                                  "caption) triples: set data.conditioning (folder, jsonl, "
+                                  "auto), or pass a dataset with conditioning(i) to "
+                                  "steadydiff.train (docs/controlnet.md)")
+            return build_paired(cfg.data, cfg.train.seed, cfg.controlnet.conditioning_channels)
+        if not is_paired(dataset):
+            raise ConfigError(f"controlnet.enabled: {type(dataset).__name__} gives no "
+                              "conditioning images: it needs conditioning(i) -> a (C, H, W) "
+                              "tensor in [0, 1] (and conditioning_path_of(i) to name the "
+                              "files; docs/controlnet.md)")
     if dataset is None:
         return build_captioned(cfg.data, build_dataset(cfg.data, seed=cfg.train.seed),
                                seed=cfg.train.seed)

@@ -659,7 +659,7 @@ def encode_conditioning(dataset: Dataset, *, prep: str, cache_dir: Path | str | 
         try:
             t = pixels(i)
         except DataError as e:
-            res.quarantined[i] = {"index": i, "source": source_of(dataset, i),
+            res.quarantined[i] = {"index": i, "source": pair_name(dataset, i),
                                   "conditioning": paths[i], "why": str(e)}
             log.warning("conditioning: quarantined dataset item %d: %s", i, e)
             continue

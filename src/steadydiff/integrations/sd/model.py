@@ -169,7 +169,23 @@ class SDDenoiser(nn.Module):
             pooled = pooled * keep[:, None].to(pooled.dtype)
         return self.sdxl.pack(embeds, pooled, time_ids)
 
-    def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
+    @property
+    def y_rows(self) -> int:
+        """The rows of a float condition y (N, rows, D) this model reads: the text (SDXL: +
+        the time-ids row). Rows after them are another part's (a ControlNet's image)."""
+        return self.null_context.shape[0] + (1 if self.sdxl is not None else 0)
+
+    def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None, **extra: Any) -> Tensor:
+        """The UNet's prediction; ``extra`` goes to the UNet call (a ControlNet's
+        ``down_block_additional_residuals`` / ``mid_block_additional_residual``)."""
+        t, kwargs = self.unet_inputs(x, t, y)
+        return self.unet(x, t, **kwargs, **extra, return_dict=False)[0]
+
+    def unet_inputs(self, x: Tensor, t: Tensor, y: Tensor | None = None
+                    ) -> tuple[Tensor, dict[str, Any]]:
+        """The UNet call's timesteps (N,) and condition keywords (``encoder_hidden_states``,
+        SDXL's ``added_cond_kwargs``) for ``model(x, t, y)``: what a ControlNet is called
+        with too."""
         n = x.shape[0]
         if y is not None and not y.is_floating_point():
             y = self.encode(y)
@@ -188,13 +204,12 @@ class SDDenoiser(nn.Module):
                              f"got {tuple(y.shape)}")
         t = t.expand(n) if t.ndim == 0 else t
         if self.sdxl is None:
-            return self.unet(x, t, encoder_hidden_states=y, return_dict=False)[0]
+            return t, {"encoder_hidden_states": y}
         embeds, pooled, time_ids = self.sdxl.unpack(y)
         time_ids = self.sdxl.fill_time_ids(time_ids, x.shape[-2] * self.down,
                                            x.shape[-1] * self.down)
         cond = {"text_embeds": pooled.to(embeds.dtype), "time_ids": time_ids}
-        return self.unet(x, t, encoder_hidden_states=embeds, added_cond_kwargs=cond,
-                         return_dict=False)[0]
+        return t, {"encoder_hidden_states": embeds, "added_cond_kwargs": cond}
 
 
 # --------------------------------------------------------------------------- LoRA

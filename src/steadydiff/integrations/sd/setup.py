@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from ...config import Config, ConfigError
-from ...data.cache import (EncodedDataset, TextResult, encode_latents, encode_texts,
-                           module_identity)
+from ...data.cache import (EncodedDataset, TextResult, encode_conditioning, encode_latents,
+                           encode_texts, module_identity)
 from ...data import source_of
 from ...data.captions import CaptionVariants, overflow_message, token_overflow
 from ...guard.findings import SampleQuarantined
@@ -28,6 +28,7 @@ from ...guard.provenance import is_attention
 from ...models import build_model
 from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
+from ..controlnet import ControlNetDenoiser, ControlNetWeights, build_controlnet
 from .hypernetwork import HypernetworkWeights, add_hypernetwork
 from .source import load_parts, model_root
 from .folder import load_text_parts, load_vae, read_json
@@ -181,6 +182,11 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             weights = HypernetworkWeights(a, parts.root, layers)
+        elif cfg.controlnet.enabled:  # the UNet frozen, a ControlNet trains beside it
+            to_device(unet, device, frozen).requires_grad_(False)
+            controlnet = _controlnet(cfg, unet, media.down, device)
+            weights = ControlNetWeights(parts.root, cfg.controlnet.init_from,
+                                        sdxl=parts.text_encoder_2 is not None)
         else:  # a full fine-tune: the UNet trains in fp32 under autocast
             to_device(unet, device, torch.float32).requires_grad_(True)
             weights = FullUNetWeights(parts.root)
@@ -197,6 +203,8 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                                       down=media.down).to(device)
         if a.kind == "hypernetwork":  # registered after the UNet: its own tensor names
             model.hypernetwork = hyper
+        if cfg.controlnet.enabled:
+            model = ControlNetDenoiser(model, controlnet, controlnet.config.conditioning_channels)
         if text_encoder is not None:
             model.set_null_ids(media.text_part(media.tokenize([""]))[0].to(device))
     else:
@@ -217,6 +225,23 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
     return model, weights, media
 
 
+def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device) -> nn.Module:
+    """The ControlNet a run trains (fp32, the upcast-aware attention): from the base UNet,
+    or ``controlnet.init_from``'s."""
+    c = cfg.controlnet
+    try:
+        net = build_controlnet(unet, down, init_from=c.init_from,
+                               conditioning_channels=c.conditioning_channels)
+    except ValueError as e:
+        raise ConfigError(f"controlnet.init_from: {e}") from None
+    have = int(net.config.conditioning_channels)
+    if have != c.conditioning_channels:
+        raise ConfigError(f"controlnet.init_from={c.init_from} reads {have}-channel "
+                          f"conditioning images: set controlnet.conditioning_channels={have}")
+    upcast_aware_attention(net)
+    return to_device(net, device, torch.float32).requires_grad_(True)
+
+
 def load_trained(c, cfg: Config, *, use_ema: bool = True,
                  device: torch.device | None = None) -> tuple[nn.Module, TextToImage]:
     """A text-to-image checkpoint's model (its base folder + the LoRA, or the whole
@@ -230,11 +255,14 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
 
     device = device or torch.device("cpu")
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "fp32"}),
-                                 # the checkpoint holds the LoRA: its start file is not read
-                                 "adapter": cfg.adapter.model_copy(update={"init_from": None})})
+                                 # the checkpoint holds the LoRA (the ControlNet): its start
+                                 # file is not read
+                                 "adapter": cfg.adapter.model_copy(update={"init_from": None}),
+                                 "controlnet": cfg.controlnet.model_copy(
+                                     update={"init_from": None})})
     model, weights, media = build(cfg, device)
     saved = c.ema if use_ema else c.model
-    if isinstance(weights, (PeftLoraWeights, HypernetworkWeights)):
+    if isinstance(weights, (PeftLoraWeights, HypernetworkWeights, ControlNetWeights)):
         own = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if set(own) != set(saved):
             raise CheckpointError(f"{c.path}: its adapter tensors do not match the "
@@ -297,9 +325,22 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
             extra = extra.to(texts.contexts.dtype)
         else:
             extra = extra.round().long()
+    conditioning = None
+    if cfg.controlnet.enabled:  # pixels, not latents: uint8, cached (data/cache.py)
+        conditioning = encode_conditioning(
+            data, prep=f"{_prep(cfg)},conditioning={cfg.controlnet.conditioning_channels}",
+            cache_dir=cache_dir if cfg.data.cache_latents else None)
+        if conditioning.keys is not None:
+            say(f"conditioning images: {conditioning.hits} from the cache, "
+                f"{conditioning.misses} prepared"
+                + (f", {len(conditioning.quarantined)} left out (undecodable)"
+                   if conditioning.quarantined else "") + f" ({cache_dir})")
+        else:
+            say("conditioning images: read from the dataset as each item is drawn")
     out = EncodedDataset(data, latents, texts, variants=variants,
                          tokenize=Tokenize(media.tokenizer, media.context_len,
-                                           media.tokenizer_2), extra=extra)
+                                           media.tokenizer_2), extra=extra,
+                         conditioning=conditioning)
     out.caption_overflow = len(over)
     if out.variants is not None:
         d = cfg.data

@@ -1,0 +1,451 @@
+"""ControlNet (Zhang, Rao & Agrawala 2023): a trainable copy of a Stable Diffusion UNet's
+encoder that reads a conditioning image (edges, depth, pose) and adds its features to the
+frozen UNet's skip connections through zero-initialised convolutions, so training starts
+from the unchanged model.
+
+Shared machinery beside the model families: it needs from the base denoiser only
+``unet`` (the diffusers UNet), ``unet_inputs(x, t, y)`` (the UNet call's condition keywords,
+which the ControlNet takes too), ``y_rows`` (how many rows of y are the base's), ``down``
+(the VAE's downsampling) and the ``null_condition``/``null_context`` of guidance; the
+diffusers ``ControlNetModel`` does the rest (``from_unet``, or a local ControlNet).
+
+The condition y of a training step carries the conditioning image after the base's rows
+(``data/cache.py`` ``append_rows``: C*H*W values in [0, 1] as rows of the context width,
+zero-padded), so the samplers, the guard's drops and reruns, the loss and the checkpoint see
+one tensor as everywhere else. At sampling the image is given once (:meth:`ControlNetDenoiser
+.control`) with the scale and the fraction of steps it acts on (diffusers'
+``controlnet_conditioning_scale``, ``control_guidance_start``/``end``), and guidance's
+unconditional half sees the same image, as diffusers' pipeline (``guess_mode=False``).
+
+Files: the diffusers ControlNet folder (``RUN/controlnet/``: config.json +
+diffusion_pytorch_model.safetensors; ``ControlNetModel.from_pretrained`` loads it) and one
+single file in the layout A1111 and ComfyUI load for the base family (``RUN/controlnet/
+<run>.safetensors``): SD 1.x/2.x the original ``control_model.*`` layout of lllyasviel's
+ControlNet releases (diffusers' ``ControlNetModel.from_single_file`` reads it back); SDXL the
+diffusers key layout in one file, as SDXL ControlNets are distributed and loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..trainer.checkpoint import Checkpoint, CheckpointError, save_tensors_atomic
+from .sd.model import _SDWeights
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ControlNetDenoiser", "ControlNetWeights", "ControlWindow", "build_controlnet",
+           "load_controlnet", "controlnet_keep", "original_state_dict", "save_controlnet",
+           "export_controlnet", "load_control_image", "CONTROLNET_DIR"]
+
+CONTROLNET_DIR = "controlnet"  # RUN/controlnet/: the diffusers folder and the single file
+# the conditioning embedding's widths for an 8x VAE (diffusers' and the paper's default);
+# a VAE of another factor gets as many as it halves (a tiny test model's 2x: the first two)
+EMBEDDING_WIDTHS = (16, 32, 96, 256)
+
+
+def embedding_widths(down: int) -> tuple[int, ...]:
+    """``conditioning_embedding_out_channels`` for a VAE that downsamples by ``down``: the
+    embedding must bring the image to the latent's size (one stride-2 stage per halving)."""
+    k = int(round(math.log2(down)))
+    if 2 ** k != down or not 0 <= k <= 3:
+        raise ValueError(f"a ControlNet's conditioning embedding halves 0-3 times; the VAE "
+                         f"downsamples by {down}")
+    return EMBEDDING_WIDTHS[:k + 1] if k < 3 else EMBEDDING_WIDTHS
+
+
+def build_controlnet(unet: nn.Module, down: int, *, init_from: str | Path | None = None,
+                     conditioning_channels: int = 3) -> nn.Module:
+    """A ControlNet for ``unet``: ``ControlNetModel.from_unet`` (the encoder's weights
+    copied, the zero convolutions zero), or a local ControlNet (:func:`load_controlnet`)
+    whose shape must fit the UNet.
+
+    Raises:
+        ValueError: a local ControlNet of another architecture (naming what differs).
+    """
+    from diffusers import ControlNetModel
+
+    if init_from is None:
+        return ControlNetModel.from_unet(unet, conditioning_channels=conditioning_channels,
+                                         conditioning_embedding_out_channels=
+                                         embedding_widths(down))
+    net = load_controlnet(init_from)
+    mine = unet.config
+    for key in ("block_out_channels", "cross_attention_dim", "in_channels",
+                "layers_per_block", "addition_embed_type"):
+        a, b = net.config.get(key), mine.get(key)
+        if a is not None and b is not None and list(a if isinstance(a, (list, tuple))
+                                                    else [a]) != list(
+                b if isinstance(b, (list, tuple)) else [b]):
+            raise ValueError(f"controlnet.init_from={init_from}: its {key} is {a}, the base "
+                             f"UNet's {b}: a ControlNet for another model")
+    return net
+
+
+def load_controlnet(path: str | Path) -> nn.Module:
+    """A local ControlNet: a diffusers folder (config.json + weights), or a single
+    .safetensors (diffusers or original ``control_model.*`` layout) with a config.json
+    beside it. Only safetensors are read (nothing unpickled); nothing is downloaded.
+
+    Raises:
+        ValueError: not such a folder or file (naming what is missing).
+    """
+    from diffusers import ControlNetModel
+
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise ValueError(f"{p} is not a diffusers ControlNet folder: no config.json")
+        return ControlNetModel.from_pretrained(p, local_files_only=True, use_safetensors=True)
+    if p.suffix != ".safetensors" or not p.is_file():
+        raise ValueError(f"{p}: expected a diffusers ControlNet folder or a .safetensors "
+                         "file (other formats are not read: they may run code)")
+    if not (p.parent / "config.json").is_file():
+        raise ValueError(f"{p}: a single-file ControlNet needs its config: a config.json "
+                         f"of the same architecture beside it ({p.parent / 'config.json'})")
+    return ControlNetModel.from_single_file(str(p), config=str(p.parent),
+                                            local_files_only=True)
+
+
+# --------------------------------------------------------------------------- the denoiser
+
+
+@dataclass
+class ControlWindow:
+    """The control of one sampling call: the image (N0, C, H, W) in [0, 1], its scale, and
+    the steps it acts on: step i of the timesteps ``ts`` keeps the control when
+    ``i / len(ts) >= start`` and ``(i + 1) / len(ts) <= end`` (diffusers' ``controlnet_keep``)."""
+
+    image: Tensor
+    scale: float = 1.0
+    start: float = 0.0
+    end: float = 1.0
+    ts: Tensor | None = None
+
+
+def controlnet_keep(i: int, n: int, start: float, end: float) -> float:
+    """1.0 when step ``i`` of ``n`` is inside [start, end], else 0.0 (diffusers')."""
+    return 1.0 - float(i / n < start or (i + 1) / n > end)
+
+
+class ControlNetDenoiser(nn.Module):
+    """``model(x, t, y)`` over a frozen base denoiser and a trainable ControlNet.
+
+    Args:
+        base: the base family's denoiser (``SDDenoiser``: UNet, text conditioning).
+        controlnet: a diffusers ``ControlNetModel`` for its UNet.
+        channels: the conditioning image's channels.
+
+    y is the base's condition followed by the conditioning image's rows (training), or the
+    base's alone inside :meth:`control` (sampling).
+    """
+
+    num_classes = 0
+
+    def __init__(self, base: nn.Module, controlnet: nn.Module, channels: int = 3) -> None:
+        super().__init__()
+        self.base = base
+        self.controlnet = controlnet
+        self.channels = channels
+        self.context_dim, self.in_channels = base.context_dim, base.in_channels
+        self.image_size, self.down = base.image_size, base.down
+        self._window: ControlWindow | None = None
+
+    # what the trainer, the samplers and guidance read from a text denoiser
+    @property
+    def unet(self) -> nn.Module:
+        return self.base.unet
+
+    @property
+    def null_context(self) -> Tensor:
+        return self.base.null_context
+
+    @property
+    def text_encoder(self) -> nn.Module | None:
+        return self.base.text_encoder
+
+    @property
+    def text_encoder_2(self) -> nn.Module | None:
+        return self.base.text_encoder_2
+
+    def set_null_context(self, ctx: Tensor) -> None:
+        self.base.set_null_context(ctx)
+
+    def encode(self, ids: Tensor) -> Tensor:
+        return self.base.encode(ids)
+
+    def enable_gradient_checkpointing(self) -> str:
+        self.controlnet.enable_gradient_checkpointing()
+        return (self.base.enable_gradient_checkpointing()
+                + "; the ControlNet's blocks (diffusers) too")
+
+    def null_condition(self, y: Tensor) -> Tensor:
+        """Guidance's null condition: the base's null text, the same control image."""
+        rows = self.base.y_rows
+        return torch.cat([self.base.null_condition(y[:, :rows]), y[:, rows:]], dim=1)
+
+    def split(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """y -> (the base's condition, the conditioning image (N, C, H, W)), H and W the
+        latent's x the VAE's downsampling.
+
+        Raises:
+            ValueError: y holds no (or another size of) conditioning image.
+        """
+        n, rows = x.shape[0], self.base.y_rows
+        h, w = x.shape[-2] * self.down, x.shape[-1] * self.down
+        need = self.channels * h * w
+        flat = y[:, rows:].reshape(n, -1)
+        if flat.shape[1] < need or flat.shape[1] - need >= y.shape[-1]:
+            raise ValueError(f"the condition holds {flat.shape[1]} values after the text, "
+                             f"not a {self.channels}x{h}x{w} conditioning image (a "
+                             f"{x.shape[-2]}x{x.shape[-1]} latent's): each image needs its "
+                             f"conditioning image of its own size")
+        return y[:, :rows], flat[:, :need].reshape(n, self.channels, h, w)
+
+    def _scale(self, t: Tensor) -> float:
+        """The control's scale at timestep t inside :meth:`control` (one host read per
+        model call, at sampling only)."""
+        win = self._window
+        if win is None:
+            return 1.0
+        if win.ts is None or (win.start <= 0 and win.end >= 1):
+            return win.scale
+        tv = float(t.reshape(-1)[0])
+        hits = (win.ts.to(torch.float64) - tv).abs().argmin()
+        return win.scale * controlnet_keep(int(hits), len(win.ts), win.start, win.end)
+
+    def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None) -> Tensor:
+        n = x.shape[0]
+        win = self._window
+        if win is not None:  # sampling: the image given once, repeated over guidance's rows
+            cond = win.image.to(x.device, x.dtype)
+            cond = cond.repeat(-(-n // cond.shape[0]), 1, 1, 1)[:n]
+            rest = y
+            scale = self._scale(t)
+        else:
+            if y is None:
+                raise ValueError("a ControlNet step needs its conditioning image in y")
+            rest, cond = self.split(x, y)
+            scale = 1.0
+        t_in, kwargs = self.base.unet_inputs(x, t, rest)
+        if scale == 0.0:
+            return self.base.unet(x, t_in, **kwargs, return_dict=False)[0]
+        down, mid = self.controlnet(x, t_in, controlnet_cond=cond.to(x.dtype),
+                                    conditioning_scale=scale, return_dict=False, **kwargs)
+        return self.base.unet(x, t_in, **kwargs, down_block_additional_residuals=down,
+                              mid_block_additional_residual=mid, return_dict=False)[0]
+
+    @contextlib.contextmanager
+    def control(self, image: Tensor, scale: float = 1.0, start: float = 0.0,
+                end: float = 1.0, ts: Tensor | None = None) -> Iterator[None]:
+        """Sample with the conditioning ``image`` (N, C, H, W) in [0, 1] (one per sample, or
+        one for all): every call inside sees it at ``scale``, on the steps of ``ts`` (the
+        sampler's timesteps) between the fractions ``start`` and ``end``."""
+        old = self._window
+        self._window = ControlWindow(image, scale, start, end,
+                                     ts.detach().cpu() if ts is not None else None)
+        try:
+            yield
+        finally:
+            self._window = old
+
+
+def load_control_image(path: str | Path, width: int, height: int, channels: int = 3
+                       ) -> Tensor:
+    """A conditioning image file as (1, C, height, width) float in [0, 1], resized as
+    diffusers' ``VaeImageProcessor`` (no normalisation) does: Pillow, Lanczos, to the size.
+
+    Raises:
+        ValueError: the file cannot be read (naming it).
+    """
+    import numpy as np
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as im:
+            im = im.convert("RGB" if channels == 3 else "L")
+            im = im.resize((width, height), Image.Resampling.LANCZOS)
+            a = np.asarray(im, dtype=np.float32) / 255.0
+    except (OSError, UnidentifiedImageError, ValueError) as e:
+        raise ValueError(f"control image {path}: cannot be read ({e})") from None
+    x = torch.from_numpy(a.copy())
+    x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)
+    return x.unsqueeze(0)
+
+
+# --------------------------------------------------------------------------- files
+
+
+def _finite(sd: dict[str, Tensor]) -> None:
+    bad = [k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if bad:
+        raise CheckpointError(f"the ControlNet has non-finite weights ({bad[0]} and "
+                              f"{len(bad) - 1} more): not written")
+
+
+def _block_map(config: dict[str, Any]) -> list[tuple[str, str]]:
+    """(diffusers prefix, original prefix) of the ControlNet's encoder, the original UNet's
+    input_blocks numbering (as ``convert_controlnet_checkpoint`` reads it back)."""
+    layers = int(config["layers_per_block"])
+    n_levels = len(config["block_out_channels"])
+    out = [("conv_in.", "input_blocks.0.0.")]
+    k = 1
+    for b in range(n_levels):
+        for j in range(layers):
+            out.append((f"down_blocks.{b}.resnets.{j}.", f"input_blocks.{k}.0."))
+            out.append((f"down_blocks.{b}.attentions.{j}.", f"input_blocks.{k}.1."))
+            k += 1
+        if b < n_levels - 1:
+            out.append((f"down_blocks.{b}.downsamplers.0.conv.", f"input_blocks.{k}.0.op."))
+            k += 1
+    for i in range(k):
+        out.append((f"controlnet_down_blocks.{i}.", f"zero_convs.{i}.0."))
+    out += [("mid_block.resnets.0.", "middle_block.0."), ("mid_block.attentions.0.",
+                                                          "middle_block.1."),
+            ("mid_block.resnets.1.", "middle_block.2."), ("controlnet_mid_block.",
+                                                          "middle_block_out.0."),
+            ("time_embedding.linear_1.", "time_embed.0."),
+            ("time_embedding.linear_2.", "time_embed.2."),
+            ("add_embedding.linear_1.", "label_emb.0.0."),
+            ("add_embedding.linear_2.", "label_emb.0.2."),
+            ("class_embedding.linear_1.", "label_emb.0.0."),
+            ("class_embedding.linear_2.", "label_emb.0.2."),
+            ("controlnet_cond_embedding.conv_in.", "input_hint_block.0.")]
+    n_emb = 2 * (len(config["conditioning_embedding_out_channels"]) - 1)
+    for i in range(n_emb):
+        out.append((f"controlnet_cond_embedding.blocks.{i}.", f"input_hint_block.{2 * (i + 1)}."))
+    out.append(("controlnet_cond_embedding.conv_out.", f"input_hint_block.{2 * (n_emb + 1)}."))
+    return out
+
+
+# inside a resnet / a transformer: diffusers -> original names (the inverse of diffusers'
+# update_unet_resnet_ldm_to_diffusers / update_unet_attention_ldm_to_diffusers)
+_RESNET = (("norm1.", "in_layers.0."), ("conv1.", "in_layers.2."),
+           ("time_emb_proj.", "emb_layers.1."), ("norm2.", "out_layers.0."),
+           ("conv2.", "out_layers.3."), ("conv_shortcut.", "skip_connection."))
+
+
+def original_state_dict(state: dict[str, Tensor], config: dict[str, Any]) -> dict[str, Tensor]:
+    """A diffusers ControlNet's tensors in the original layout (``control_model.`` +
+    ``input_blocks``/``zero_convs``/``input_hint_block``/``middle_block_out``...), what
+    A1111 and ComfyUI load for SD 1.x/2.x.
+
+    Raises:
+        ValueError: a tensor the mapping does not place (a ControlNet of a layout this
+            writer does not know; nothing is written).
+    """
+    prefixes = sorted(_block_map(config), key=lambda p: -len(p[0]))
+    out: dict[str, Tensor] = {}
+    for k, v in state.items():
+        for new, old in prefixes:
+            if k.startswith(new):
+                rest = k[len(new):]
+                if new.split(".")[0] in ("down_blocks", "mid_block") and ".resnets." in new:
+                    for a, b in _RESNET:
+                        if rest.startswith(a):
+                            rest = b + rest[len(a):]
+                            break
+                out["control_model." + old + rest] = v
+                break
+        else:
+            raise ValueError(f"the ControlNet tensor {k!r} has no place in the original "
+                             f"layout: write the diffusers folder only")
+    if len(out) != len(state):
+        raise ValueError("two ControlNet tensors map to one original name")
+    return out
+
+
+def save_controlnet(controlnet: nn.Module, out: str | Path, *, single_file: str | None,
+                    original: bool) -> Path:
+    """Write ``out/`` as a diffusers ControlNet folder (``from_pretrained`` loads it) and,
+    given ``single_file`` (a file name), that file in the original layout (``original``:
+    SD 1.x/2.x) or diffusers' keys (SDXL), each replaced atomically; refused whole when a
+    weight is non-finite. Returns the folder."""
+    out = Path(out)
+    state = {k: v.detach().to("cpu", torch.float32).contiguous()
+             for k, v in controlnet.state_dict().items()}
+    _finite(state)
+    out.mkdir(parents=True, exist_ok=True)
+    config = dict(controlnet.config)
+    weights = out / "diffusion_pytorch_model.safetensors"
+    save_tensors_atomic(weights, state, metadata={"format": "pt"})
+    tmp = out / ".config.json.tmp"
+    tmp.write_text(json.dumps({"_class_name": type(controlnet).__name__,
+                               **{k: (list(v) if isinstance(v, tuple) else v)
+                                  for k, v in config.items() if not k.startswith("_")}},
+                              indent=2, sort_keys=True))
+    tmp.replace(out / "config.json")
+    if single_file:
+        sd = original_state_dict(state, config) if original else state
+        save_tensors_atomic(out / single_file, sd, metadata={
+            "format": "pt", "modelspec.architecture": "controlnet",
+            "steadydiff.layout": "original" if original else "diffusers"})
+    return out
+
+
+def export_controlnet(controlnet: nn.Module, run_root: Path, name: str, *, sdxl: bool) -> Path:
+    """``RUN/controlnet/`` (:func:`save_controlnet`) with ``<name>.safetensors``."""
+    return save_controlnet(controlnet, run_root / CONTROLNET_DIR, single_file=f"{name}.safetensors",
+                           original=not sdxl)
+
+
+# --------------------------------------------------------------------------- weights
+
+
+class ControlNetWeights(_SDWeights):
+    """What a ControlNet run trains, saves and exports: the ControlNet's tensors (and
+    their EMA); the base UNet, text encoders and VAE stay frozen and out of checkpoints."""
+
+    prefix = "controlnet."
+
+    def __init__(self, base: Path, init_from: str | None, sdxl: bool,
+                 recipe: dict[str, Any] | None = None) -> None:
+        self.base, self.init_from, self.sdxl, self.recipe = base, init_from, sdxl, recipe
+
+    def _own(self, model: nn.Module) -> dict[str, Tensor]:
+        return {n: p for n, p in model.named_parameters() if n.startswith(self.prefix)}
+
+    def tensors(self, state: Any) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        ema = self._own(state.ema.module)
+        return ({n: p.detach() for n, p in self._own(state.model).items()},
+                {n: p.detach() for n, p in ema.items()})
+
+    def restore(self, state: Any, c: Checkpoint) -> None:
+        for what, m, saved in (("model", state.model, c.model),
+                               ("EMA", state.ema.module, c.ema)):
+            own = self._own(m)
+            missing, extra = sorted(set(own) - set(saved)), sorted(set(saved) - set(own))
+            if missing or extra:
+                raise CheckpointError(
+                    f"{c.path}: its ControlNet {what} tensors do not match this run's "
+                    f"ControlNet (missing {missing[:2]}, unexpected {extra[:2]}): "
+                    "model.pretrained or controlnet.init_from changed since it was written")
+            with torch.no_grad():
+                for n, p in own.items():
+                    p.copy_(saved[n])
+
+    def info(self) -> dict[str, Any]:
+        return {"kind": "controlnet", "via": "diffusers", "base": str(self.base),
+                "init_from": self.init_from, "conditioning": self.recipe}
+
+    def export(self, state: Any, root: Path, final: bool) -> Path | None:
+        model = state.ema.module if state.cfg.sample.use_ema else state.model
+        return export_controlnet(model.controlnet, root, root.name, sdxl=self.sdxl)
+
+
+def controlnet_module_names(model: nn.Module) -> Sequence[str]:
+    """The ControlNet's zero convolutions (``controlnet_down_blocks``,
+    ``controlnet_mid_block``): what provenance names when their output explodes."""
+    return [n for n, _ in model.named_modules()
+            if re.search(r"controlnet\.(controlnet_down_blocks\.\d+|controlnet_mid_block)$", n)]
