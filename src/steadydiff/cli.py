@@ -127,6 +127,21 @@ def _parser() -> argparse.ArgumentParser:
                         "model; default 1)")
     s.add_argument("--base", default=None,
                    help="adapter checkpoint: its base weights, if they moved since training")
+    s.add_argument("--control-image", default=None, metavar="FILE",
+                   help="ControlNet run: the conditioning image (resized to data.image_size)")
+    s.add_argument("--control-scale", type=float, default=None,
+                   help="ControlNet run: its residuals x this (default: controlnet.scale)")
+    s.add_argument("--control-start", type=float, default=None,
+                   help="ControlNet run: the fraction of the steps after which the control "
+                        "acts (default: controlnet.start)")
+    s.add_argument("--control-end", type=float, default=None,
+                   help="ControlNet run: the fraction of the steps after which it stops "
+                        "(default: controlnet.end)")
+    s.add_argument("--lora", action="append", default=None, metavar="FILE[:SCALE]",
+                   help="Stable Diffusion run: fuse this LoRA (a diffusers or kohya/A1111 "
+                        ".safetensors, or a folder with pytorch_lora_weights.safetensors) "
+                        "into the base first, at SCALE (default 1); repeatable. With a "
+                        "ControlNet run: LoRA and ControlNet together")
     s.add_argument("--out", required=True,
                    help="output: a .png grid, or .npz with 'samples' (N,C,H,W) float32 in "
                         "[-1,1] (and 'labels' when class-conditional)")
@@ -390,10 +405,16 @@ def cmd_sample(a: argparse.Namespace) -> int:
             raise ValueError(f"{name} must be at least 1, got {v}")
     pipe = load(a.checkpoint, device=a.device, use_ema=not a.raw_weights,
                 adapter_scale=a.adapter_scale, base=a.base)
+    for item in a.lora or []:
+        path, _, scale = item.rpartition(":") if re.search(r":[-+.\d]+$", item) \
+            else (item, "", "1")
+        pipe.load_lora(path, float(scale))
     prompt = a.prompt[0] if a.prompt and len(a.prompt) == 1 else a.prompt
     x, y = pipe.sample(a.num, sampler=a.sampler, steps=a.steps, class_label=a.class_label,
                        cfg_scale=a.cfg_scale, eta=a.eta, seed=a.seed, prompt=prompt,
-                       negative_prompt=a.negative_prompt)
+                       negative_prompt=a.negative_prompt, control_image=a.control_image,
+                       control_scale=a.control_scale, control_start=a.control_start,
+                       control_end=a.control_end)
     if out.suffix.lower() == ".npz":
         save_npz(x, out, y)
     else:

@@ -117,7 +117,10 @@ class Pipeline:
                eta: float | None = None, seed: int | None = None,
                allow_nonfinite: bool = False, prompt: str | list[str] | None = None,
                negative_prompt: str | None = None,
-               noise: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               noise: torch.Tensor | None = None,
+               control_image: str | Path | torch.Tensor | None = None,
+               control_scale: float | None = None, control_start: float | None = None,
+               control_end: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draw ``num`` samples. Defaults come from the config's ``sample`` section.
 
         For a class-conditional model, ``class_label`` fixes the class; otherwise the labels
@@ -135,6 +138,12 @@ class Pipeline:
                 instead of raising :class:`NonFiniteSamples`.
             noise: the starting noise (N, C, H, W) in the model's space instead of a draw
                 from ``seed`` (to compare with another pipeline on the same latents).
+            control_image: a ControlNet run: the conditioning image, a file (resized to
+                ``data.image_size``, as diffusers' image processor: Lanczos, [0, 1]) or a
+                (N or 1, C, H, W) tensor in [0, 1]; required for such a run.
+            control_scale, control_start, control_end: its scale and the fraction of the
+                steps it acts on (diffusers' ``controlnet_conditioning_scale``,
+                ``control_guidance_start``/``end``; default: the ``controlnet`` section).
 
         Returns:
             ``(x, y)``: x (N, C, H, W) float32 in [-1, 1] on the CPU, and the labels used
@@ -155,8 +164,13 @@ class Pipeline:
             if class_label is not None or labels is not None:
                 raise ValueError("this model is conditioned on text, not class labels: give "
                                  "a prompt (--prompt) instead of --class-label")
-            return self._sample_text(num, sampler, steps, prompt, negative_prompt, cfg_scale,
-                                     eta, seed, allow_nonfinite, noise)
+            control = self._control(control_image, control_scale, control_start,
+                                    control_end, sampler, steps)
+            with control:
+                return self._sample_text(num, sampler, steps, prompt, negative_prompt,
+                                         cfg_scale, eta, seed, allow_nonfinite, noise)
+        if control_image is not None:
+            raise ValueError("--control-image needs a ControlNet run (controlnet.enabled)")
         if prompt is not None or negative_prompt is not None:
             raise ValueError("this model is not conditioned on text; --prompt and "
                              "--negative-prompt need a text-to-image checkpoint")
@@ -189,6 +203,50 @@ class Pipeline:
                            else cfg_scale)
         return x, (y.cpu() if y is not None else None)
 
+    def _control(self, image, scale, start, end, sampler, steps):
+        """The ControlNet's sampling context for :meth:`sample` (a no-op for other runs)."""
+        import contextlib
+
+        given = [v for v in (scale, start, end) if v is not None]
+        if not hasattr(self.model, "control"):
+            if image is not None or given:
+                raise ValueError(f"{self.checkpoint} is not a ControlNet run: --control-image, "
+                                 "--control-scale, --control-start and --control-end need one")
+            return contextlib.nullcontext()
+        if image is None:
+            raise ValueError(f"{self.checkpoint} is a ControlNet run: give its conditioning "
+                             "image (--control-image FILE)")
+        c = self.config.controlnet
+        scale = c.scale if scale is None else scale
+        start = c.start if start is None else start
+        end = c.end if end is None else end
+        if not 0 <= start < end <= 1 or scale < 0:
+            raise ValueError(f"control start {start} / end {end} must satisfy 0 <= start < "
+                             f"end <= 1, and the scale ({scale}) be >= 0")
+        if not isinstance(image, torch.Tensor):
+            from .integrations.controlnet import load_control_image
+
+            side = self.config.data.image_size
+            image = load_control_image(image, side, side, c.conditioning_channels)
+        from .diffusion.samplers import sampling_timesteps
+
+        ts = sampling_timesteps(self.schedule, steps or self.config.sample.steps)
+        return self.model.control(image.to(self.device), scale, start, end, ts)
+
+    def load_lora(self, path: str | Path, scale: float = 1.0) -> None:
+        """Apply a LoRA file (diffusers or kohya/A1111 format, through diffusers' own loader)
+        to a Stable Diffusion run's base UNet (and text encoders) at ``scale``: LoRA and
+        ControlNet together at sampling.
+
+        Raises:
+            ValueError: not a text-to-image run, or a file diffusers cannot load (named).
+        """
+        if self.media is None or not self.config.model.pretrained:
+            raise ValueError("--lora applies to a Stable Diffusion run (model.pretrained)")
+        from .integrations.sd.setup import apply_lora
+
+        apply_lora(self.model, self.media, path, scale)
+
     @staticmethod
     def _check_finite(x: torch.Tensor, allow: bool, sampler: str, cfg_scale: float) -> None:
         # the output is checked, not trusted: NaN/Inf survive the final clamp
@@ -216,8 +274,10 @@ class Pipeline:
         uncond = media.encode_prompts([neg] * num) if neg else None
         scale = s.cfg_scale if cfg_scale is None else cfg_scale
         gen = seeding.generator(self.device, s.seed if seed is None else seed)
+        side = self.config.data.image_size // (media.down if media.latent else 1) \
+            if hasattr(m, "control") else m.image_size
         z = run_sampler(m, self.schedule, self.config.diffusion.prediction,
-                        (num, m.in_channels, m.image_size, m.image_size), sampler=sampler,
+                        (num, m.in_channels, side, side), sampler=sampler,
                         steps=steps or s.steps, y=y, cfg_scale=scale,
                         eta=s.eta if eta is None else eta, generator=gen, device=self.device,
                         uncond=uncond, clip_x0=not media.latent, x=noise)

@@ -51,6 +51,10 @@ class Preflight:
                    "hypernetwork": f"hypernetwork [1, {cfg.adapter.hidden_mult:g}, 1] "
                                    f"{cfg.adapter.hyper_activation}"}.get(cfg.adapter.kind,
                                                                          "full fine-tune")
+            if cfg.controlnet.enabled:
+                how = ("ControlNet from " + (cfg.controlnet.init_from or "the UNet")
+                       + f" ({cfg.controlnet.conditioning_channels}-channel conditioning), "
+                       "UNet frozen")
             from .integrations.sd.folder import is_sdxl_folder  # no diffusers import
 
             unet = "SDXL UNet" if is_sdxl_folder(m.pretrained) else "Stable Diffusion UNet"

@@ -46,6 +46,7 @@ from .sd.model import _SDWeights
 log = logging.getLogger(__name__)
 
 __all__ = ["ControlNetDenoiser", "ControlNetWeights", "ControlWindow", "build_controlnet",
+           "validation_images",
            "load_controlnet", "controlnet_keep", "original_state_dict", "save_controlnet",
            "export_controlnet", "load_control_image", "CONTROLNET_DIR"]
 
@@ -282,6 +283,39 @@ def load_control_image(path: str | Path, width: int, height: int, channels: int 
     x = torch.from_numpy(a.copy())
     x = x.unsqueeze(0) if x.ndim == 2 else x.permute(2, 0, 1)
     return x.unsqueeze(0)
+
+
+def validation_images(cfg: Any, data: Any, prompts: Sequence[Any]) -> list[Tensor]:
+    """Each validation prompt's conditioning image (C, height, width) in [0, 1]:
+    ``controlnet.control_images`` cycled over the prompts, else the conditioning image of
+    dataset item j for prompt j (the prompts are then the first items' captions, or
+    ``sample.prompts`` beside the first items' images), resized to the prompt's size.
+
+    Raises:
+        ConfigError: a control image that cannot be read (naming the key and the file).
+    """
+    from ..config import ConfigError
+    from ..data.pairs import conditioning_of
+
+    c = cfg.controlnet
+    out = []
+    for j, p in enumerate(prompts):
+        if c.control_images:
+            f = c.control_images[j % len(c.control_images)]
+            try:
+                out.append(load_control_image(f, p.width, p.height,
+                                              c.conditioning_channels)[0])
+            except ValueError as e:
+                raise ConfigError(f"controlnet.control_images.{j % len(c.control_images)}: "
+                                  f"{e}") from None
+            continue
+        img = conditioning_of(data, j % len(data)).float()
+        if tuple(img.shape[-2:]) != (p.height, p.width):
+            img = torch.nn.functional.interpolate(img[None], size=(p.height, p.width),
+                                                  mode="bilinear", antialias=True,
+                                                  align_corners=False)[0].clamp(0, 1)
+        out.append(img)
+    return out
 
 
 # --------------------------------------------------------------------------- files

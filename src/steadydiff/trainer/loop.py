@@ -807,6 +807,11 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         from ..integrations.sd import setup as sd_setup
 
         state.prompts = validation.resolve(cfg, data.captions, state.model, state.media)
+        if cfg.controlnet.enabled:  # each prompt's conditioning image
+            from ..integrations.controlnet import validation_images
+
+            state.control = validation_images(cfg, data, state.prompts)
+            state.weights.recipe = getattr(data, "recipe", None)  # state.json records it
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir \
             else run.root / "cache"
         data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say)

@@ -59,6 +59,7 @@ class TrainState:
     evaluator: Evaluation = NO_EVALUATION    # evaluation during training (eval.every)
     media: Media = PIXELS                    # pixels; or latents and text (text-to-image)
     prompts: list[Any] = field(default_factory=list)  # validation prompts (validation.Prompt)
+    control: list[Any] | None = None  # a ControlNet run: each prompt's conditioning image
     # train.gradient_checkpointing: what is recomputed in the backward (for the log); None off
     checkpointing: str | None = None
 

@@ -40,6 +40,7 @@ from torch import nn
 from .. import hostsync, seeding
 from ..config import Config, ConfigError, ValidationPrompt
 from ..diffusion import sample
+from ..diffusion.samplers import sampling_timesteps
 from ..eval.grid import grid_nrow, make_grid, save_grid
 from .state import TrainState
 
@@ -176,10 +177,13 @@ def draw(state: TrainState, model: nn.Module, prompts: Sequence[Prompt],
             negs = [prompts[j].negative_prompt for j in members for _ in range(counts[j])]
             y = media.encode_prompts(texts)
             uncond = media.encode_prompts(negs) if any(negs) else None
-            z = sample(model, state.schedule, state.cfg.diffusion.prediction, tuple(x.shape),
-                       sampler=s.sampler, steps=p0.steps, y=y, cfg_scale=p0.cfg_scale,
-                       eta=s.eta, generator=gens[0], device=state.device, uncond=uncond,
-                       clip_x0=not media.latent, x=x)  # latents are not bounded to [-1, 1]
+            ts = sampling_timesteps(state.schedule, p0.steps)
+            with _control(state, model, members, counts, ts):
+                z = sample(model, state.schedule, state.cfg.diffusion.prediction,
+                           tuple(x.shape), sampler=s.sampler, steps=p0.steps, y=y,
+                           cfg_scale=p0.cfg_scale, eta=s.eta, generator=gens[0],
+                           device=state.device, uncond=uncond, clip_x0=not media.latent, x=x,
+                           ts=ts)  # latents are not bounded to [-1, 1]
             imgs = media.decode(z).float().cpu()
             for j, part in zip(members, imgs.split([counts[j] for j in members])):
                 out[j] = (part, None)
@@ -187,6 +191,18 @@ def draw(state: TrainState, model: nn.Module, prompts: Sequence[Prompt],
             for j in members:
                 out[j] = (None, f"{type(e).__name__}: {e}")
     return out
+
+
+def _control(state: TrainState, model: nn.Module, members: Sequence[int],
+             counts: Sequence[int], ts: torch.Tensor):
+    """A ControlNet run's control for the prompts ``members`` (each its conditioning image
+    ``state.control[j]``, ``counts[j]`` times), at ``controlnet.scale``/``start``/``end``;
+    else nothing."""
+    if state.control is None or not hasattr(model, "control"):
+        return contextlib.nullcontext()
+    c = state.cfg.controlnet
+    image = torch.stack([state.control[j] for j in members for _ in range(counts[j])])
+    return model.control(image, c.scale, c.start, c.end, ts)
 
 
 def _padded(x: torch.Tensor, h: int, w: int) -> torch.Tensor:

@@ -39,7 +39,7 @@ from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDe
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build", "encode_data", "is_text_config", "model_geometry", "model_root",
+__all__ = ["apply_lora", "build", "encode_data", "is_text_config", "model_geometry", "model_root",
            "record_quarantine", "unet_parameters", "load_trained"]
 
 
@@ -274,6 +274,39 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
     else:
         load_unet_only(model, saved, c.path)
     return model.eval().requires_grad_(False), media
+
+
+def apply_lora(model: nn.Module, media: TextToImage, path: str | Path, scale: float) -> None:
+    """Fuse the LoRA file ``path`` (diffusers' or kohya's format, read by diffusers' own
+    ``load_lora_weights``) into ``model``'s UNet and ``media``'s text encoders at ``scale``:
+    the sampling copy of a run (LoRA + ControlNet together).
+
+    Raises:
+        ValueError: diffusers cannot load the file (its message, naming the file).
+    """
+    from diffusers import (DDIMScheduler, StableDiffusionPipeline,
+                           StableDiffusionXLPipeline)
+
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"--lora {p}: no such file or folder")
+    unet = model.unet
+    common = dict(vae=media.vae, text_encoder=media.text_encoder, tokenizer=media.tokenizer,
+                  unet=unet, scheduler=DDIMScheduler(steps_offset=1, clip_sample=False))
+    if media.sdxl is not None:
+        pipe = StableDiffusionXLPipeline(**common, text_encoder_2=media.text_encoder_2,
+                                         tokenizer_2=media.tokenizer_2)
+    else:
+        pipe = StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
+                                       requires_safety_checker=False)
+    kw = {"weight_name": p.name} if p.is_file() else {}
+    try:
+        pipe.load_lora_weights(str(p.parent if p.is_file() else p), **kw,
+                               adapter_name="sample")
+        pipe.fuse_lora(lora_scale=scale, adapter_names=["sample"])
+        pipe.unload_lora_weights()  # the fused weights stay; the peft layers go
+    except (ValueError, KeyError, RuntimeError, OSError) as e:
+        raise ValueError(f"--lora {p}: diffusers cannot load it for this model ({e})") from None
 
 
 def _prep(cfg: Config) -> str:

@@ -98,13 +98,15 @@ def tiny_unet(cross_attention_dim: int = 32, sample_size: int = 16, in_channels:
 
 
 def make_tiny_sd(path: str | Path, *, prediction: Literal["epsilon", "v_prediction"] = "epsilon",
-                 image_size: int = 32, seed: int = 0, hidden: int = 32) -> Path:
+                 image_size: int = 32, seed: int = 0, hidden: int = 32,
+                 vae_widths: tuple[int, ...] = (16, 32)) -> Path:
     """Write a tiny SD 1.x/2.x-layout model folder at ``path`` and return it.
 
     Args:
         prediction: the scheduler's ``prediction_type`` (SD 1.x and 2.x-base: epsilon;
             SD 2.x 768: v_prediction).
-        image_size: the images' side; the latents are image_size / 2.
+        image_size: the images' side; the latents are image_size / 2 (with ``vae_widths``
+            of k levels, image_size / 2**(k-1): four give SD's 8x).
         seed: weights' seed. hidden: the text encoder's width (= cross_attention_dim).
     """
     from diffusers import PNDMScheduler, StableDiffusionPipeline
@@ -115,8 +117,8 @@ def make_tiny_sd(path: str | Path, *, prediction: Literal["epsilon", "v_predicti
                           beta_schedule="scaled_linear", prediction_type=prediction,
                           set_alpha_to_one=False, skip_prk_steps=True, steps_offset=1)
     pipe = StableDiffusionPipeline(
-        unet=tiny_unet(hidden, image_size // 2, seed=seed),
-        vae=tiny_vae(sample_size=image_size, seed=seed),
+        unet=tiny_unet(hidden, image_size // 2 ** (len(vae_widths) - 1), seed=seed),
+        vae=tiny_vae(widths=vae_widths, sample_size=image_size, seed=seed),
         text_encoder=tiny_text_encoder(hidden, seed=seed), tokenizer=tiny_tokenizer(),
         scheduler=sched, safety_checker=None, feature_extractor=None,
         requires_safety_checker=False)
