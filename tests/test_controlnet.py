@@ -303,3 +303,43 @@ def test_single_file_loads_in_the_original_layout_reader(tmp_path):
     got = back.state_dict()
     for k, v in ref.state_dict().items():
         assert torch.equal(v, got[k]), k
+
+
+def test_sdxl_controlnet_trains_exports_and_samples_like_diffusers(tmp_path):
+    """SDXL: the ControlNet gets the UNet's text_time embedding (pooled text + each image's
+    size/crop ids); its folder and its single file (diffusers keys, as SDXL ControlNets are
+    shared) load in diffusers, and StableDiffusionXLControlNetPipeline draws our image."""
+    from diffusers import (ControlNetModel, DDIMScheduler,
+                           StableDiffusionXLControlNetPipeline)
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.sd.tiny import main as tiny
+
+    xl = tmp_path / "tiny-sdxl"
+    tiny([str(xl), "--sdxl", "--image-size", "32"])
+    data = pairs(tmp_path / "images", n=4)
+    res = steadydiff.train(sd_config(xl, data, *CN, "train.steps=2", "optim.lr=0.02",
+                                     "sample.use_ema=false"), out_dir=tmp_path / "run")
+    assert res.steps == 2
+    folder = tmp_path / "run" / "controlnet"
+    net = ControlNetModel.from_pretrained(folder, local_files_only=True)
+    assert net.config.addition_embed_type == "text_time"
+    single = load_file(folder / "run.safetensors")
+    assert "controlnet_cond_embedding.conv_in.weight" in single  # what ComfyUI detects
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, single[k]), k
+
+    ours = steadydiff.load(tmp_path / "run", device="cpu", use_ema=False)
+    control = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    z = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(6))
+    x, _ = ours.sample(prompt="a red square", negative_prompt=None, sampler="ddim", steps=4,
+                       cfg_scale=4.0, noise=z, control_image=control, control_scale=0.8)
+    pipe = StableDiffusionXLControlNetPipeline.from_pretrained(xl, controlnet=net,
+                                                               local_files_only=True)
+    pipe.scheduler = DDIMScheduler.from_config(pipe.scheduler.config,
+                                               timestep_spacing="trailing",
+                                               set_alpha_to_one=True, clip_sample=False)
+    theirs = pipe(["a red square"] * 2, image=control, num_inference_steps=4,
+                  guidance_scale=4.0, latents=z.clone(), output_type="pt", height=32,
+                  width=32, controlnet_conditioning_scale=0.8).images
+    torch.testing.assert_close(x * 0.5 + 0.5, theirs.float(), atol=2e-3, rtol=0)
