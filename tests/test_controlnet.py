@@ -343,3 +343,53 @@ def test_sdxl_controlnet_trains_exports_and_samples_like_diffusers(tmp_path):
                   guidance_scale=4.0, latents=z.clone(), output_type="pt", height=32,
                   width=32, controlnet_conditioning_scale=0.8).images
     torch.testing.assert_close(x * 0.5 + 0.5, theirs.float(), atol=2e-3, rtol=0)
+
+
+@pytest.mark.slow
+def test_fp16_overflow_from_scaled_controlnet_weights_escalates_and_names_the_block(
+        sd_dir, tmp_path):
+    """The test's own code scales one ControlNet attention block's query weights x1e6 (a
+    broken ControlNet handed to init_from): in fp16 its output overflows. The guard names the
+    block and upcasts its attention; the overflow comes back (the projection itself
+    overflows), so it falls back to bf16; there the gradients keep spiking and the run
+    aborts with a resumable checkpoint. Nothing non-finite is ever written."""
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    from steadydiff.guard.guard import GuardAbort
+
+    unet = UNet2DConditionModel.from_pretrained(sd_dir / "unet")
+    net = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32))
+    with torch.no_grad():
+        net.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.weight.mul_(1e6)
+    net.save_pretrained(tmp_path / "hot")
+    data = pairs(tmp_path / "images")
+    cfg = sd_config(sd_dir, data, *CN, f"controlnet.init_from={tmp_path / 'hot'}",
+                    "train.steps=4", "train.checkpoint_every=0", "train.precision=fp16",
+                    "train.allow_slow_precision=true", "model.vae_precision=fp32")
+    with pytest.raises(GuardAbort):
+        steadydiff.train(cfg, out_dir=tmp_path / "run")
+    rows = incidents(tmp_path / "run")
+    block = "controlnet.down_blocks.0.attentions.0.transformer_blocks.0.attn1"
+    assert rows[0]["kind"] == "attention_upcast" and rows[0]["evidence"]["module"] == block
+    assert rows[1]["action"] == "precision_fallback"
+    assert any(r["evidence"].get("provenance", {}) and
+               r["evidence"]["provenance"].get("first_overflow_module") == block + ".to_q"
+               for r in rows)
+    for c in ckpt.list_checkpoints(tmp_path / "run" / "checkpoints"):
+        ckpt.load_checkpoint(c)  # refuses non-finite weights
+
+
+def test_an_exploding_zero_convolution_is_named_and_rolled_back(sd_dir, tmp_path):
+    """A zero convolution's weight blown up x1e4 after an update: the guard names it
+    (controlnet.controlnet_mid_block.weight) and rolls back; the run ends finite."""
+    data = pairs(tmp_path / "images")
+    zero = "controlnet.controlnet_mid_block.weight"
+    fault = {"kind": "param_huge", "step": 2, "factor": 1e4, "target": zero}
+    res = steadydiff.train(sd_config(sd_dir, data, *CN, "train.steps=5", "optim.lr=0.01",
+                                     "train.checkpoint_every=0", "guard.warmup_steps=1",
+                                     f"faults={json.dumps([fault])}"), out_dir=tmp_path / "run")
+    assert res.steps == 5
+    rows = incidents(tmp_path / "run")
+    assert rows and rows[0]["action"] == "rollback" and rows[0]["evidence"]["params"][0] == zero
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in c.model.values())
