@@ -460,3 +460,40 @@ def test_fsdp_memory_smoke():
     ratio = by["fsdp"]["state_bytes"] / by["ddp"]["state_bytes"]
     assert 0.45 < ratio < 0.6, ratio  # each rank: about half of every tensor
     assert by["fsdp"]["snapshots"] < by["ddp"]["snapshots"]
+
+
+@pytest.mark.slow
+def test_controlnet_overhead_smoke():
+    """bench/controlnet.py overhead: a diffusers-style ControlNet loop and the trainer's
+    ControlNet step, side by side; the ratio is the one of the medians."""
+    pytest.importorskip("diffusers")
+    out = _last_json(_run("controlnet.py", "overhead", "--steps", "1", "--repeats", "2",
+                          "--warmup", "1", "--batch", "2", "--latent-size", "8",
+                          "--json").stdout)
+    sec = out["sec_per_step"]
+    assert set(sec) == {"bare", "steadydiff"} and all(0 < v < 60 for v in sec.values())
+    assert out["ratio_steadydiff_vs_bare"] == pytest.approx(sec["steadydiff"] / sec["bare"])
+    assert out["cpu_sec_per_step"]["bare"] > 0 and len(out["load_at_start"]) == 3
+
+
+@pytest.mark.slow
+def test_controlnet_learned_smoke(tmp_path):
+    """bench/controlnet.py learned on a 120-image stand-in for Fashion-MNIST: base, Canny
+    ControlNet, edge F1 and class accuracy with and without the control, times recorded."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("cv2")
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_eval import make_fashion
+
+    root = make_fashion(tmp_path / "fm", n_train=120, n_test=20)
+    out = _last_json(_run("controlnet.py", "learned", "--out", str(tmp_path / "b"),
+                          "--fashion-path", str(root), "--n-train", "32", "--num", "4",
+                          "--vae-steps", "2", "--base-steps", "2", "--cn-steps", "2",
+                          "--sample-steps", "2", "--featnet-steps", "2", "--batch", "4",
+                          "--json").stdout)
+    for k in ("with_controlnet", "base_alone"):
+        s = out["score"][k]
+        assert 0 <= s["f1"] <= 1 and 0 <= s["class_accuracy"] <= 1
+    assert out["controlnet"]["steps"] == 2 and out["controlnet"]["cpu_s"] > 0
+    assert out["data"]["canny"] == {"low": 100, "high": 200}
+    assert Path(out["grid"]).is_file()
