@@ -50,10 +50,9 @@ class Preflight:
                    "hypernetwork": f"hypernetwork [1, {cfg.adapter.hidden_mult:g}, 1] "
                                    f"{cfg.adapter.hyper_activation}"}.get(cfg.adapter.kind,
                                                                          "full fine-tune")
-            from .integrations.sd.folder import is_sdxl_folder  # no diffusers import
+            from .integrations.sd.source import family  # the family table: no diffusers import
 
-            unet = "SDXL UNet" if is_sdxl_folder(m.pretrained) else "Stable Diffusion UNet"
-            arch, cond = f"{unet} of {m.pretrained}, {how}", "text-conditioned"
+            arch, cond = f"{family(m).title} of {m.pretrained}, {how}", "text-conditioned"
         elif m.text_encoder:
             cond = "text-conditioned" + (", latent space" if m.vae else "")
         describe = getattr(self.data, "describe", None)
