@@ -316,7 +316,7 @@ def test_sdxl_controlnet_trains_exports_and_samples_like_diffusers(tmp_path):
     from steadydiff.integrations.sd.tiny import main as tiny
 
     xl = tmp_path / "tiny-sdxl"
-    tiny([str(xl), "--sdxl", "--image-size", "32"])
+    tiny([str(xl), "--family", "sdxl", "--image-size", "32"])
     data = pairs(tmp_path / "images", n=4)
     res = steadydiff.train(sd_config(xl, data, *CN, "train.steps=2", "optim.lr=0.02",
                                      "sample.use_ema=false"), out_dir=tmp_path / "run")

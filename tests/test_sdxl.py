@@ -29,11 +29,11 @@ from test_sd import incidents, sd_config, shapes  # noqa: E402
 @pytest.fixture(scope="module")
 def xl_dir(tmp_path_factory) -> Path:
     """The tiny SDXL folder, written by the command users run
-    (``python -m steadydiff.integrations.sd.tiny OUT --sdxl``: make_tiny_sdxl)."""
+    (``python -m steadydiff.integrations.sd.tiny OUT --family sdxl``)."""
     from steadydiff.integrations.sd.tiny import main
 
     out = tmp_path_factory.mktemp("sdxl") / "tiny-sdxl"
-    main([str(out), "--sdxl", "--image-size", "32"])
+    main([str(out), "--family", "sdxl", "--image-size", "32"])
     return out
 
 
@@ -74,17 +74,17 @@ def test_conditioning_equals_the_pipelines_encode_prompt_and_unet_call(xl_dir, t
                                                   do_classifier_free_guidance=True)
     model, _, media = _build(sd_config(xl_dir, shapes(tmp_path / "i", 2), "adapter.kind=none"))
     y = media.encode_prompts(prompts)
-    e, p, t = media.sdxl.unpack(y)
+    e, p, t = media.layout.unpack(y)
     torch.testing.assert_close(e, pe, rtol=0, atol=1e-6)
     torch.testing.assert_close(p, pooled, rtol=0, atol=1e-6)
     assert not t.any()  # the zero slot: the drawn size
     null = model.null_condition(y)
-    ne, npool, _ = media.sdxl.unpack(null)
+    ne, npool, _ = media.layout.unpack(null)
     assert torch.equal(ne, npe) and torch.equal(npool, npooled)  # zeros
     # the UNet call, with a crop's time ids, against diffusers' own add_time_ids
     ids = pipe._get_add_time_ids((40, 56), (4, 8), (32, 32), dtype=torch.float32,
                                  text_encoder_projection_dim=pooled.shape[1]).repeat(2, 1)
-    y = media.sdxl.pack(e, p, ids)
+    y = media.layout.pack(e, p, ids)
     assert torch.equal(model.null_condition(y)[:, -1], y[:, -1])  # time ids kept
     x, ts = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0)), \
         torch.tensor([10, 700])
@@ -381,7 +381,7 @@ def test_time_ids_without_buckets_follow_the_folders_crop(tmp_path):
     from steadydiff.config import load_config
     from steadydiff.data import build_dataset
     from steadydiff.data.captions import build_captioned
-    from steadydiff.integrations.sd.sdxl import item_time_ids
+    from steadydiff.integrations.families.sdxl import item_time_ids
 
     data = mixed(tmp_path / "images", 3)  # 64x32, 32x64, 48x48 (w x h)
     cfg = load_config("configs/sd_lora.yaml", [f"data.path={data}", "data.image_size=32"])

@@ -356,6 +356,13 @@ class DiffusionConfig(Section):
     timestep_sampling: TimestepSampling = "uniform"
     logit_mean: float = Field(0.0, ge=-10.0, le=10.0)
     logit_std: float = Field(1.0, gt=0.0, le=10.0)
+    mode_scale: float = Field(
+        1.29, ge=-1.0, le=1.75, description="timestep_sampling=mode: the scale s of SD3's "
+        "mode density (eq. 20; diffusers' default 1.29); it stays monotone for -1 <= s <= "
+        "2/(pi-2)")
+    sigmoid_scale: float = Field(
+        1.0, gt=0.0, le=10.0, description="timestep_sampling=sigmoid: u = sigmoid(scale * "
+        "N(0, 1)) (kohya's sigmoid_scale)")
     cfg_dropout: float = Field(0.1, ge=0.0, le=1.0,
                                description="label (or caption) dropout for classifier-free "
                                "guidance: the fraction of samples trained unconditionally")

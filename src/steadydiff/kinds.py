@@ -76,15 +76,28 @@ DIT_PRESETS: tuple[DiTPreset, ...] = get_args(DiTPreset)
 ScheduleName = Literal["linear", "cosine", "sigmoid", "piecewise", "scaled_linear"]
 SCHEDULES: tuple[ScheduleName, ...] = get_args(ScheduleName)
 
+# The training objective (docs/objectives.md): ddpm, the variance-preserving diffusion of a
+# discrete schedule with diffusion.prediction (eps/x0/v); flow, rectified flow
+# x = (1-σ)·x0 + σ·ε trained on the velocity ε - x0 (Liu et al. 2022; Esser et al. 2024);
+# edm, Karras et al. 2022's preconditioned denoiser over x = x0 + σ·ε.
+Objective = Literal["ddpm", "flow", "edm"]
+OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
+
 # What the network predicts: the noise, the clean image, or v = alpha·eps - sigma·x0
-# (Salimans & Ho 2022).
+# (Salimans & Ho 2022). The ddpm objective's; flow predicts ε - x0, edm its F.
 Prediction = Literal["eps", "x0", "v"]
 PREDICTIONS: tuple[Prediction, ...] = get_args(Prediction)
 
 LossWeighting = Literal["uniform", "min_snr"]
 LOSS_WEIGHTINGS: tuple[LossWeighting, ...] = get_args(LossWeighting)
+# the flow objective's weights (diffusers' compute_loss_weighting_for_sd3; uniform is its
+# "none")
+FlowWeighting = Literal["uniform", "sigma_sqrt", "cosmap"]
+FLOW_WEIGHTINGS: tuple[FlowWeighting, ...] = get_args(FlowWeighting)
 
-TimestepSampling = Literal["uniform", "logit_normal"]
+# The density of the training noise level u in [0, 1] (t = u·T for ddpm, σ = u for flow;
+# SD3 paper §3.1, kohya's sigmoid). edm draws ln σ from its own normal instead.
+TimestepSampling = Literal["uniform", "logit_normal", "mode", "sigmoid"]
 TIMESTEP_SAMPLINGS: tuple[TimestepSampling, ...] = get_args(TimestepSampling)
 
 # --------------------------------------------------------------------------- sampling
@@ -174,7 +187,8 @@ __all__ = [
     "EVAL_METRICS", "FAULT_KINDS", "FAULT_WHERES", "LABELLED_DATASETS", "LOSS_WEIGHTINGS",
     "LR_SCHEDULES", "MODEL_KINDS", "ON_SAVE_ERRORS", "PRECISIONS", "PRECISION_SETTINGS",
     "PREDICTIONS", "AUTO", "Auto", "PrecisionSetting",
-    "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS",
+    "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS", "OBJECTIVES", "Objective",
+    "FLOW_WEIGHTINGS", "FlowWeighting",
     "AdapterKind", "HYPER_ACTIVATIONS", "HyperActivation", "CaptionSource", "Channels", "CompileBackend", "CompileMode", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
     "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "OPTIMIZERS", "OptimizerName", "BUCKET_CROPS", "BucketCrop", "LORA_FORMATS", "LoraFormat", "LabelledDataset", "LossWeighting",
     "ModelKind", "OnSaveError", "PARALLELS", "Parallel", "Precision", "Prediction", "SamplerName", "ScheduleName",

@@ -55,10 +55,9 @@ class Preflight:
                 how = ("ControlNet from " + (cfg.controlnet.init_from or "the UNet")
                        + f" ({cfg.controlnet.conditioning_channels}-channel conditioning), "
                        "UNet frozen")
-            from .integrations.sd.folder import is_sdxl_folder  # no diffusers import
+            from .integrations.sd.source import family  # the family table: no diffusers import
 
-            unet = "SDXL UNet" if is_sdxl_folder(m.pretrained) else "Stable Diffusion UNet"
-            arch, cond = f"{unet} of {m.pretrained}, {how}", "text-conditioned"
+            arch, cond = f"{family(m).title} of {m.pretrained}, {how}", "text-conditioned"
         elif m.text_encoder:
             cond = "text-conditioned" + (", latent space" if m.vae else "")
         describe = getattr(self.data, "describe", None)

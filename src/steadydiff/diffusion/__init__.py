@@ -3,6 +3,8 @@
 schedules.py: ᾱ tables and log-SNR (linear, cosine, sigmoid, piecewise; zero terminal SNR).
 objectives.py: timestep sampling, eps/x0/v targets, min-SNR weighting, ``diffusion_loss``.
 samplers.py: ddpm, ddim, dpmpp_2m, euler as plain functions; ``Denoiser`` (CFG); ``sample``.
+flow.py: rectified flow (timestep densities, shifts, the line, loss weights, sampling sigmas,
+flow-match Euler and Heun), pure functions shared with the diffusers model families.
 """
 
 from .objectives import (

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from ..config import DiffusionConfig
 from ..kinds import LOSS_WEIGHTINGS, PREDICTIONS, TIMESTEP_SAMPLINGS, Prediction
+from .flow import draw_sigmas
 from .schedules import Schedule
 
 __all__ = ["Draws", "LossOutput", "context_dim_of", "draw", "drop_condition",
@@ -91,20 +92,24 @@ def sample_timesteps(n: int, cfg: DiffusionConfig, T: int, generator: torch.Gene
     """Draw n training timesteps in [0, T).
 
     uniform: each integer step equally likely (Ho et al. 2020).
-    logit_normal: t/T = sigmoid(m + s·z), z ~ N(0, 1) (Esser et al. 2024, SD3 §3.1), which
-        concentrates training on intermediate noise levels; m, s = cfg.logit_mean/logit_std.
+    logit_normal, mode, sigmoid: t = floor(u·T) with u in [0, 1] from that density
+        (:func:`steadydiff.diffusion.flow.draw_sigmas`; Esser et al. 2024, SD3 §3.1):
+        logit_normal concentrates training on intermediate noise levels (m, s =
+        cfg.logit_mean/logit_std), mode (cfg.mode_scale) too with heavier tails, sigmoid is
+        kohya's (cfg.sigmoid_scale).
 
     Returns:
         (n,) long tensor on ``device``.
     """
     if cfg.timestep_sampling == "uniform":
         return torch.randint(0, T, (n,), generator=generator, device=device)
-    if cfg.timestep_sampling == "logit_normal":
-        z = torch.randn(n, generator=generator, device=device)
-        u = torch.sigmoid(cfg.logit_mean + cfg.logit_std * z)  # (0, 1)
-        return (u * T).long().clamp_(0, T - 1)
-    raise ValueError(f"unknown diffusion.timestep_sampling {cfg.timestep_sampling!r}; "
-                     f"valid: {', '.join(TIMESTEP_SAMPLINGS)}")
+    if cfg.timestep_sampling not in TIMESTEP_SAMPLINGS:
+        raise ValueError(f"unknown diffusion.timestep_sampling {cfg.timestep_sampling!r}; "
+                         f"valid: {', '.join(TIMESTEP_SAMPLINGS)}")
+    u = draw_sigmas(n, cfg.timestep_sampling, generator, device=device,
+                    logit_mean=cfg.logit_mean, logit_std=cfg.logit_std,
+                    mode_scale=cfg.mode_scale, sigmoid_scale=cfg.sigmoid_scale)  # [0, 1]
+    return (u * T).long().clamp_(0, T - 1)
 
 
 def q_sample(x0: Tensor, alpha: Tensor, sigma: Tensor, noise: Tensor) -> Tensor:

@@ -3,11 +3,14 @@ encoder that reads a conditioning image (edges, depth, pose) and adds its featur
 frozen UNet's skip connections through zero-initialised convolutions, so training starts
 from the unchanged model.
 
-Shared machinery beside the model families: it needs from the base denoiser only
-``unet`` (the diffusers UNet), ``unet_inputs(x, t, y)`` (the UNet call's condition keywords,
-which the ControlNet takes too), ``y_rows`` (how many rows of y are the base's), ``down``
-(the VAE's downsampling) and the ``null_condition``/``null_context`` of guidance; the
-diffusers ``ControlNetModel`` does the rest (``from_unet``, or a local ControlNet).
+Shared machinery beside the model families (integrations/families): it needs from the
+base denoiser (``SDDenoiser``) only ``denoiser`` (the diffusers UNet), ``denoiser_inputs(x,
+t, y)`` (the call's condition keywords, the family's ``condition``: the ControlNet takes the
+same), ``y_rows`` (how many rows of y are the base's), ``down`` (the VAE's downsampling) and
+guidance's ``null_condition``; from the family only ``controlnet_file_layout`` (which key
+layout its single file has). The diffusers ``ControlNetModel`` does the rest (``from_unet``,
+or a local ControlNet). SD 1.x/2.x and SDXL UNets have one; the transformer families'
+ControlNets (SD3, FLUX) are other diffusers classes, not built here yet.
 
 The condition y of a training step carries the conditioning image after the base's rows
 (``data/cache.py`` ``append_rows``: C*H*W values in [0, 1] as rows of the context width,
@@ -159,32 +162,18 @@ class ControlNetDenoiser(nn.Module):
         self.base = base
         self.controlnet = controlnet
         self.channels = channels
-        self.context_dim, self.in_channels = base.context_dim, base.in_channels
-        self.image_size, self.down = base.image_size, base.down
         self._window: ControlWindow | None = None
 
-    # what the trainer, the samplers and guidance read from a text denoiser
-    @property
-    def unet(self) -> nn.Module:
-        return self.base.unet
-
-    @property
-    def null_context(self) -> Tensor:
-        return self.base.null_context
-
-    @property
-    def text_encoder(self) -> nn.Module | None:
-        return self.base.text_encoder
-
-    @property
-    def text_encoder_2(self) -> nn.Module | None:
-        return self.base.text_encoder_2
-
-    def set_null_context(self, ctx: Tensor) -> None:
-        self.base.set_null_context(ctx)
-
-    def encode(self, ids: Tensor) -> Tensor:
-        return self.base.encode(ids)
+    def __getattr__(self, name: str) -> Any:
+        """What the trainer, the samplers and guidance read from a text denoiser
+        (``context_dim``, ``null_context``, ``layout``, ``encode``, ``unet``, ...) is the
+        base's."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == "base":
+                raise
+            return getattr(self.base, name)
 
     def enable_gradient_checkpointing(self) -> str:
         self.controlnet.enable_gradient_checkpointing()
@@ -239,13 +228,13 @@ class ControlNetDenoiser(nn.Module):
                 raise ValueError("a ControlNet step needs its conditioning image in y")
             rest, cond = self.split(x, y)
             scale = 1.0
-        t_in, kwargs = self.base.unet_inputs(x, t, rest)
         if scale == 0.0:
-            return self.base.unet(x, t_in, **kwargs, return_dict=False)[0]
+            return self.base(x, t, rest)
+        t_in, kwargs = self.base.denoiser_inputs(x, t, rest)
         down, mid = self.controlnet(x, t_in, controlnet_cond=cond.to(x.dtype),
                                     conditioning_scale=scale, return_dict=False, **kwargs)
-        return self.base.unet(x, t_in, **kwargs, down_block_additional_residuals=down,
-                              mid_block_additional_residual=mid, return_dict=False)[0]
+        return self.base(x, t, rest, down_block_additional_residuals=down,
+                         mid_block_additional_residual=mid)
 
     @contextlib.contextmanager
     def control(self, image: Tensor, scale: float = 1.0, start: float = 0.0,
@@ -428,10 +417,12 @@ def save_controlnet(controlnet: nn.Module, out: str | Path, *, single_file: str 
     return out
 
 
-def export_controlnet(controlnet: nn.Module, run_root: Path, name: str, *, sdxl: bool) -> Path:
-    """``RUN/controlnet/`` (:func:`save_controlnet`) with ``<name>.safetensors``."""
-    return save_controlnet(controlnet, run_root / CONTROLNET_DIR, single_file=f"{name}.safetensors",
-                           original=not sdxl)
+def export_controlnet(controlnet: nn.Module, run_root: Path, name: str, family: Any) -> Path:
+    """``RUN/controlnet/`` (:func:`save_controlnet`) with ``<name>.safetensors`` in the
+    layout A1111/ComfyUI load for ``family`` (its ``controlnet_file_layout``)."""
+    return save_controlnet(controlnet, run_root / CONTROLNET_DIR,
+                           single_file=f"{name}.safetensors",
+                           original=family.controlnet_file_layout == "original")
 
 
 # --------------------------------------------------------------------------- weights
@@ -443,9 +434,9 @@ class ControlNetWeights(_SDWeights):
 
     prefix = "controlnet."
 
-    def __init__(self, base: Path, init_from: str | None, sdxl: bool,
+    def __init__(self, base: Path, init_from: str | None, family: Any,
                  recipe: dict[str, Any] | None = None) -> None:
-        self.base, self.init_from, self.sdxl, self.recipe = base, init_from, sdxl, recipe
+        self.base, self.init_from, self.family, self.recipe = base, init_from, family, recipe
 
     def _own(self, model: nn.Module) -> dict[str, Tensor]:
         return {n: p for n, p in model.named_parameters() if n.startswith(self.prefix)}
@@ -471,11 +462,12 @@ class ControlNetWeights(_SDWeights):
 
     def info(self) -> dict[str, Any]:
         return {"kind": "controlnet", "via": "diffusers", "base": str(self.base),
-                "init_from": self.init_from, "conditioning": self.recipe}
+                "family": self.family.name, "init_from": self.init_from,
+                "conditioning": self.recipe}
 
     def export(self, state: Any, root: Path, final: bool) -> Path | None:
         model = state.ema.module if state.cfg.sample.use_ema else state.model
-        return export_controlnet(model.controlnet, root, root.name, sdxl=self.sdxl)
+        return export_controlnet(model.controlnet, root, root.name, self.family)
 
 
 def controlnet_module_names(model: nn.Module) -> Sequence[str]:

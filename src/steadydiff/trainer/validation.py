@@ -107,19 +107,20 @@ def resolve(cfg: Config, captions: Sequence[str], model: nn.Module,
 
 
 def _check_size(model: nn.Module, media: Any, i: int, w: int, h: int) -> None:
-    """A diffusers UNet samples any size its down-sampling divides; ours do not."""
-    unet = getattr(model, "unet", None)
-    if unet is None:
-        raise ConfigError(f"sample.prompts.{i}: width/height {w}x{h} need a Stable Diffusion "
-                          "UNet (model.pretrained); this model samples at data.image_size "
-                          "only")
+    """A model family's diffusers denoiser samples any size its down-sampling divides;
+    ours do not."""
+    multiple = getattr(model, "size_multiple", None)
+    if multiple is None:
+        raise ConfigError(f"sample.prompts.{i}: width/height {w}x{h} need a pretrained "
+                          "model (model.pretrained: a Stable Diffusion UNet or a "
+                          "transformer); this model samples at data.image_size only")
+    step = multiple()
     down = getattr(media, "down", 1) if getattr(media, "latent", False) else 1
-    step = down * 2 ** (len(unet.config.block_out_channels) - 1)
     for k, v in (("width", w), ("height", h)):
         if v % step:
             raise ConfigError(f"sample.prompts.{i}.{k}={v} is not a multiple of {step} (the "
-                              f"VAE's x{down} times the UNet's down-sampling): use "
-                              f"{max(step, round(v / step) * step)}")
+                              f"VAE's x{down} times the {model.family.denoiser_word}'s "
+                              f"down-sampling): use {max(step, round(v / step) * step)}")
 
 
 @contextlib.contextmanager

@@ -36,8 +36,7 @@ def export(source: str | Path, out: str | Path, *, use_ema: bool = True,
         raise ValueError(f"--single-file must end in .safetensors, got {out}")
     if (src / "model_index.json").is_file():  # a diffusers folder
         p = load_folder_parts(src)
-        return export_single_file(out, p.unet, p.vae, p.text_encoder, dtype=dtype,
-                                  text_encoder_2=p.text_encoder_2)
+        return export_single_file(out, p.denoiser, p.vae, p.text_encoders, dtype=dtype)
     from ...loading import load  # loading builds through setup: above this module
 
     pipe = load(src, device="cpu", use_ema=use_ema)
@@ -50,6 +49,5 @@ def export(source: str | Path, out: str | Path, *, use_ema: bool = True,
                          "LoRA file RUN/lora/pytorch_lora_weights.safetensors (diffusers' "
                          "load_lora_weights reads it); --single-file writes full fine-tunes")
     base = cfg.model.pretrained if is_single_file(cfg.model.pretrained) else None
-    return export_single_file(out, pipe.model.unet, pipe.media.vae, pipe.media.text_encoder,
-                              base_file=base, dtype=dtype,
-                              text_encoder_2=pipe.media.text_encoder_2)
+    return export_single_file(out, pipe.model.denoiser, pipe.media.vae,
+                              pipe.media.text_encoders, base_file=base, dtype=dtype)

@@ -3,11 +3,11 @@
 A kohya-format LoRA is one ``.safetensors`` file with, per adapted layer ``NAME``:
 ``NAME.lora_down.weight`` (r, in[, k, k]), ``NAME.lora_up.weight`` (out, r[, 1, 1]) and
 ``NAME.alpha`` (a 0-dim tensor; the delta is scaled by alpha / r), where ``NAME`` is
-``lora_unet_`` / ``lora_te_`` (SDXL: ``lora_te1_``, ``lora_te2_``) + the layer's module path
-with ``.`` replaced by ``_``. The module path is the diffusers UNet's for SD 1.x/2.x (kohya's
-sd-scripts train those on the diffusers UNet) and the original (sgm/LDM) UNet's for SDXL
-(``input_blocks.4.1``, ``middle_block.1``, ``output_blocks.0.1``: sd-scripts train SDXL on
-that UNet). The metadata (``ss_network_dim``, ``ss_network_alpha``, ``ss_base_model_version``,
+the family's prefixes (``lora_unet_``; each text encoder's, e.g. ``lora_te_``, or SDXL's
+``lora_te1_``, ``lora_te2_``) + the layer's module path with ``.`` replaced by ``_``. The
+module path is the one the family's sd-scripts trainer sees (``Family.kohya_path``): the
+diffusers UNet's for SD 1.x/2.x, the original (sgm/LDM) UNet's for SDXL (``input_blocks.4.1``,
+``middle_block.1``, ``output_blocks.0.1``: sd-scripts train SDXL on that UNet). The metadata (``ss_network_dim``, ``ss_network_alpha``, ``ss_base_model_version``,
 ``sshs_model_hash``, ...) is what A1111 and ComfyUI show and key on.
 
 peft's LoRA layers hold exactly these tensors (``lora_A`` = down, ``lora_B`` = up,
@@ -32,11 +32,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..families import of_module
+from .ldm import LayoutError, clip_path, sgm_path
+
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' name for a saved LoRA
 
-__all__ = ["is_sdxl", "sgm_path", "kohya_names", "kohya_state_dict", "save_kohya",
-           "LoraFile", "read_lora_file", "load_lora_file", "base_model_hashes",
-           "LoraFileError"]
+__all__ = ["sgm_path", "kohya_names", "kohya_state_dict", "save_kohya", "LoraFile",
+           "read_lora_file", "load_lora_file", "base_model_hashes", "LoraFileError"]
 
 PICKLES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
 # a diffusers LoRA file's prefixes (StableDiffusionXLPipeline.save_lora_weights adds the third)
@@ -50,70 +52,6 @@ class LoraFileError(ValueError):
 # --------------------------------------------------------------------------- names
 
 
-def is_sdxl(unet: nn.Module) -> bool:
-    """An SDXL-shaped UNet (size/crop conditioning through ``add_embedding``)."""
-    return getattr(unet.config, "addition_embed_type", None) == "text_time"
-
-
-_TOP = {"conv_in": "input_blocks.0.0", "conv_out": "out.2", "conv_norm_out": "out.0",
-        "time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
-        "add_embedding.linear_1": "label_emb.0.0", "add_embedding.linear_2": "label_emb.0.2"}
-_RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "time_emb_proj": "emb_layers.1",
-           "norm2": "out_layers.0", "conv2": "out_layers.3", "conv_shortcut": "skip_connection"}
-
-
-def sgm_path(path: str, config: Any) -> str:
-    """A diffusers ``UNet2DConditionModel`` module path -> the original (sgm) UNet's.
-
-    The sgm UNet numbers its blocks flat: ``input_blocks.0`` is conv_in, then each level's
-    ``layers_per_block`` (L) resnet[+transformer] pairs and its downsampler, L + 1 entries a
-    level; ``output_blocks`` hold L + 1 entries a level, the upsampler inside the last one
-    (after the transformer where the level has one); ``middle_block`` is resnet,
-    transformer, resnet.
-    """
-    if path in _TOP:
-        return _TOP[path]
-    L = config.layers_per_block
-    if not isinstance(L, int):
-        raise LoraFileError(f"layers_per_block={L}: the sgm names need one int")
-    p = path.split(".")
-
-    def inner(rest: list[str], resnet: bool) -> list[str]:
-        if resnet and rest and rest[0] in _RESNET:
-            return _RESNET[rest[0]].split(".") + rest[1:]
-        return rest
-
-    if p[0] == "down_blocks":
-        b, kind, j, rest = int(p[1]), p[2], int(p[3]), p[4:]
-        if kind == "downsamplers":
-            head = [f"input_blocks.{(b + 1) * (L + 1)}.0"]
-            rest = ["op"] + rest[1:] if rest[:1] == ["conv"] else rest
-        else:
-            head = [f"input_blocks.{1 + b * (L + 1) + j}.{0 if kind == 'resnets' else 1}"]
-        return ".".join(head + inner(rest, kind == "resnets"))
-    if p[0] == "mid_block":
-        kind, j, rest = p[1], int(p[2]), p[3:]
-        idx = {("resnets", 0): 0, ("attentions", 0): 1, ("resnets", 1): 2}[(kind, j)]
-        return ".".join([f"middle_block.{idx}"] + inner(rest, kind == "resnets"))
-    if p[0] == "up_blocks":
-        b, kind, j, rest = int(p[1]), p[2], int(p[3]), p[4:]
-        if kind == "upsamplers":
-            attn = "CrossAttn" in config.up_block_types[b]
-            head = [f"output_blocks.{b * (L + 1) + L}.{2 if attn else 1}"]
-        else:
-            head = [f"output_blocks.{b * (L + 1) + j}.{0 if kind == 'resnets' else 1}"]
-        return ".".join(head + inner(rest, kind == "resnets"))
-    raise LoraFileError(f"no sgm name for the UNet module {path!r}")
-
-
-def _clip_path(path: str) -> str:
-    """A CLIP text model's module path as in the original layout (``text_model.encoder...``):
-    transformers 5 made ``CLIPTextModel`` flat (``encoder.layers...``); the files keep the
-    ``text_model`` level."""
-    return ("text_model." + path if path.split(".", 1)[0] in
-            ("encoder", "embeddings", "final_layer_norm") else path)
-
-
 def _lora_layers(module: nn.Module) -> dict[str, nn.Module]:
     """The peft LoRA layers of ``module`` by module path (adapter 'default')."""
     return {n: m for n, m in module.named_modules()
@@ -124,18 +62,30 @@ def kohya_names(unet: nn.Module, text_encoders: list[nn.Module | None] = ()
                 ) -> dict[str, tuple[nn.Module, str]]:
     """Every LoRA layer of ``unet`` and the text encoders, by its kohya name:
     ``{kohya name: (peft layer, its module path)}``."""
-    sdxl = is_sdxl(unet)
+    family = _family(unet)
     out: dict[str, tuple[nn.Module, str]] = {}
     for n, m in _lora_layers(unet).items():
-        out["lora_unet_" + (sgm_path(n, unet.config) if sdxl else n).replace(".", "_")] = (m, n)
+        try:
+            path = family.kohya_path(n, unet.config)
+        except LayoutError as e:
+            raise LoraFileError(str(e)) from None
+        out[family.kohya_denoiser + path.replace(".", "_")] = (m, n)
     tes = [t for t in text_encoders if t is not None]
-    prefixes = ["lora_te1_", "lora_te2_"] if sdxl else ["lora_te_"]
+    prefixes = [te.kohya for te in family.text]
     if len(tes) > len(prefixes):
-        raise LoraFileError(f"{len(tes)} text encoders for a UNet that takes {len(prefixes)}")
+        raise LoraFileError(f"{len(tes)} text encoders for a {family.title} that takes "
+                            f"{len(prefixes)}")
     for prefix, te in zip(prefixes, tes):
         for n, m in _lora_layers(te).items():
-            out[prefix + _clip_path(n).replace(".", "_")] = (m, n)
+            out[prefix + clip_path(n).replace(".", "_")] = (m, n)
     return out
+
+
+def _family(denoiser: nn.Module):
+    try:
+        return of_module(denoiser)
+    except ValueError as e:
+        raise LoraFileError(str(e)) from None
 
 
 def kohya_state_dict(unet: nn.Module, text_encoders: list[nn.Module | None] = ()
@@ -155,12 +105,13 @@ def kohya_state_dict(unet: nn.Module, text_encoders: list[nn.Module | None] = ()
 _HASHES: dict[tuple[str, int, int], tuple[str, str]] = {}
 
 
-def base_model_hashes(folder: str | Path) -> dict[str, str]:
+def base_model_hashes(folder: str | Path, part: str = "unet") -> dict[str, str]:
     """``ss_sd_model_hash`` (A1111's legacy 8-hex hash: 64 KiB at 1 MiB) and
-    ``ss_new_sd_model_hash`` (sha256) of the base's UNet weights file. A diffusers folder
-    has no single checkpoint file, so these identify the base, but do not equal A1111's
-    hash of the same model as one file. Computed once per file (a multi-GB read)."""
-    unet = Path(folder) / "unet"
+    ``ss_new_sd_model_hash`` (sha256) of the base's denoiser weights file (``part``: the
+    family's denoiser folder). A diffusers folder has no single checkpoint file, so these
+    identify the base, but do not equal A1111's hash of the same model as one file.
+    Computed once per file (a multi-GB read)."""
+    unet = Path(folder) / part
     files = sorted(unet.glob("*.safetensors")) or sorted(unet.glob("*.bin"))
     if not files:
         return {}
@@ -180,12 +131,9 @@ def base_model_hashes(folder: str | Path) -> dict[str, str]:
     return {"ss_sd_model_hash": legacy, "ss_new_sd_model_hash": full}
 
 
-def base_model_version(unet: nn.Module) -> str:
+def base_model_version(denoiser: nn.Module) -> str:
     """``ss_base_model_version`` as sd-scripts spell it."""
-    if is_sdxl(unet):
-        return "sdxl_base_v1-0"
-    dim = unet.config.cross_attention_dim
-    return "sd_v2" if (dim if isinstance(dim, int) else dim[0]) == 1024 else "sd_v1"
+    return _family(denoiser).base_version(denoiser)
 
 
 def _tensor_hash(blob: bytes) -> str:
@@ -231,8 +179,7 @@ def save_kohya(path: str | Path, unet: nn.Module, text_encoders: list[nn.Module 
             "ss_network_args": json.dumps({} if len(ranks) == len(alphas) == 1 else
                                           {"note": "per-layer rank/alpha: see each .alpha"}),
             "modelspec.sai_model_spec": "1.0.0",
-            "modelspec.architecture": ("stable-diffusion-xl-v1-base/lora" if is_sdxl(unet)
-                                       else "stable-diffusion-v1/lora"),
+            "modelspec.architecture": _family(unet).modelspec,
             "modelspec.implementation": "diffusers",
             "ss_training_finished_at": str(time.time())}
     meta.update({k: str(v) for k, v in (metadata or {}).items() if v is not None})
@@ -363,7 +310,7 @@ def _diffusers_layers(f: Path, sd: dict[str, Tensor], meta: dict[str, str]
     for prefix in _DIFFUSERS[1:]:  # text_encoder. and SDXL's text_encoder_2.
         te = {k: v for k, v in sd.items() if k.startswith(prefix)}
         # CLIP paths with their text_model level, whichever transformers wrote the file
-        peft.update({prefix + _clip_path(k[len(prefix):]): v
+        peft.update({prefix + clip_path(k[len(prefix):]): v
                      for k, v in (convert_state_dict_to_peft(te) if te else {}).items()})
     alphas: dict[str, float] = {}
     if "lora_adapter_metadata" in meta:  # diffusers' record of each LoraConfig
@@ -404,7 +351,7 @@ def load_lora_file(path: str | Path, unet: nn.Module,
         ours = {f"unet.{n}": m for n, m in _lora_layers(unet).items()}
         for prefix, te in zip(_DIFFUSERS[1:], text_encoders):
             if te is not None:
-                ours.update({f"{prefix}{_clip_path(n)}": m
+                ours.update({f"{prefix}{clip_path(n)}": m
                              for n, m in _lora_layers(te).items()})
     unknown = sorted(set(lf.layers) - set(ours))
     if unknown:

@@ -1,15 +1,17 @@
-"""Text-to-image runs: a diffusers UNet under steadydiff's denoiser contract, the text
-encoder and VAE around it, and LoRA through peft.
+"""Text-to-image runs: a model family's diffusers denoiser under steadydiff's denoiser
+contract, the text encoders and VAE around it, and LoRA through peft.
 
-- :class:`SDDenoiser` wraps a ``UNet2DConditionModel`` as ``model(x, t, y)`` with y the
-  text context (N, L, D) (the frozen text encoder's last hidden state, as diffusers'
-  pipelines use it), so every steadydiff sampler, loss and the guard work on it unchanged;
-  its ``null_context`` buffer is the empty caption's encoding (classifier-free guidance).
-- :class:`TextToImage` is the run's "media": prompts -> contexts, images <-> latents
-  (x the VAE's ``scaling_factor``), the frozen parts in their own dtypes
-  (``model.vae_precision``), and the identities that key the latent/text cache.
-- :func:`add_lora` puts a peft LoRA on the UNet (what diffusers itself loads and saves),
-  :class:`PeftLoraWeights` checkpoints only the LoRA tensors and exports them as
+- :class:`SDDenoiser` wraps the family's UNet or transformer as ``model(x, t, y)`` with y
+  the packed text condition (families/base.py ``Layout``; SD 1.x/2.x: the text encoder's
+  last hidden state (N, L, D), as diffusers' pipelines use it), so every steadydiff
+  sampler, loss and the guard work on it unchanged; its ``null_context`` buffer is the
+  empty caption's encoding (classifier-free guidance). The family makes the call.
+- :class:`TextToImage` is the run's "media": prompts -> conditions (the family's
+  encoding), images <-> latents (the VAE's ``shift_factor`` and ``scaling_factor``), the
+  frozen parts in their own dtypes (``model.vae_precision``), and the identities that key
+  the latent/text cache.
+- :func:`add_lora` puts a peft LoRA on the denoiser (what diffusers itself loads and
+  saves), :class:`PeftLoraWeights` checkpoints only the LoRA tensors and exports them as
   ``pytorch_lora_weights.safetensors`` (``pipe.load_lora_weights(dir)`` loads it).
 """
 
@@ -30,12 +32,12 @@ from torch import Tensor, nn
 from ...trainer import precision as prec
 from ...trainer.hooks import Weights
 from ...trainer.checkpoint import Checkpoint, CheckpointError
+from ..families import Family, Layout, of_module
 from .lora_files import LORA_FILE, base_model_hashes, save_kohya
-from .sdxl import TIME_IDS, SDXLLayout, encode_sdxl
 
-__all__ = ["to_device", "SDDenoiser", "TextToImage", "PeftLoraWeights", "FullUNetWeights", "add_lora",
-           "lora_targets", "upcast_aware_attention", "lora_state_dict", "save_lora",
-           "export_pipeline"]
+__all__ = ["to_device", "SDDenoiser", "TextToImage", "Tokenize", "PeftLoraWeights",
+           "FullUNetWeights", "add_lora", "lora_targets", "upcast_aware_attention",
+           "lora_state_dict", "save_lora", "export_pipeline"]
 
 
 
@@ -70,58 +72,74 @@ def upcast_aware_attention(unet: nn.Module) -> None:
 
 
 class SDDenoiser(nn.Module):
-    """``model(x, t, y) -> out`` over a diffusers ``UNet2DConditionModel``.
+    """``model(x, t, y) -> out`` over a model family's diffusers denoiser (a UNet or a
+    transformer), so every steadydiff sampler, loss and the guard work on it unchanged.
 
     Args:
-        unet: the UNet (frozen with a LoRA, or trainable).
-        context_len: L of the text context (the tokenizer's max length, 77 for CLIP).
-        text_encoder: a text encoder that trains with its LoRA (or encodes shuffled
-            captions): y is then its token ids and the context is computed here.
-        text_encoder_2, sdxl: an SDXL UNet's second text encoder (with the first, when the
-            encoders run in the step) and the layout of its packed condition
-            (:class:`~steadydiff.integrations.sd.sdxl.SDXLLayout`).
-        down: the VAE's downsampling (an SDXL sample's default size is the latent's x it).
+        denoiser: the UNet or transformer (frozen with a LoRA, or trainable); registered
+            under the family's component name (``model.unet``, ``model.transformer``), so
+            checkpoints and provenance name its tensors as diffusers does.
+        layout: where the family's condition sits in ``y`` (families/base.py ``Layout``).
+        family: the model family (its denoiser call and text encoding).
+        text_encoders: the text encoders, in the family's order, when they run in the step
+            (trained with their LoRA, or encoding shuffled captions): y is then their token
+            ids and the condition is computed here. Registered under their component names
+            (``model.text_encoder``, ``model.text_encoder_2``); absent ones are None.
+        down: the VAE's downsampling (a sample's size in pixels is the latent's x it).
 
     Attributes:
-        num_classes: 0 (conditioned on text, not labels). context_dim: D, the UNet's
-        ``cross_attention_dim``. in_channels, image_size: the latents' C and side.
-        null_context: (L, D) buffer, the empty caption's encoding (set by the trainer);
-        SDXL: (L + R, D), the text rows of the null condition (hidden states + pooled).
+        num_classes: 0 (conditioned on text, not labels). context_dim: D, the context's
+        width. in_channels, image_size: the latents' C and the denoiser's native side.
+        null_context: (text rows, D) buffer, the text rows of the null condition (the
+        empty caption's encoding, set by the trainer; zeros under force_zeros).
     """
 
     num_classes = 0
 
-    def __init__(self, unet: nn.Module, context_len: int = 77,
-                 text_encoder: nn.Module | None = None, *,
-                 text_encoder_2: nn.Module | None = None, sdxl: SDXLLayout | None = None,
+    def __init__(self, denoiser: nn.Module, layout: Layout, family: Family,
+                 text_encoders: list[nn.Module | None] | None = None, *,
                  down: int = 8) -> None:
         super().__init__()
-        self.unet = unet
-        # a text encoder with its own LoRA trains with the UNet: y is then token ids (N, L)
-        # and the context is computed here, in the step
-        self.text_encoder = text_encoder
-        self.text_encoder_2 = text_encoder_2
-        self.sdxl, self.down = sdxl, down
-        if text_encoder is not None:
-            n_ids = sdxl.text_ids if sdxl is not None else context_len
-            self.register_buffer("null_ids", torch.zeros(n_ids, dtype=torch.long))
-        c = unet.config
-        dim = c.cross_attention_dim
-        self.context_dim = int(dim if isinstance(dim, int) else dim[0])
-        self.in_channels = int(c.in_channels)
-        self.image_size = int(c.sample_size if isinstance(c.sample_size, int)
-                              else c.sample_size[0])
-        rows = sdxl.text_rows if sdxl is not None else context_len
-        self.register_buffer("null_context", torch.zeros(rows, self.context_dim))
+        self.family, self.layout, self.down = family, layout, down
+        self.add_module(family.denoiser, denoiser)
+        tes = list(text_encoders or [])
+        for i, spec in enumerate(family.text):
+            setattr(self, spec.part, tes[i] if i < len(tes) else None)
+        if any(te is not None for te in tes):
+            self.register_buffer("null_ids", torch.zeros(layout.text_ids, dtype=torch.long))
+        self.context_dim = layout.width
+        self.in_channels, self.image_size = family.latent_shape(denoiser.config)
+        self.register_buffer("null_context", torch.zeros(layout.text_rows, layout.width))
+
+    @property
+    def denoiser(self) -> nn.Module:
+        """The UNet or transformer."""
+        return getattr(self, self.family.denoiser)
+
+    @property
+    def text_encoders(self) -> list[nn.Module | None]:
+        """The text encoders that run in the step (None where one does not), in order."""
+        return [getattr(self, spec.part) for spec in self.family.text]
+
+    @property
+    def encodes(self) -> bool:
+        """Whether the text encoders run in the step (y is token ids)."""
+        return any(te is not None for te in self.text_encoders)
+
+    def size_multiple(self) -> int:
+        """What a sample's side in pixels must be a multiple of (the VAE's x the
+        denoiser's down-sampling)."""
+        return self.down * self.family.denoiser_multiple(dict(self.denoiser.config))
 
     def enable_gradient_checkpointing(self) -> str:
         """Gradient checkpointing through the libraries' own switches: diffusers' for the
-        UNet's blocks, transformers' (non-reentrant, so its LoRA gets gradients through the
-        frozen embeddings) for a text encoder trained with its LoRA. Returns what was
+        denoiser's blocks, transformers' (non-reentrant, so its LoRA gets gradients through
+        the frozen embeddings) for a text encoder trained with its LoRA. Returns what was
         checkpointed (``steadydiff.models.enable_checkpointing``)."""
-        self.unet.enable_gradient_checkpointing()
-        what = f"the UNet's blocks ({type(self.unet).__name__}, diffusers)"
-        for te in (self.text_encoder, self.text_encoder_2):
+        den = self.denoiser
+        den.enable_gradient_checkpointing()
+        what = f"the {self.family.denoiser_word}'s blocks ({type(den).__name__}, diffusers)"
+        for te in self.text_encoders:
             if te is None:
                 continue
             on = getattr(te, "activation_checkpointing_enable", None)  # transformers 5 name
@@ -140,76 +158,65 @@ class SDDenoiser(nn.Module):
         self.null_context.copy_(ctx)
 
     def set_null_ids(self, ids: Tensor) -> None:
-        """The empty caption's token ids (a text encoder trained with its LoRA)."""
+        """The empty caption's token ids (text encoders that run in the step)."""
         self.null_ids.copy_(ids.reshape(-1))
 
     def null_condition(self, y: Tensor) -> Tensor:
+        """The null condition of classifier-free guidance for ``y``: its text replaced by
+        the empty caption's, its per-sample ids kept."""
         n = y.shape[0]
         null = (self.null_ids.expand(n, -1) if not y.is_floating_point()  # token ids
                 else self.null_context.to(y.dtype).expand(n, -1, -1))
-        if self.sdxl is None:
-            return null
-        # SDXL: the text is nulled, the sample's size/crop ids are kept (diffusers'
-        # negative_add_time_ids = add_time_ids)
-        return torch.cat([null, y[:, null.shape[1]:]], dim=1)
+        return self.layout.with_null_text(null, y)
 
     def encode(self, ids: Tensor) -> Tensor:
-        """(N, L) token ids -> (N, L, D) context through the trained text encoder (SDXL:
-        (N, L1 + L2 + 6) -> the packed y, see sdxl.py)."""
-        if self.text_encoder is None:
+        """Token ids (N, L1 + ... + ids) -> the packed condition y, through the model's own
+        text encoders (the family's ``encode``)."""
+        if not self.encodes:
             raise ValueError("token ids need the model's own text encoder (adapter."
                              "text_encoder=true); pass the text context (N, L, D)")
-        if self.sdxl is None:
-            return self.text_encoder(ids, return_dict=False)[0]
-        ids_1, ids_2, time_ids = self.sdxl.unpack_ids(ids)
-        embeds, pooled = encode_sdxl(self.text_encoder, self.text_encoder_2, ids_1, ids_2)
-        if self.sdxl.force_zeros:  # the empty caption's condition is zeros (diffusers')
-            keep = (ids[:, :self.sdxl.text_ids] != self.null_ids).any(dim=1)  # (N,)
+        layout = self.layout
+        per, extra = layout.split_ids(ids)
+        embeds, pooled = self.family.encode(self.text_encoders, per, layout)
+        if layout.force_zeros:  # the empty caption's condition is zeros (diffusers')
+            keep = (ids[:, :layout.text_ids] != self.null_ids).any(dim=1)  # (N,)
             embeds = embeds * keep[:, None, None].to(embeds.dtype)
-            pooled = pooled * keep[:, None].to(pooled.dtype)
-        return self.sdxl.pack(embeds, pooled, time_ids)
+            if pooled is not None:
+                pooled = pooled * keep[:, None].to(pooled.dtype)
+        return layout.pack(embeds, pooled, extra)
 
     @property
     def y_rows(self) -> int:
-        """The rows of a float condition y (N, rows, D) this model reads: the text (SDXL: +
-        the time-ids row). Rows after them are another part's (a ControlNet's image)."""
-        return self.null_context.shape[0] + (1 if self.sdxl is not None else 0)
+        """The rows of a float condition y (N, rows, D) this model reads (the family's
+        layout); rows after them are another part's (a ControlNet's image)."""
+        return self.layout.rows
 
     def forward(self, x: Tensor, t: Tensor, y: Tensor | None = None, **extra: Any) -> Tensor:
-        """The UNet's prediction; ``extra`` goes to the UNet call (a ControlNet's
+        """The denoiser's prediction; ``extra`` goes to its call (a ControlNet's
         ``down_block_additional_residuals`` / ``mid_block_additional_residual``)."""
-        t, kwargs = self.unet_inputs(x, t, y)
-        return self.unet(x, t, **kwargs, **extra, return_dict=False)[0]
+        t, y = self._inputs(x, t, y)
+        return self.family.call(self.denoiser, x, t, y, self.layout, self.down, **extra)
 
-    def unet_inputs(self, x: Tensor, t: Tensor, y: Tensor | None = None
-                    ) -> tuple[Tensor, dict[str, Any]]:
-        """The UNet call's timesteps (N,) and condition keywords (``encoder_hidden_states``,
-        SDXL's ``added_cond_kwargs``) for ``model(x, t, y)``: what a ControlNet is called
-        with too."""
+    def denoiser_inputs(self, x: Tensor, t: Tensor, y: Tensor | None = None
+                        ) -> tuple[Tensor, dict[str, Any]]:
+        """The denoiser call's timesteps (N,) and condition keywords (the family's
+        ``condition``) for ``model(x, t, y)``: what a ControlNet is called with too."""
+        t, y = self._inputs(x, t, y)
+        return t, self.family.condition(x, y, self.layout, self.down)
+
+    def _inputs(self, x: Tensor, t: Tensor, y: Tensor | None) -> tuple[Tensor, Tensor]:
         n = x.shape[0]
         if y is not None and not y.is_floating_point():
             y = self.encode(y)
-        if y is None:  # the null condition (SDXL: + the zero time-ids slot, own size)
-            if self.text_encoder is not None:
-                ids = self.null_ids.expand(n, -1)
-                if self.sdxl is not None:
-                    ids = torch.cat([ids, ids.new_zeros(n, TIME_IDS)], dim=1)
-                y = self.encode(ids)
+        if y is None:  # the null condition (+ zero id slots: the sample's own size)
+            if self.encodes:
+                y = self.encode(self.layout.empty(self.null_ids.expand(n, -1)))
             else:
-                y = self.null_context.expand(n, -1, -1)
-                if self.sdxl is not None:
-                    y = torch.cat([y, y.new_zeros(n, 1, y.shape[2])], dim=1)
+                y = self.layout.empty(self.null_context.expand(n, -1, -1))
         if y.ndim != 3 or y.shape[0] != n or y.shape[2] != self.context_dim:
-            raise ValueError(f"the UNet expects a text context (N={n}, L, {self.context_dim}), "
-                             f"got {tuple(y.shape)}")
-        t = t.expand(n) if t.ndim == 0 else t
-        if self.sdxl is None:
-            return t, {"encoder_hidden_states": y}
-        embeds, pooled, time_ids = self.sdxl.unpack(y)
-        time_ids = self.sdxl.fill_time_ids(time_ids, x.shape[-2] * self.down,
-                                           x.shape[-1] * self.down)
-        cond = {"text_embeds": pooled.to(embeds.dtype), "time_ids": time_ids}
-        return t, {"encoder_hidden_states": embeds, "added_cond_kwargs": cond}
+            raise ValueError(f"the {self.family.title} expects a text condition (N={n}, L, "
+                             f"{self.context_dim}), got {tuple(y.shape)}")
+        return (t.expand(n) if t.ndim == 0 else t), y
 
 
 # --------------------------------------------------------------------------- LoRA
@@ -260,13 +267,16 @@ def add_lora(unet: nn.Module, *, rank: int, alpha: float | None, dropout: float,
     return names
 
 
-def lora_state_dict(unet: nn.Module) -> dict[str, Tensor]:
-    """A UNet's (or text encoder's) LoRA in the diffusers format (the keys
-    ``load_lora_weights`` reads)."""
+def lora_state_dict(module: nn.Module, keys: str = "diffusers") -> dict[str, Tensor]:
+    """A denoiser's (or text encoder's) LoRA as diffusers' loaders read it: peft's keys
+    (``lora_A``/``lora_B``, ``keys="peft"``: the transformer families' loaders), or renamed
+    to diffusers' (``keys="diffusers"``: the UNet loaders' ``lora.down``/``lora.up``)."""
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
-    sd = convert_state_dict_to_diffusers(get_peft_model_state_dict(unet))
+    sd = get_peft_model_state_dict(module)
+    if keys == "diffusers":
+        sd = convert_state_dict_to_diffusers(sd)
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
 
 
@@ -278,67 +288,69 @@ def _adapter_metadata(module: nn.Module) -> dict[str, Any] | None:
             "target_modules": sorted(conf.target_modules)} if conf is not None else None
 
 
-def save_lora(unet: nn.Module, out: str | Path, text_encoder: nn.Module | None = None, *,
-              text_encoder_2: nn.Module | None = None, format: str = "diffusers",
-              kohya_name: str = "lora", metadata: dict[str, Any] | None = None) -> Path:
-    """Write ``out/pytorch_lora_weights.safetensors`` (diffusers' LoRA format; with the text
-    encoders' LoRA too when given: SDXL's second as ``text_encoder_2.*``, as
-    ``StableDiffusionXLPipeline.save_lora_weights`` writes) and/or
-    ``out/<kohya_name>.safetensors`` (kohya/A1111 format with ``metadata``, see
-    lora_files.py), per ``format`` (diffusers | kohya | both), atomically: a previous file
-    stays whole until the new one is complete. Returns the diffusers file's path (the kohya
-    file's with format=kohya)."""
-    from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
+def save_lora(denoiser: nn.Module, out: str | Path,
+              text_encoders: nn.Module | list[nn.Module | None] | None = None, *,
+              format: str = "diffusers", kohya_name: str = "lora",
+              metadata: dict[str, Any] | None = None) -> Path:
+    """Write ``out/pytorch_lora_weights.safetensors`` (diffusers' LoRA format, through the
+    family's pipeline's own ``save_lora_weights``: ``unet.*`` or ``transformer.*``, and
+    each text encoder's LoRA under its component name) and/or ``out/<kohya_name>.safetensors``
+    (kohya/A1111 format with ``metadata``, see lora_files.py), per ``format`` (diffusers |
+    kohya | both), atomically: a previous file stays whole until the new one is complete.
 
-    from .lora_files import is_sdxl
+    Args:
+        text_encoders: the text encoders in the family's order (one module: the first);
+            those without a LoRA are None.
+
+    Returns:
+        The diffusers file's path (the kohya file's with format=kohya).
+    """
+    import diffusers
 
     if format not in ("diffusers", "kohya", "both"):
         raise ValueError(f"LoRA format {format!r}: use diffusers, kohya or both")
+    if text_encoders is None or isinstance(text_encoders, nn.Module):
+        text_encoders = [text_encoders]
+    family = of_module(denoiser)
     kohya = None
     if format != "diffusers":
-        kohya = save_kohya(Path(out) / f"{kohya_name}.safetensors", unet,
-                           [text_encoder, text_encoder_2], metadata)
+        kohya = save_kohya(Path(out) / f"{kohya_name}.safetensors", denoiser,
+                           list(text_encoders), metadata)
         if format == "kohya":
             return kohya
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    sd = lora_state_dict(unet)
-    te = lora_state_dict(text_encoder) if text_encoder is not None else None
-    te2 = lora_state_dict(text_encoder_2) if text_encoder_2 is not None else None
-    bad = [k for k, v in {**sd, **(te or {}), **(te2 or {})}.items()
-           if not torch.isfinite(v).all()]
+    layers = {family.denoiser: lora_state_dict(denoiser, family.diffusers_lora_keys)}
+    meta = {family.denoiser: _adapter_metadata(denoiser)}
+    for spec, te in zip(family.text, text_encoders):
+        if te is not None:
+            layers[spec.part] = lora_state_dict(te, family.diffusers_lora_keys)
+            meta[spec.part] = _adapter_metadata(te)
+    bad = [k for sd in layers.values() for k, v in sd.items() if not torch.isfinite(v).all()]
     if bad:
         raise CheckpointError(f"the LoRA has non-finite weights ({bad[0]} and {len(bad) - 1} "
                               "more): not written")
-    meta = {"unet_lora_adapter_metadata": _adapter_metadata(unet),
-            "text_encoder_lora_adapter_metadata": (_adapter_metadata(text_encoder)
-                                                   if te else None)}
+    kw = {f"{part}_lora_layers": sd for part, sd in layers.items()}
+    kw.update({f"{part}_lora_adapter_metadata": m for part, m in meta.items()})
+    pipeline = getattr(diffusers, family.pipelines[0])
     with tempfile.TemporaryDirectory(dir=out, prefix=".lora-") as tmp:
-        if is_sdxl(unet):  # diffusers' own SDXL writer: unet / text_encoder / text_encoder_2
-            StableDiffusionXLPipeline.save_lora_weights(
-                tmp, unet_lora_layers=sd, text_encoder_lora_layers=te,
-                text_encoder_2_lora_layers=te2, safe_serialization=True, **meta,
-                text_encoder_2_lora_adapter_metadata=(_adapter_metadata(text_encoder_2)
-                                                      if te2 else None))
-        else:
-            StableDiffusionPipeline.save_lora_weights(tmp, unet_lora_layers=sd,
-                                                      text_encoder_lora_layers=te,
-                                                      safe_serialization=True, **meta)
+        pipeline.save_lora_weights(tmp, safe_serialization=True, **kw)
         with open(Path(tmp) / LORA_FILE, "rb") as f:
             os.fsync(f.fileno())
         os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
     return out / LORA_FILE
 
 
-def export_pipeline(unet: nn.Module, base: Path, out: str | Path) -> Path:
+def export_pipeline(denoiser: nn.Module, base: Path, out: str | Path) -> Path:
     """A full fine-tune as a diffusers folder ``out`` (``from_pretrained``-loadable): the
-    trained UNet, the base's other parts copied. Written beside and swapped in whole."""
+    trained denoiser, the base's other parts copied. Written beside and swapped in whole."""
+    part = of_module(denoiser).denoiser
     out = Path(out)
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns("unet"))
-    unet.save_pretrained(tmp / "unet", safe_serialization=True)
+    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(part))
+    denoiser.save_pretrained(tmp / part, safe_serialization=True)
     old = out.with_name(f".{out.name}.old")
     if out.exists():
         os.replace(out, old)
@@ -368,8 +380,9 @@ class _SDWeights(Weights):
 
 
 class PeftLoraWeights(_SDWeights):
-    """A peft LoRA over a Stable Diffusion UNet: checkpoints hold the LoRA (and its EMA)
-    alone, plus the base folder's path; exports write diffusers' LoRA file."""
+    """A peft LoRA over a model family's denoiser (and text encoders): checkpoints hold the
+    LoRA (and its EMA) alone, plus the base folder's path; exports write diffusers' LoRA
+    file and/or kohya's."""
 
     def __init__(self, base: Path, targets: list[str], rank: int, alpha: float) -> None:
         self.base, self.targets, self.rank, self.alpha = base, targets, rank, alpha
@@ -406,18 +419,16 @@ class PeftLoraWeights(_SDWeights):
         model = state.ema.module if state.cfg.sample.use_ema else state.model
         cfg = state.cfg
         # a frozen text encoder in the model (shuffled captions) has no LoRA to save
-        te, te2 = (t if getattr(t, "peft_config", None) else None
-                   for t in (model.text_encoder, model.text_encoder_2))
-        return save_lora(model.unet, root / "lora", te, text_encoder_2=te2,
-                         format=cfg.adapter.lora_format, kohya_name=root.name,
-                         metadata=self._kohya_metadata(state, root))
+        tes = [t if getattr(t, "peft_config", None) else None for t in model.text_encoders]
+        return save_lora(model.denoiser, root / "lora", tes, format=cfg.adapter.lora_format,
+                         kohya_name=root.name, metadata=self._kohya_metadata(state, root))
 
     def _kohya_metadata(self, state: Any, root: Path) -> dict[str, Any]:
         """The sd-scripts ``ss_*`` entries a run knows (A1111/ComfyUI show them)."""
         if state.cfg.adapter.lora_format == "diffusers":
             return {}
-        if self._hashes is None:  # the base's UNet file read once a run
-            self._hashes = base_model_hashes(self.base)
+        if self._hashes is None:  # the base's denoiser file read once a run
+            self._hashes = base_model_hashes(self.base, state.model.family.denoiser)
         cfg = state.cfg
         return {**self._hashes, "ss_sd_model_name": self.base.name, "ss_output_name": root.name,
                 "ss_steps": state.step, "ss_max_train_steps": cfg.train.steps,
@@ -433,10 +444,10 @@ class PeftLoraWeights(_SDWeights):
 
 
 class FullUNetWeights(_SDWeights):
-    """A full fine-tune of a Stable Diffusion UNet: checkpoints hold the whole UNet; the
-    final export is a diffusers folder ``RUN/model`` (base parts + the trained UNet), or,
-    for a run from a single-file checkpoint, the single file ``RUN/model.safetensors``
-    (the base file with its UNet replaced)."""
+    """A full fine-tune of a model family's denoiser (UNet or transformer): checkpoints hold
+    the whole denoiser; the final export is a diffusers folder ``RUN/model`` (base parts +
+    the trained denoiser), or, for a run from a single-file checkpoint, the single file
+    ``RUN/model.safetensors`` (the base file with its denoiser replaced)."""
 
     def __init__(self, base: Path) -> None:
         self.base = base
@@ -458,22 +469,22 @@ class FullUNetWeights(_SDWeights):
         if not final:  # a multi-GB copy: once, at the end
             return None
         model = state.ema.module if state.cfg.sample.use_ema else state.model
+        den = model.denoiser
         if state.sharded:  # FSDP: every rank's shards gathered on rank 0's CPU, once
-            model = _consolidated(model)
-            if model is None:
+            den = _consolidated(model)
+            if den is None:
                 return None  # not rank 0: it only gave its shards
         if self.base.is_file():
             from .single_file import export_single_file
 
-            return export_single_file(root / "model.safetensors", model.unet, None, None,
+            return export_single_file(root / "model.safetensors", den, None, None,
                                       base_file=self.base)
-        return export_pipeline(model.unet, self.base, root / "model")
+        return export_pipeline(den, self.base, root / "model")
 
 
 def _consolidated(model: nn.Module) -> nn.Module | None:
-    """An FSDP-sharded :class:`SDDenoiser`'s UNet whole, as a plain module in rank 0's CPU
-    memory (a collective: every rank calls it; None on the others)."""
-    from diffusers import UNet2DConditionModel
+    """An FSDP-sharded :class:`SDDenoiser`'s denoiser whole, as a plain module in rank 0's
+    CPU memory (a collective: every rank calls it; None on the others)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from ... import distributed
@@ -482,18 +493,22 @@ def _consolidated(model: nn.Module) -> nn.Module | None:
                                                                 cpu_offload=True))
     if distributed.rank() != 0:
         return None
-    unet = UNet2DConditionModel.from_config(model.unet.config)
-    unet.load_state_dict({k[len("unet."):]: v for k, v in full.items()
-                          if k.startswith("unet.")})
-    return nn.ModuleDict({"unet": unet})
+    part = model.family.denoiser
+    den = type(model.denoiser).from_config(model.denoiser.config)
+    den.load_state_dict({k[len(part) + 1:]: v for k, v in full.items()
+                         if k.startswith(part + ".")})
+    return den
 
 
-TEXT_ENCODERS = ("text_encoder.", "text_encoder_2.")  # SDDenoiser's text encoders' prefixes
+def _text_encoder_key(k: str) -> bool:
+    """Whether a state-dict key of :class:`SDDenoiser` is a text encoder's
+    (``text_encoder.*``, ``text_encoder_2.*``, ...)."""
+    return k.split(".", 1)[0].startswith("text_encoder")
 
 
 def unet_only(model: nn.Module) -> dict[str, Tensor]:
     """``model``'s state dict without a frozen text encoder's tensors."""
-    return {k: v for k, v in model.state_dict().items() if not k.startswith(TEXT_ENCODERS)}
+    return {k: v for k, v in model.state_dict().items() if not _text_encoder_key(k)}
 
 
 def load_unet_only(model: nn.Module, saved: dict[str, Tensor], path: Any) -> None:
@@ -504,7 +519,7 @@ def load_unet_only(model: nn.Module, saved: dict[str, Tensor], path: Any) -> Non
     except RuntimeError as e:
         raise CheckpointError(f"{path}: weights do not match the model its config describes: "
                               f"{e}") from None
-    missing = [k for k in missing if not k.startswith(TEXT_ENCODERS)]
+    missing = [k for k in missing if not _text_encoder_key(k)]
     if missing or extra:
         raise CheckpointError(f"{path}: weights do not match the model its config describes "
                               f"(missing {missing[:2]}, unexpected {list(extra)[:2]})")
@@ -520,44 +535,65 @@ def to_device(m: nn.Module, device: torch.device, dtype: torch.dtype) -> nn.Modu
     return m.to(dtype) if p is not None and p.dtype != dtype else m
 
 
-class TextToImage:
-    """Prompts -> text contexts, images <-> latents, for a text-conditioned run.
+class Tokenize:
+    """``list[str] -> (B, L1 + L2 + ...)`` token ids: each tokenizer's, padded to its length
+    and truncated (as the pipelines' ``encode_prompt``), concatenated; small enough to send
+    to DataLoader workers. :meth:`TextToImage.tokenize` is this plus the per-sample ids'
+    zero slot.
 
     Args:
-        tokenizer, text_encoder: a transformers tokenizer and CLIP text model (frozen).
+        tokenizers: a tokenizer, or the family's tokenizers in order.
+        lengths: each one's length (one int for one tokenizer).
+    """
+
+    def __init__(self, tokenizers: Any, lengths: int | tuple[int, ...]) -> None:
+        self.tokenizers = list(tokenizers) if isinstance(tokenizers, (list, tuple)) \
+            else [tokenizers]
+        self.lengths = (lengths,) if isinstance(lengths, int) else tuple(lengths)
+
+    def __call__(self, prompts: list[str]) -> torch.Tensor:
+        return torch.cat([t(list(prompts), padding="max_length", truncation=True,
+                            max_length=n, return_tensors="pt").input_ids
+                          for t, n in zip(self.tokenizers, self.lengths)], dim=1)
+
+
+class TextToImage:
+    """Prompts -> text conditions, images <-> latents, for a text-conditioned run.
+
+    Args:
+        family: the model family (how its encoders' outputs are packed); steadydiff's own
+            text-conditioned models use the base :class:`Family` (one CLIP's last hidden
+            state).
+        tokenizers, text_encoders: the family's tokenizers and text encoders (frozen), in
+            its order.
         vae: a diffusers AutoencoderKL (frozen) or None (pixel space).
         device: where they run. text_dtype, vae_dtype: their dtypes.
-        tokenizer_2, text_encoder_2: SDXL's second tokenizer and CLIPTextModelWithProjection;
-            the contexts are then SDXL's packed condition (:attr:`sdxl`, sdxl.py).
-        force_zeros: SDXL's ``force_zeros_for_empty_prompt`` (the null condition is zeros).
+        force_zeros: the pipeline's ``force_zeros_for_empty_prompt`` (the null condition is
+            zeros).
+
+    Attributes:
+        layout: where the condition's pieces sit (families/base.py ``Layout``).
+        tokens: True when the model encodes token ids itself (its text encoders train, or
+            shuffled captions): :meth:`encode_prompts` then returns the ids.
     """
 
     text = True
 
-    def __init__(self, tokenizer, text_encoder: nn.Module, vae: nn.Module | None,
-                 device: torch.device, text_dtype: torch.dtype = torch.float32,
-                 vae_dtype: torch.dtype = torch.float32, *, tokenizer_2=None,
-                 text_encoder_2: nn.Module | None = None, force_zeros: bool = False) -> None:
-        self.tokenizer = tokenizer
-        self.text_encoder = to_device(text_encoder, device, text_dtype).eval().requires_grad_(False)
+    def __init__(self, family: Family, tokenizers: list[Any], text_encoders: list[nn.Module],
+                 vae: nn.Module | None, device: torch.device,
+                 text_dtype: torch.dtype = torch.float32,
+                 vae_dtype: torch.dtype = torch.float32, *, force_zeros: bool = False) -> None:
+        self.family = family
+        self.tokenizers = list(tokenizers)
+        self.text_encoders = [to_device(te, device, text_dtype).eval().requires_grad_(False)
+                              for te in text_encoders]
         self.vae = to_device(vae, device, vae_dtype).eval().requires_grad_(False) if vae else None
         self.device, self.text_dtype, self.vae_dtype = device, text_dtype, vae_dtype
-        self.context_len = int(tokenizer.model_max_length)
         self.tokens = False  # True: prompts become token ids (the model encodes them)
-        self.context_dim = int(text_encoder.config.hidden_size)
-        self.tokenizer_2, self.text_encoder_2 = tokenizer_2, None
-        self.sdxl: SDXLLayout | None = None
-        self.force_zeros = False  # the null condition is zeros (SDXL), not the encoded ""
-        if text_encoder_2 is not None:
-            self.text_encoder_2 = to_device(text_encoder_2, device,
-                                            text_dtype).eval().requires_grad_(False)
-            self.context_dim += int(text_encoder_2.config.hidden_size)
-            self.force_zeros = force_zeros
-            self.sdxl = SDXLLayout(
-                text_len=self.context_len, width=self.context_dim,
-                pooled_dim=int(text_encoder_2.config.projection_dim),
-                ids_len=(self.context_len, int(tokenizer_2.model_max_length)),
-                force_zeros=force_zeros)
+        self.layout: Layout = family.layout(self.tokenizers, self.text_encoders, force_zeros)
+        self.force_zeros = force_zeros  # the null condition is zeros, not the encoded ""
+        self.context_len = self.layout.text_len
+        self.context_dim = self.layout.width
         self.latent = vae is not None
         self._other_vaes: dict[torch.dtype, nn.Module] = {}
         if vae is not None:
@@ -566,61 +602,62 @@ class TextToImage:
             self.down = 2 ** (len(vae.config.block_out_channels) - 1)
             self.latent_channels = int(vae.config.latent_channels)
 
+    @property
+    def tokenizer(self):
+        """The first tokenizer (the one caption-length checks count with)."""
+        return self.tokenizers[0]
+
+    @property
+    def text_encoder(self) -> nn.Module:
+        return self.text_encoders[0]
+
     # -- text
     def tokenize(self, prompts: list[str]) -> Tensor:
-        """(B, L) long token ids, padded to the max length and truncated (as diffusers);
-        SDXL: (B, L1 + L2 + 6) both tokenizers' ids and the zero time-ids slot."""
-        ids = self.tokenizer(list(prompts), padding="max_length", truncation=True,
-                             max_length=self.context_len, return_tensors="pt").input_ids
-        if self.sdxl is None:
-            return ids
-        ids_2 = self.tokenizer_2(list(prompts), padding="max_length", truncation=True,
-                                 max_length=self.sdxl.ids_len[1], return_tensors="pt").input_ids
-        return torch.cat([ids, ids_2, torch.zeros(len(ids), TIME_IDS, dtype=ids.dtype)], dim=1)
+        """(B, L1 + L2 + ... + ids) long: each tokenizer's ids, padded to its length and
+        truncated (as diffusers), then the zero slot of the per-sample ids (SDXL's)."""
+        ids = Tokenize(self.tokenizers, self.layout.ids_len)(list(prompts))
+        if self.layout.extra_ids:
+            ids = torch.cat([ids, ids.new_zeros(len(prompts), self.layout.extra_ids)], dim=1)
+        return ids
 
     @torch.no_grad()
     def encode_prompts(self, prompts: list[str]) -> Tensor:
-        """(B, L, D) float32: the text encoder's last hidden state, as diffusers'
-        StableDiffusionPipeline conditions the UNet; with ``tokens`` (the model trains its
-        own text encoder) the (B, L) token ids it encodes itself. SDXL: the packed
-        condition (B, L + R + 1, D) of ``StableDiffusionXLPipeline.encode_prompt`` with the
-        zero time-ids slot (the drawn size); :meth:`text_part` is its text (what the cache
-        holds: each sample's own time ids are added per item)."""
+        """The packed condition (B, rows, D) float32 of the family's pipeline's
+        ``encode_prompt`` (SD 1.x/2.x: the text encoder's last hidden state (B, L, D); SDXL:
+        both encoders' penultimate states, the pooled embedding and the zero time-ids slot,
+        the drawn size); with ``tokens`` (the model runs its own text encoders) the token
+        ids it encodes itself. :meth:`text_part` is its text (what the cache holds: each
+        sample's own ids are added per item)."""
         ids = self.tokenize(prompts).to(self.device)
         if self.tokens:
             return ids
-        if self.sdxl is not None:
-            ids_1, ids_2, _ = self.sdxl.unpack_ids(ids)
-            return self.sdxl.pack(*encode_sdxl(self.text_encoder, self.text_encoder_2, ids_1,
-                                               ids_2))
-        mask = None
-        if getattr(self.text_encoder.config, "use_attention_mask", False):
-            mask = (ids != self.tokenizer.pad_token_id).long().to(self.device)
-        out = self.text_encoder(ids, attention_mask=mask)[0]
-        return out.float()
+        per, extra = self.layout.split_ids(ids)
+        embeds, pooled = self.family.encode(self.text_encoders, per, self.layout)
+        return self.layout.pack(embeds, pooled, extra)
 
     def text_part(self, y: Tensor) -> Tensor:
-        """The text of a condition from :meth:`encode_prompts` or :meth:`tokenize` (SDXL:
-        without the time-ids slot; else ``y`` itself)."""
-        return y if self.sdxl is None else y[:, :self.sdxl.rows_of(y)]
+        """The text of a condition from :meth:`encode_prompts` or :meth:`tokenize` (without
+        the per-sample ids' slot)."""
+        rows = self.layout.rows_of(y)
+        return y if y.shape[1] == rows else y[:, :rows]
 
     def null_text(self) -> Tensor:
-        """(L, D) float32, the text rows of the null condition: the empty caption's
-        encoding, or zeros for an SDXL pipeline with ``force_zeros_for_empty_prompt``."""
+        """(text rows, D) float32, the text rows of the null condition: the empty caption's
+        encoding, or zeros for a pipeline with ``force_zeros_for_empty_prompt``."""
         null = self.text_part(self.encode_prompts([""]))[0].float()
         return torch.zeros_like(null) if self.force_zeros and null.is_floating_point() \
             else null
 
     def text_identity(self) -> str:
-        """What the cached text contexts are a function of (``module_identity``): the text
-        encoder and its dtype; SDXL: both encoders and the packing."""
+        """What the cached text conditions are a function of (``module_identity``): the text
+        encoders, their dtype and the family's packing."""
         from ...data.cache import module_identity
 
         extra: dict[str, Any] = {"dtype": str(self.text_dtype)}
-        if self.sdxl is not None:
-            extra.update(sdxl="penultimate+pooled/1", layout=repr(self.sdxl),
-                         text_encoder_2=module_identity(self.text_encoder_2))
-        return module_identity(self.text_encoder, extra)
+        extra.update(self.family.identity(self.layout))
+        for i, te in enumerate(self.text_encoders[1:], start=2):
+            extra[f"text_encoder_{i}"] = module_identity(te)
+        return module_identity(self.text_encoders[0], extra)
 
     # -- latents
     @torch.no_grad()

@@ -1,9 +1,10 @@
 """A text-to-image run's setup: what ``build_state`` and the loop call for a config with
-``model.pretrained`` (a Stable Diffusion folder) or ``model.text_encoder`` (steadydiff's own
-UNet/DiT with cross-attention, optionally in a VAE's latent space).
+``model.pretrained`` (a model family's folder or single file: integrations/families/) or
+``model.text_encoder`` (steadydiff's own UNet/DiT with cross-attention, optionally in a
+VAE's latent space).
 
 :func:`build` loads the frozen parts in their dtypes and returns the denoiser, the weights'
-owner (a peft LoRA, or the full UNet) and the media (prompts -> contexts, latents <->
+owner (a peft LoRA, or the full denoiser) and the media (prompts -> conditions, latents <->
 images). :func:`encode_data` turns the captioned dataset into what the model trains on:
 latents and text contexts, cached (data/cache.py) and checked finite; the samples whose
 latent stays non-finite are left out and named.
@@ -29,12 +30,12 @@ from ...models import build_model
 from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
 from ..controlnet import ControlNetDenoiser, ControlNetWeights, build_controlnet
+from ..families import Family
 from .hypernetwork import HypernetworkWeights, add_hypernetwork
-from .source import load_parts, model_root
+from .source import family, load_parts, model_root
 from .folder import load_text_parts, load_vae, read_json
-from .sdxl import item_time_ids
 from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
-                    TextToImage, add_lora, load_unet_only, to_device,
+                    TextToImage, Tokenize, add_lora, load_unet_only, to_device,
                     upcast_aware_attention)
 
 log = logging.getLogger(__name__)
@@ -64,11 +65,14 @@ def model_geometry(cfg: Config) -> dict[str, int]:
         ConfigError: data.image_size does not fit the VAE's downsampling or the UNet's.
     """
     m, size = cfg.model, cfg.data.image_size
+    fam = None
     if m.pretrained:
         root = model_root(m)
-        vae, unet = _json(root / "vae" / "config.json"), _json(root / "unet" / "config.json")
-        te = _json(root / "text_encoder" / "config.json")
-        tok = root / "tokenizer"
+        fam = family(m)
+        vae = _json(root / "vae" / "config.json")
+        unet = _json(root / fam.denoiser / "config.json")
+        te = _json(root / fam.text[0].part / "config.json")
+        tok = root / fam.text[0].tokenizer
     else:
         t = Path(m.text_encoder).expanduser()
         te = _json(t / "text_encoder" / "config.json") if (t / "text_encoder").is_dir() \
@@ -92,31 +96,33 @@ def model_geometry(cfg: Config) -> dict[str, int]:
                           f"downsampling ({down}): use e.g. {max(down, size // down * down)}")
     side = size // down
     if unet is not None:
-        levels = 2 ** (len(unet["block_out_channels"]) - 1)
+        levels = fam.denoiser_multiple(unet)
         if side % levels:
             raise ConfigError(f"data.image_size={size} gives {side}x{side} latents, not a "
-                              f"multiple of the UNet's downsampling ({levels}): use a multiple "
-                              f"of {down * levels}")
+                              f"multiple of the {fam.denoiser_word}'s downsampling ({levels}): "
+                              f"use a multiple of {down * levels}")
     if cfg.data.buckets:  # every bucket side is a multiple of the step
-        need = down * (2 ** (len(unet["block_out_channels"]) - 1) if unet is not None else 1)
+        need = down * (fam.denoiser_multiple(unet) if unet is not None else 1)
         if cfg.data.bucket_step % need:
             raise ConfigError(f"data.bucket_step={cfg.data.bucket_step} is not a multiple of "
-                              f"the model's downsampling ({need}: VAE x UNet): bucket sides "
-                              f"must be; use data.bucket_step="
+                              f"the model's downsampling ({need}: VAE x "
+                              f"{fam.denoiser_word if fam else 'UNet'}): bucket sides must be; "
+                              f"use data.bucket_step="
                               f"{max(need, cfg.data.bucket_step // need * need)}")
     return {"channels": int(vae["latent_channels"]) if vae else cfg.data.channels,
             "side": side, "context_dim": int(te["hidden_size"]), "context_len": length}
 
 
 def unet_parameters(root: str | Path) -> int:
-    """The parameter count of an SD folder's UNet, built from its config on the meta
-    device (no weights read)."""
-    from diffusers import UNet2DConditionModel
+    """The parameter count of a model folder's denoiser (UNet or transformer), built from
+    its config on the meta device (no weights read)."""
+    from .folder import family_of
 
-    conf = _json(Path(root) / "unet" / "config.json")
+    fam = family_of(root)
+    conf = _json(Path(root) / fam.denoiser / "config.json")
     with torch.device("meta"):
-        unet = UNet2DConditionModel.from_config(conf)
-    return sum(p.numel() for p in unet.parameters())
+        den = fam.build_denoiser(conf)
+    return sum(p.numel() for p in den.parameters())
 
 
 def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextToImage]:
@@ -130,37 +136,36 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
     vae_dtype = _dtype(m.vae_precision) if m.vae_precision else frozen
     if m.pretrained:
         parts = load_parts(m.pretrained, m.single_file_config)
-        sdxl = parts.text_encoder_2 is not None
-        if sdxl and not m.vae_precision and vae_dtype == torch.float16 and \
+        fam = parts.family
+        if fam.vae_force_upcast and not m.vae_precision and vae_dtype == torch.float16 and \
                 getattr(parts.vae.config, "force_upcast", False):
-            # the SDXL VAE overflows in fp16; its config says so (force_upcast) and
-            # diffusers' SDXL pipeline then runs it in fp32: so do we, unless the user
-            # chose model.vae_precision (e.g. fp16 for the fp16-fix VAE)
+            # this family's VAE overflows in fp16 (SDXL's); its config says so
+            # (force_upcast) and the family's diffusers pipeline then runs it in fp32: so do
+            # we, unless the user chose model.vae_precision (e.g. fp16 for the fp16-fix VAE)
             vae_dtype = torch.float32
-            log.info("the SDXL VAE runs in fp32: its config has force_upcast=true and "
-                     "model.vae_precision is unset")
-        media = TextToImage(parts.tokenizer, parts.text_encoder, parts.vae, device, frozen,
-                            vae_dtype, tokenizer_2=parts.tokenizer_2,
-                            text_encoder_2=parts.text_encoder_2,
-                            force_zeros=parts.force_zeros)
-        unet = parts.unet
-        upcast_aware_attention(unet)
+            log.info(f"the {fam.label} VAE runs in fp32: its config has force_upcast=true "
+                     "and model.vae_precision is unset")
+        media = TextToImage(fam, parts.tokenizers, parts.text_encoders, parts.vae, device,
+                            frozen, vae_dtype, force_zeros=parts.force_zeros)
+        den = parts.denoiser
+        upcast_aware_attention(den)
         if m.upcast_attention:
-            for mod in unet.modules():
+            for mod in den.modules():
                 if is_attention(mod):
                     mod.upcast_attention = True
         weights: Weights
-        text_encoder = text_encoder_2 = None
+        in_step: list[nn.Module | None] = []  # text encoders that run in the step
         if a.kind == "lora":
-            to_device(unet, device, frozen)
-            targets = add_lora(unet, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
+            to_device(den, device, frozen)
+            targets = add_lora(den, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                                targets=a.targets)
-            if a.text_encoder:  # its LoRA trains too: the model encodes token ids itself
-                text_encoder, text_encoder_2 = media.text_encoder, media.text_encoder_2
-                for name, te in (("text_encoder.", text_encoder),
-                                 ("text_encoder_2.", text_encoder_2)):
-                    if te is not None:  # SDXL: both encoders, as kohya's sd-scripts do
-                        targets += [name + n for n in add_lora(
+            if a.text_encoder:  # their LoRA trains too: the model encodes token ids itself
+                # every encoder the family's trainers train (SDXL: both, as kohya's do)
+                in_step = [te if spec.lora else None
+                           for spec, te in zip(fam.text, media.text_encoders)]
+                for spec, te in zip(fam.text, in_step):
+                    if te is not None:
+                        targets += [f"{spec.part}.{n}" for n in add_lora(
                             te, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                             targets=TEXT_ENCODER_TARGETS)]
                 media.tokens = True
@@ -168,49 +173,47 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 from .lora_files import LoraFileError, load_lora_file
 
                 try:
-                    load_lora_file(a.init_from, unet, [text_encoder, text_encoder_2],
-                                   rank=a.rank, alpha=a.alpha or a.rank)
+                    load_lora_file(a.init_from, den, in_step, rank=a.rank,
+                                   alpha=a.alpha or a.rank)
                 except LoraFileError as e:
                     raise ConfigError(f"adapter.init_from: {e}") from None
             weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank)
         elif a.kind == "hypernetwork":  # A1111-style, on the cross-attention context
-            to_device(unet, device, frozen)
+            to_device(den, device, frozen)
             try:
-                hyper, layers = add_hypernetwork(unet, targets=a.targets,
+                hyper, layers = add_hypernetwork(den, targets=a.targets,
                                                  hidden_mult=a.hidden_mult,
                                                  activation=a.hyper_activation)
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             weights = HypernetworkWeights(a, parts.root, layers)
         elif cfg.controlnet.enabled:  # the UNet frozen, a ControlNet trains beside it
-            to_device(unet, device, frozen).requires_grad_(False)
-            controlnet = _controlnet(cfg, unet, media.down, device)
-            weights = ControlNetWeights(parts.root, cfg.controlnet.init_from,
-                                        sdxl=parts.text_encoder_2 is not None)
-        else:  # a full fine-tune: the UNet trains in fp32 under autocast
-            to_device(unet, device, torch.float32).requires_grad_(True)
+            to_device(den, device, frozen).requires_grad_(False)
+            controlnet = _controlnet(cfg, den, media.down, device)
+            weights = ControlNetWeights(parts.root, cfg.controlnet.init_from, fam)
+        else:  # a full fine-tune: the denoiser trains in fp32 under autocast
+            to_device(den, device, torch.float32).requires_grad_(True)
             weights = FullUNetWeights(parts.root)
-        if cfg.data.caption_shuffle and text_encoder is None:
+        if cfg.data.caption_shuffle and not any(te is not None for te in in_step):
             # Shuffled captions differ every epoch: encoded in the step by the frozen text
             # encoder(s) (as kohya does; caching every permutation is not possible), from
             # the token ids the data stream carries.
-            text_encoder = media.text_encoder.requires_grad_(False)
-            if media.text_encoder_2 is not None:
-                text_encoder_2 = media.text_encoder_2.requires_grad_(False)
+            in_step = [te.requires_grad_(False) for te in media.text_encoders]
             media.tokens = True
-        model: nn.Module = SDDenoiser(unet, media.context_len, text_encoder,
-                                      text_encoder_2=text_encoder_2, sdxl=media.sdxl,
+        model: nn.Module = SDDenoiser(den, media.layout, fam, in_step,
                                       down=media.down).to(device)
         if a.kind == "hypernetwork":  # registered after the UNet: its own tensor names
             model.hypernetwork = hyper
-        if cfg.controlnet.enabled:
-            model = ControlNetDenoiser(model, controlnet, controlnet.config.conditioning_channels)
-        if text_encoder is not None:
+        if model.encodes:
             model.set_null_ids(media.text_part(media.tokenize([""]))[0].to(device))
+        if cfg.controlnet.enabled:
+            model = ControlNetDenoiser(model, controlnet,
+                                       controlnet.config.conditioning_channels)
     else:
         tok, te = load_text_parts(m.text_encoder)
         vae = load_vae(m.vae) if m.vae else None
-        media = TextToImage(tok, te, vae, device, frozen, vae_dtype)
+        # one CLIP's last hidden state: the base family's text handling
+        media = TextToImage(Family(), [tok], [te], vae, device, frozen, vae_dtype)
         g = model_geometry(cfg)
         model = build_model(m, image_size=g["side"], channels=g["channels"],
                             context_dim=g["context_dim"], context_len=g["context_len"])
@@ -278,27 +281,33 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
 
 def apply_lora(model: nn.Module, media: TextToImage, path: str | Path, scale: float) -> None:
     """Fuse the LoRA file ``path`` (diffusers' or kohya's format, read by diffusers' own
-    ``load_lora_weights``) into ``model``'s UNet and ``media``'s text encoders at ``scale``:
-    the sampling copy of a run (LoRA + ControlNet together).
+    ``load_lora_weights`` on the family's pipeline) into ``model``'s denoiser and
+    ``media``'s text encoders at ``scale``: the sampling copy of a run (LoRA + ControlNet
+    together).
 
     Raises:
         ValueError: diffusers cannot load the file (its message, naming the file).
     """
-    from diffusers import (DDIMScheduler, StableDiffusionPipeline,
-                           StableDiffusionXLPipeline)
+    import inspect
+
+    import diffusers
 
     p = Path(path).expanduser()
     if not p.exists():
         raise ValueError(f"--lora {p}: no such file or folder")
-    unet = model.unet
-    common = dict(vae=media.vae, text_encoder=media.text_encoder, tokenizer=media.tokenizer,
-                  unet=unet, scheduler=DDIMScheduler(steps_offset=1, clip_sample=False))
-    if media.sdxl is not None:
-        pipe = StableDiffusionXLPipeline(**common, text_encoder_2=media.text_encoder_2,
-                                         tokenizer_2=media.tokenizer_2)
-    else:
-        pipe = StableDiffusionPipeline(**common, safety_checker=None, feature_extractor=None,
-                                       requires_safety_checker=False)
+    fam = media.family
+    parts: dict[str, Any] = {fam.denoiser: model.denoiser, "vae": media.vae,
+                             "scheduler": diffusers.DDIMScheduler(steps_offset=1,
+                                                                  clip_sample=False)}
+    for spec, te, tok in zip(fam.text, media.text_encoders, media.tokenizers):
+        parts[spec.part], parts[spec.tokenizer] = te, tok
+    cls = getattr(diffusers, fam.pipelines[0])
+    for name, prm in inspect.signature(cls.__init__).parameters.items():
+        if name not in parts and name != "self" and prm.default is inspect.Parameter.empty:
+            parts[name] = None  # safety_checker, feature_extractor: not ours
+    if "requires_safety_checker" in inspect.signature(cls.__init__).parameters:
+        parts["requires_safety_checker"] = False
+    pipe = cls(**parts)
     kw = {"weight_name": p.name} if p.is_file() else {}
     try:
         pipe.load_lora_weights(str(p.parent if p.is_file() else p), **kw,
@@ -330,7 +339,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     if media.tokens:  # the text encoder trains: its inputs, not its outputs, are fixed
         texts = token_ids(media, captions)
     else:
-        # SDXL: the text rows (both encoders + pooled); the time ids are added per item
+        # the text rows (hidden states + pooled); per-item ids (SDXL's) are added per item
         texts = encode_texts(captions, lambda p: media.text_part(media.encode_prompts(p)),
                              encoder_id=media.text_identity(), cache_dir=cache_dir)
         if media.force_zeros:  # caption dropout trains the null condition guidance uses
@@ -351,13 +360,11 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                if latents.quarantined else "")
             + (f" ({cache_dir})" if cfg.data.cache_latents else " (in memory only)"))
     variants = CaptionVariants.from_config(cfg.data, cfg.train.seed)
-    extra = None
-    if media.sdxl is not None:  # each image's size/crop conditioning, from its real crop
-        extra = item_time_ids(data, cfg.data.image_size, cfg.data.center_crop)
-        if not media.tokens:
-            extra = extra.to(texts.contexts.dtype)
-        else:
-            extra = extra.round().long()
+    # per-item ids the family conditions on (SDXL: each image's size/crop, from its crop)
+    extra = media.family.item_ids(data, cfg.data.image_size, cfg.data.center_crop) \
+        if media.layout.extra_ids else None
+    if extra is not None:
+        extra = extra.round().long() if media.tokens else extra.to(texts.contexts.dtype)
     conditioning = None
     if cfg.controlnet.enabled:  # pixels, not latents: uint8, cached (data/cache.py)
         conditioning = encode_conditioning(
@@ -371,9 +378,8 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
         else:
             say("conditioning images: read from the dataset as each item is drawn")
     out = EncodedDataset(data, latents, texts, variants=variants,
-                         tokenize=Tokenize(media.tokenizer, media.context_len,
-                                           media.tokenizer_2), extra=extra,
-                         conditioning=conditioning)
+                         tokenize=Tokenize(media.tokenizers, media.layout.ids_len),
+                         extra=extra, conditioning=conditioning)
     out.caption_overflow = len(over)
     if out.variants is not None:
         d = cfg.data
@@ -385,25 +391,9 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     return out
 
 
-class Tokenize:
-    """``list[str] -> (B, L)`` token ids, padded and truncated to ``length`` (what
-    :meth:`TextToImage.tokenize` does without time ids), small enough to send to DataLoader
-    workers; with SDXL's ``tokenizer_2`` (B, L + L2), both tokenizers' ids."""
-
-    def __init__(self, tokenizer, length: int, tokenizer_2=None) -> None:
-        self.tokenizer, self.length, self.tokenizer_2 = tokenizer, length, tokenizer_2
-
-    def __call__(self, prompts: list[str]) -> torch.Tensor:
-        out = [t(list(prompts), padding="max_length", truncation=True,
-                 max_length=int(t.model_max_length) if t is self.tokenizer_2 else self.length,
-                 return_tensors="pt").input_ids
-               for t in (self.tokenizer, self.tokenizer_2) if t is not None]
-        return torch.cat(out, dim=1)
-
-
 def caption_overflow(media: TextToImage, data, captions: list[str]) -> list[tuple[str, int]]:
-    """The items whose caption (trigger included) has more tokens than the text encoder
-    takes (``model_max_length``, 77 for CLIP): ``[(file, tokens)]``."""
+    """The items whose caption (trigger included) has more tokens than the first text
+    encoder takes (``model_max_length``, 77 for CLIP): ``[(file, tokens)]``."""
     def count(texts: list[str]) -> list[int]:
         # verbose=False: the tokenizer's own "longer than the maximum" warning names no file
         return [len(ids) for ids in

@@ -1,7 +1,7 @@
-"""Where a Stable Diffusion model comes from: a diffusers folder (folder.py) or a single-file
-checkpoint with a local config folder (single_file.py). The one place that tells them apart:
-the folder of configs (:func:`model_root`), the loaded parts (:func:`load_parts`) and the
-config the scheduler decides (:func:`resolve_config`)."""
+"""Where a model comes from: a diffusers folder (folder.py) or a single-file checkpoint with a
+local config folder (single_file.py). The one place that tells them apart: the folder of
+configs (:func:`model_root`), its family (:func:`family`), the loaded parts
+(:func:`load_parts`) and the config the family's recipe decides (:func:`resolve_config`)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from ...config import Config, replace
-from .folder import SDFolderError, SDParts, check_folder, diffusion_settings, load_folder_parts
+from ..families import Family, Parts
+from .folder import SDFolderError, check_folder, diffusion_settings, family_of, \
+    load_folder_parts
 from .single_file import check_single_file, is_single_file, load_single_file
 
-__all__ = ["load_parts", "model_root", "resolve_config"]
+__all__ = ["family", "load_parts", "model_root", "resolve_config"]
 
 
 def model_root(m: Any) -> Path:
@@ -25,6 +27,12 @@ def model_root(m: Any) -> Path:
         raise SDFolderError(f"model.single_file_config is set but model.pretrained="
                             f"{m.pretrained} is not a single-file checkpoint: remove it")
     return check_folder(m.pretrained)
+
+
+def family(m: Any) -> Family:
+    """The model family of ``model.pretrained`` (a ``ModelConfig``), from its folder's (or
+    its single file's config folder's) model_index.json."""
+    return family_of(model_root(m))
 
 
 def resolve_config(cfg: Config) -> tuple[Config, list[str]]:
@@ -50,8 +58,8 @@ def resolve_config(cfg: Config) -> tuple[Config, list[str]]:
     return (replace(cfg, changes) if changes else cfg), notes
 
 
-def load_parts(path: str | Path, config: str | Path | None = None) -> SDParts:
-    """Every part of the SD folder at ``path`` (checked first), or of the single-file
+def load_parts(path: str | Path, config: str | Path | None = None) -> Parts:
+    """Every part of the model folder at ``path`` (checked first), or of the single-file
     checkpoint ``path`` with the config folder ``config``, fp32 on the CPU; the caller
     moves them and sets their dtypes. ``root`` is the folder or the file."""
     if is_single_file(path):

@@ -1,0 +1,87 @@
+"""The tiny components every tiny model folder is built from (random weights, from configs):
+a byte-level CLIP tokenizer, small CLIP text encoders, an AutoencoderKL and a UNet. The
+family modules (``integrations/families/``) assemble them into folders laid out like their
+real models (``Family.tiny``); tiny.py is the command that writes one.
+
+The tokenizer is a CLIP BPE tokenizer without merges over a byte-level vocabulary (every
+byte, and every byte ending a word): any text tokenizes, one token per character.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["tiny_tokenizer", "tiny_text_encoder", "tiny_vae", "tiny_unet"]
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2/CLIP's reversible byte -> unicode table (printable bytes map to themselves)."""
+    keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+            + list(range(ord("®"), ord("ÿ") + 1)))
+    out, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + n)
+            n += 1
+    return [out[b] for b in range(256)]
+
+
+def tiny_tokenizer(max_length: int = 77, pad_token: str = "<|endoftext|>"):
+    """A CLIPTokenizer with a byte-level vocabulary (515 ids) and no merges; SDXL's second
+    tokenizer pads with ``pad_token="!"``."""
+    from transformers import CLIPTokenizer
+
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for c in _byte_chars():
+        vocab.setdefault(c, len(vocab))
+    for c in _byte_chars():
+        vocab.setdefault(c + "</w>", len(vocab))
+    tok = CLIPTokenizer(vocab=vocab, merges=[], model_max_length=max_length,
+                        pad_token=pad_token)
+    return tok
+
+
+def tiny_text_encoder(hidden: int = 32, layers: int = 2, vocab_size: int = 514,
+                      max_length: int = 77, seed: int = 0, projection: int | None = None):
+    """A 2-layer CLIPTextModel of width ``hidden`` (random weights from ``seed``); with
+    ``projection``, a CLIPTextModelWithProjection whose pooled output is that wide (SDXL's
+    second text encoder)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    cfg = CLIPTextConfig(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                         num_hidden_layers=layers, num_attention_heads=max(1, hidden // 16),
+                         max_position_embeddings=max_length, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=1, projection_dim=projection or hidden)
+    torch.manual_seed(seed)
+    return (CLIPTextModelWithProjection(cfg) if projection else CLIPTextModel(cfg)).eval()
+
+
+def tiny_vae(channels: int = 3, latent_channels: int = 4, widths: tuple[int, ...] = (16, 32),
+             sample_size: int = 32, seed: int = 0, **config):
+    """An AutoencoderKL with ``len(widths)`` levels (downsampling 2**(len-1)); ``config``:
+    more of its config (SDXL's ``scaling_factor``, ``force_upcast``)."""
+    from diffusers import AutoencoderKL
+
+    torch.manual_seed(seed)
+    n = len(widths)
+    return AutoencoderKL(in_channels=channels, out_channels=channels,
+                         down_block_types=("DownEncoderBlock2D",) * n,
+                         up_block_types=("UpDecoderBlock2D",) * n, block_out_channels=widths,
+                         latent_channels=latent_channels, norm_num_groups=8, layers_per_block=1,
+                         sample_size=sample_size, **config).eval()
+
+
+def tiny_unet(cross_attention_dim: int = 32, sample_size: int = 16, in_channels: int = 4,
+              widths: tuple[int, int] = (32, 64), seed: int = 0):
+    """A 2-level UNet2DConditionModel with cross-attention at the first level."""
+    from diffusers import UNet2DConditionModel
+
+    torch.manual_seed(seed)
+    return UNet2DConditionModel(
+        sample_size=sample_size, in_channels=in_channels, out_channels=in_channels,
+        layers_per_block=1, block_out_channels=widths,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=cross_attention_dim, attention_head_dim=8, norm_num_groups=8)
