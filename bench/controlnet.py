@@ -10,12 +10,14 @@ Two bars, each a subcommand:
 **learned** — a small Stable Diffusion-shaped model trained here, then a Canny ControlNet on
 it, all through ``steadydiff train``:
 
-1. data: the first ``--n-train`` Fashion-MNIST training images at 32x32 (gray) written as a
+1. data: the first ``--n-train`` Fashion-MNIST training images at ``--image-size`` (32;
+   gray) written as a
    folder with the caption ``"a photo of a <class>"`` beside each, and their Canny edges
    (``steadydiff condition --kind canny --low 100 --high 200``) in ``conditioning/``;
    held-out: the first ``--num`` test images' Canny edges, never trained on;
 2. the base: a small AutoencoderKL trained here (``fashion_text.train_vae``: 1 channel, 2x
-   downsampling, 4x16x16 latents), a frozen random tiny CLIP text encoder (its byte-level
+   downsampling: 4x16x16 latents at 32 px), a frozen random tiny CLIP text encoder (its
+   byte-level
    tokenizer), and a diffusers UNet2DConditionModel (widths 64, 128, cross-attention at both
    levels) trained from random init (a full fine-tune of the folder's random UNet) for
    ``--base-steps``; its export ``BASE/model`` is a diffusers SD folder;
@@ -26,7 +28,8 @@ it, all through ``steadydiff train``:
    Canny edges (same thresholds) against the conditioning edges: precision, recall and F1
    with a one-pixel tolerance (an edge pixel counts as matched when the other map has an
    edge within one pixel), averaged over images; and the class prompt: the project's
-   Fashion-MNIST classifier (``eval/features.py``, at 32 px) on the samples, with and without
+   Fashion-MNIST classifier (``eval/features.py``, at the image size) on the samples, with
+   and without
    the control.
 
 **overhead** — ``bench/sd_overhead.py``'s setup (tiny SD components, 16x16 latents, one
@@ -91,16 +94,17 @@ def load_avg() -> list[float]:
 # =========================================================================== learned
 
 
-def write_data(out: Path, fm: str, n: int, split: str, captions: bool) -> tuple[Path, list[int]]:
-    """The first ``n`` images of a Fashion-MNIST split as 32x32 gray PNGs (+ captions), and
-    their labels."""
+def write_data(out: Path, fm: str, n: int, split: str, captions: bool,
+               size: int = 32) -> tuple[Path, list[int]]:
+    """The first ``n`` images of a Fashion-MNIST split as ``size``-pixel gray PNGs (+
+    captions), and their labels."""
     from PIL import Image
 
     from steadydiff.data import FashionMNISTDataset
     from steadydiff.data.captions import prompt_for
 
-    ds = FashionMNISTDataset(32, 1, root=fm, split=split)
-    x = ds.images_at(slice(0, n))  # (n, 1, 32, 32) in [-1, 1]
+    ds = FashionMNISTDataset(size, 1, root=fm, split=split)
+    x = ds.images_at(slice(0, n))  # (n, 1, size, size) in [-1, 1]
     labels = ds.labels[:n].tolist()
     out.mkdir(parents=True, exist_ok=True)
     a = ((x[:, 0] + 1) * 127.5).round().clamp(0, 255).to(torch.uint8).numpy()
@@ -111,7 +115,7 @@ def write_data(out: Path, fm: str, n: int, split: str, captions: bool) -> tuple[
     return out, labels
 
 
-def build_base_folder(out: Path, vae_dir: Path, hidden: int = 64) -> Path:
+def build_base_folder(out: Path, vae_dir: Path, size: int, hidden: int = 64) -> Path:
     """A Stable Diffusion folder: the VAE trained here, a random frozen tiny CLIP, a random
     2-level UNet with cross-attention at both levels, the SD 1.x scheduler config."""
     from diffusers import (AutoencoderKL, PNDMScheduler, StableDiffusionPipeline,
@@ -123,7 +127,7 @@ def build_base_folder(out: Path, vae_dir: Path, hidden: int = 64) -> Path:
         return out
     torch.manual_seed(0)
     unet = UNet2DConditionModel(
-        sample_size=16, in_channels=4, out_channels=4, layers_per_block=1,
+        sample_size=size // 2, in_channels=4, out_channels=4, layers_per_block=1,
         block_out_channels=(64, 128),
         down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
         up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
@@ -139,12 +143,14 @@ def build_base_folder(out: Path, vae_dir: Path, hidden: int = 64) -> Path:
     return out
 
 
-def run_config(pretrained: Path, data: Path, steps: int, lr: float, batch: int, *sets: str):
+def run_config(pretrained: Path, data: Path, steps: int, lr: float, batch: int, size: int,
+               *sets: str):
     from steadydiff.config import load_config
 
     return load_config(None, [
         f"model.pretrained={pretrained}", "data.dataset=folder", f"data.path={data}",
-        "data.captions=txt", "data.image_size=32", "data.channels=1", "adapter.kind=none",
+        "data.captions=txt", f"data.image_size={size}", "data.channels=1",
+        "adapter.kind=none",
         f"train.steps={steps}", f"train.batch_size={batch}", "train.precision=fp32",
         "train.num_threads=1", "train.device=cpu", f"optim.lr={lr}", "optim.warmup_steps=50",
         "optim.schedule=cosine", "train.ema_decay=0.99", f"train.checkpoint_every={steps}",
@@ -183,7 +189,8 @@ def edge_f1(pred: np.ndarray, ref: np.ndarray) -> dict[str, float]:
             "f1": float(np.mean(fs))}
 
 
-def score(run: Path, held: Path, labels: list[int], fx, steps: int, seed: int = 0) -> dict:
+def score(run: Path, held: Path, labels: list[int], fx, steps: int, size: int,
+          seed: int = 0) -> dict:
     """Samples with and without the ControlNet for every held-out edge map (same noise)."""
     import steadydiff
     from steadydiff.data.captions import prompt_for
@@ -191,11 +198,11 @@ def score(run: Path, held: Path, labels: list[int], fx, steps: int, seed: int = 
 
     pipe = steadydiff.load(run, device="cpu")
     files = sorted((held / "conditioning").glob("*.png"))
-    conds = torch.cat([load_control_image(f, 32, 32) for f in files])  # (M, 3, 32, 32)
+    conds = torch.cat([load_control_image(f, size, size) for f in files])  # (M, 3, S, S)
     ref = np.stack([(c[0] > 0.5).numpy() for c in conds])
     out: dict[str, Any] = {}
     g = torch.Generator().manual_seed(seed)
-    z = torch.randn(len(files), 4, 16, 16, generator=g)
+    z = torch.randn(len(files), 4, size // 2, size // 2, generator=g)
     prompts = [prompt_for("fashion_mnist", k) for k in labels[:len(files)]]
     samples = {}
     with Clock() as clock:
@@ -230,29 +237,30 @@ def learned(a: argparse.Namespace) -> dict:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {"bench": "controlnet_learned", "load_at_start": load_avg()}
-    data, _ = write_data(out / "data", a.fashion_path, a.n_train, "train", True)
+    size = a.image_size
+    data, _ = write_data(out / "data", a.fashion_path, a.n_train, "train", True, size)
     edges_dir = out / "edges"  # beside the images: the base run trains on data/ alone
     if not (edges_dir / "conditioning.json").is_file():
         make_conditioning(data, edges_dir, "canny", CANNY)
-    held, labels = write_data(out / "held", a.fashion_path, a.num, "test", False)
+    held, labels = write_data(out / "held", a.fashion_path, a.num, "test", False, size)
     if not (held / "conditioning" / "conditioning.json").is_file():
         make_conditioning(held, None, "canny", CANNY)
-    res["data"] = {"train": a.n_train, "held_out": a.num, "canny": CANNY, "image_size": 32}
+    res["data"] = {"train": a.n_train, "held_out": a.num, "canny": CANNY, "image_size": size}
 
     with Clock() as c:
-        res["vae"] = train_vae(out / "vae", a.fashion_path, 32, steps=a.vae_steps)
+        res["vae"] = train_vae(out / "vae", a.fashion_path, size, steps=a.vae_steps)
     res["vae"]["this_run_wall_s"] = c.wall_s
-    sd = build_base_folder(out / "sd", out / "vae")
+    sd = build_base_folder(out / "sd", out / "vae", size)
 
     with Clock() as c:
-        base = steadydiff.train(run_config(sd, data, a.base_steps, a.base_lr, a.batch),
+        base = steadydiff.train(run_config(sd, data, a.base_steps, a.base_lr, a.batch, size),
                                 out_dir=out / "base")
     res["base"] = {"steps": base.steps, "final_loss": base.final_loss,
                    "incidents": base.incidents, "wall_s": c.wall_s, "cpu_s": c.cpu_s,
                    "load_after": load_avg()}
     with Clock() as c:
         cn = steadydiff.train(run_config(out / "base" / "model", data, a.cn_steps, a.cn_lr,
-                                         a.batch, "controlnet.enabled=true",
+                                         a.batch, size, "controlnet.enabled=true",
                                          "data.conditioning=folder",
                                          f"data.conditioning_dir={edges_dir.resolve()}"),
                         out_dir=out / "cn")
@@ -264,13 +272,13 @@ def learned(a: argparse.Namespace) -> dict:
     if a.featnet_steps is not None:
         features.RECIPE["fashion_mnist"] = (a.featnet_steps, features.RECIPE["fashion_mnist"][1])
         cache = out / "featcache"
-    fx = features.feature_extractor("fashion_mnist", 32, path=a.fashion_path, cache=cache)
+    fx = features.feature_extractor("fashion_mnist", size, path=a.fashion_path, cache=cache)
     res["feature_net"] = {"steps": fx.meta["train_steps"],
                           "test_accuracy": fx.meta["test_accuracy"]}
-    sc = score(out / "cn", held, labels, fx, a.sample_steps)
+    sc = score(out / "cn", held, labels, fx, a.sample_steps, size)
     samples = sc.pop("samples")
     n = min(10, sc["images"])
-    conds = torch.cat([load_control_image(f, 32, 32, 1) for f in
+    conds = torch.cat([load_control_image(f, size, size, 1) for f in
                        sorted((held / "conditioning").glob("*.png"))[:n]])
     # rows: the held-out edges, the samples with the ControlNet, the base's
     grid = torch.cat([conds * 2 - 1, samples["with_controlnet"][:n], samples["base_alone"][:n]])
@@ -432,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
     le.add_argument("--out", default="runs/bench_controlnet")
     le.add_argument("--fashion-path", default=str(FASHION_MNIST_DIR))
     le.add_argument("--n-train", type=int, default=6000, help="training images")
+    le.add_argument("--image-size", type=int, default=32, help="the images' side (16: a "
+                    "quarter of the cost)")
     le.add_argument("--num", type=int, default=100, help="held-out edge maps scored")
     le.add_argument("--vae-steps", type=int, default=600)
     le.add_argument("--base-steps", type=int, default=1500)
