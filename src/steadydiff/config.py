@@ -311,6 +311,14 @@ class ModelConfig(Section):
     vae_precision: Precision | None = Field(
         None, description="dtype of the frozen VAE (fp32 avoids the fp16 VAE's NaN latents); "
         "None: train.precision")
+    max_sequence_length: Int | None = Field(
+        None, ge=1, le=4096, description="model.pretrained with a T5 text encoder (SD3, "
+        "FLUX.1): the captions' T5 token length; None: the family's pipeline's (SD3: 256; "
+        "FLUX.1 dev: 512, schnell: 256)")
+    guidance: float | None = Field(
+        None, ge=0.0, le=100.0, description="model.pretrained guidance-distilled transformer "
+        "(FLUX.1 dev): the guidance value embedded in training and sampling; None: 3.5 (the "
+        "pipeline's and the trainers' default)")
 
 
 # --------------------------------------------------------------------------- diffusion
@@ -842,6 +850,10 @@ class Config(Section):
                              + (" (a hypernetwork transforms the UNet's cross-attention "
                                 "context, not the text encoder: set adapter.text_encoder="
                                 "false)" if a.kind == "hypernetwork" else ""))
+        for key in ("max_sequence_length", "guidance"):
+            if getattr(m, key) is not None and not m.pretrained:
+                raise ValueError(f"model.{key} configures a pretrained model family's text "
+                                 "encoder or transformer (model.pretrained): remove it")
         if m.pretrained and (m.text_encoder or m.vae):
             raise ValueError("model.pretrained brings its own text encoder and VAE: remove "
                              "model.text_encoder and model.vae")

@@ -124,6 +124,21 @@ def unet_parameters(root: str | Path) -> int:
     return sum(p.numel() for p in den.parameters())
 
 
+def text_dtypes(fam: Family, frozen: torch.dtype, device: torch.device) -> list[torch.dtype]:
+    """Each text encoder's dtype: the frozen parts', except an fp16-unsafe encoder (T5,
+    ``TextEncoder.fp16`` false) under fp16, which runs in bf16 where the device has it,
+    else fp32 (T5's activations overflow fp16 on real prompts)."""
+    out = []
+    for spec in fam.text:
+        dtype = frozen
+        if frozen == torch.float16 and not spec.fp16:
+            dtype = torch.bfloat16 if prec.native_support("bf16", device) else torch.float32
+            log.info(f"{spec.part} ({spec.classes[0]}) runs in {dtype} (not fp16: it overflows "
+                     "fp16)")
+        out.append(dtype)
+    return out
+
+
 def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextToImage]:
     """The denoiser, the owner of its trained weights, and the media of a text run.
 
@@ -144,9 +159,12 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             vae_dtype = torch.float32
             log.info(f"the {fam.label} VAE runs in fp32: its config has force_upcast=true "
                      "and model.vae_precision is unset")
-        media = TextToImage(fam, parts.tokenizers, parts.text_encoders, parts.vae, device,
-                            frozen, vae_dtype, force_zeros=parts.force_zeros)
         den = parts.denoiser
+        media = TextToImage(fam, parts.tokenizers, parts.text_encoders, parts.vae, device,
+                            text_dtypes(fam, frozen, device), vae_dtype,
+                            force_zeros=parts.force_zeros,
+                            max_sequence_length=(m.max_sequence_length
+                                                 or fam.max_sequence_length(den.config)))
         upcast_aware_attention(den)
         if m.upcast_attention:
             for mod in den.modules():
@@ -195,8 +213,9 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             # the token ids the data stream carries.
             in_step = [te.requires_grad_(False) for te in media.text_encoders]
             media.tokens = True
-        model: nn.Module = SDDenoiser(den, media.layout, fam, in_step,
-                                      down=media.down).to(device)
+        model: nn.Module = SDDenoiser(
+            den, media.layout, fam, in_step, down=media.down, guidance=m.guidance,
+            shape=fam.latent_shape(den.config, parts.vae.config)).to(device)
         if a.kind == "hypernetwork":  # registered after the UNet: its own tensor names
             model.hypernetwork = hyper
         if model.encodes:
