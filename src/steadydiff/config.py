@@ -32,7 +32,8 @@ from .durations import parse_duration
 from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BucketCrop, CaptionSource, Channels, MissingCaption, ClipMode,
                     CompileBackend, CompileMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, HyperActivation,
-                    LossWeighting, LoraFormat, LRSchedule, ModelKind, Objective, OBJECTIVE_SAMPLERS,
+                    FlowGridEnd, LossWeighting, LoraFormat, LRSchedule, ModelKind, Objective,
+                    OBJECTIVE_SAMPLERS,
                     OBJECTIVE_WEIGHTINGS, OnSaveError, OptimizerName, Parallel,
                     Precision, PrecisionSetting,
                     Prediction, SamplerName, ScheduleName, TimestepSampling)
@@ -334,12 +335,20 @@ class FlowConfig(Section):
         "1024^2); s > 1 spends more steps at high noise; 1: none")
     dynamic_shift: Bool = Field(
         False, description="FLUX's resolution-dependent shift instead: s = exp(mu), mu linear "
-        "in the image's token count (data.image_size/2)^2 through (base_seq_len, base_shift) "
-        "and (max_seq_len, max_shift)")
+        "in the image's token count (data.image_size/token_pixels)^2 through (base_seq_len, "
+        "base_shift) and (max_seq_len, max_shift)")
     base_seq_len: Int = Field(256, ge=1, le=1_000_000)
     max_seq_len: Int = Field(4096, ge=2, le=1_000_000)
     base_shift: float = Field(0.5, ge=-10.0, le=10.0)
     max_shift: float = Field(1.15, ge=-10.0, le=10.0)
+    token_pixels: Int = Field(
+        2, ge=1, le=1024, description="the side in pixels of one image token, for the "
+        "dynamic shift's token count: 2 for steadydiff's own models (2x2 patches of pixels); "
+        "a model family sets its own (FLUX.1: 16, the VAE's x8 times the 2x2 packing)")
+    grid_end: FlowGridEnd = Field(
+        "steps", description="the sampling grid's last level before 0: steps, 1/steps (the "
+        "FLUX pipelines' linspace(1, 1/n, n)); table, the training table's smallest level "
+        "shift(1/timesteps) (diffusers' scheduler default: SD3's pipeline)")
 
     @model_validator(mode="after")
     def _check(self) -> "FlowConfig":

@@ -79,6 +79,12 @@ LOSS_WEIGHTINGS: tuple[LossWeighting, ...] = get_args(LossWeighting)
 FlowWeighting = Literal["uniform", "sigma_sqrt", "cosmap"]
 FLOW_WEIGHTINGS: tuple[FlowWeighting, ...] = get_args(FlowWeighting)
 
+# Where a flow sampling grid ends before 0 (diffusion.flow.grid_end): steps, at 1/steps (the
+# FLUX pipelines' linspace(1, 1/n, n)); table, at the training table's smallest level
+# shift(1/T) (diffusers' FlowMatchEulerDiscreteScheduler default: SD3's pipeline).
+FlowGridEnd = Literal["steps", "table"]
+FLOW_GRID_ENDS: tuple[FlowGridEnd, ...] = get_args(FlowGridEnd)
+
 # The density of the training noise level u in [0, 1] (t = u·T for ddpm, σ = u for flow;
 # SD3 paper §3.1, kohya's sigmoid). edm draws ln σ from its own normal instead.
 TimestepSampling = Literal["uniform", "logit_normal", "mode", "sigmoid"]
@@ -185,6 +191,7 @@ __all__ = [
     "PREDICTIONS", "AUTO", "Auto", "PrecisionSetting",
     "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS", "OBJECTIVES", "Objective",
     "FLOW_WEIGHTINGS", "FlowWeighting", "OBJECTIVE_SAMPLERS", "OBJECTIVE_WEIGHTINGS",
+    "FLOW_GRID_ENDS", "FlowGridEnd",
     "AdapterKind", "HYPER_ACTIVATIONS", "HyperActivation", "CaptionSource", "Channels", "CompileBackend", "CompileMode", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
     "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "OPTIMIZERS", "OptimizerName", "BUCKET_CROPS", "BucketCrop", "LORA_FORMATS", "LoraFormat", "LabelledDataset", "LossWeighting",
     "ModelKind", "OnSaveError", "PARALLELS", "Parallel", "Precision", "Prediction", "SamplerName", "ScheduleName",

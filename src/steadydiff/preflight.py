@@ -84,7 +84,8 @@ def describe_objective(cfg: Config) -> str:
     d, s = cfg.diffusion, cfg.sample
     if d.objective == "flow":
         sched = make_schedule(d, cfg.data.image_size)
-        how = (f"dynamic (FLUX: {flow_seq_len(cfg.data.image_size)} tokens)"
+        how = (f"dynamic (FLUX: {flow_seq_len(cfg.data.image_size, d.flow.token_pixels)} "
+               "tokens)"
                if d.flow.dynamic_shift else "static")
         return (f"rectified flow (velocity target), sigma ~ {d.timestep_sampling}, shift "
                 f"{sched.shift:.3g} {how}, {d.loss_weighting} loss weighting; "

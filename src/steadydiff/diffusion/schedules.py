@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from ..config import DiffusionConfig
-from ..kinds import OBJECTIVES, SCHEDULES, SPACINGS, Objective, ScheduleName, Spacing
+from ..kinds import OBJECTIVES, SCHEDULES, SPACINGS, FlowGridEnd, Objective, ScheduleName, Spacing
 from . import edm, flow
 
 __all__ = ["Schedule", "FlowSchedule", "EDMSchedule", "AnySchedule", "make_schedule",
@@ -282,6 +282,7 @@ class FlowSchedule:
 
     T: int
     shift: float = 1.0
+    grid_end: FlowGridEnd = "steps"
     objective: ClassVar[Objective] = "flow"
 
     def from_draw(self, u: Tensor) -> Tensor:
@@ -305,9 +306,14 @@ class FlowSchedule:
         return (sigma.to(torch.float32) * self.T).long().clamp(0, self.T - 1)
 
     def grid(self, steps: int, spacing: Spacing = "trailing") -> Tensor:
-        """:func:`flow.sampling_sigmas` (from 1, shifted) without its final 0."""
+        """:func:`flow.sampling_sigmas` (from 1, shifted) without its final 0; it ends at
+        1/steps (``grid_end="steps"``), or at the training table's smallest level,
+        shift(1/T), as diffusers' scheduler does by default (``"table"``)."""
         _no_spacing(spacing, self.objective)
-        return flow.sampling_sigmas(steps, shift=self.shift)[:-1]
+        end = None
+        if self.grid_end == "table":
+            end = float(flow.shift_sigmas(torch.tensor(1.0 / self.T), self.shift))
+        return flow.sampling_sigmas(steps, shift=self.shift, end=end)[:-1]
 
     def levels(self, ts: Tensor) -> tuple[list[float], list[float], list[float]]:
         s = ts.detach().to("cpu", torch.float64).clamp(0, 1)
@@ -405,10 +411,12 @@ class EDMSchedule:
 AnySchedule = Schedule | FlowSchedule | EDMSchedule
 
 
-def flow_seq_len(image_size: int) -> int:
-    """The image token count FLUX's dynamic shift reads, for steadydiff's own models: the
-    input grid in 2x2 patches, as FLUX packs its latents, (image_size/2)²."""
-    return (image_size // 2) ** 2
+def flow_seq_len(image_size: int, token_pixels: int = 2) -> int:
+    """The image token count FLUX's dynamic shift reads: (image_size/token_pixels)², the
+    image in tokens of ``token_pixels`` pixels a side (steadydiff's own models: 2x2 patches
+    of pixels, as FLUX packs its latents; FLUX.1 itself: 16, its VAE's x8 times the 2x2
+    packing, so 1024 px is 4096 tokens)."""
+    return (image_size // token_pixels) ** 2
 
 
 # ---------------------------------------------------------------------- constructors
@@ -560,9 +568,9 @@ def make_schedule(cfg: DiffusionConfig, image_size: int | None = None) -> AnySch
                 raise ValueError("diffusion.flow.dynamic_shift is set: make_schedule needs the "
                                  "training resolution (image_size=cfg.data.image_size)")
             shift = math.exp(flow.dynamic_shift_mu(
-                flow_seq_len(image_size), base_seq_len=f.base_seq_len,
+                flow_seq_len(image_size, f.token_pixels), base_seq_len=f.base_seq_len,
                 max_seq_len=f.max_seq_len, base_shift=f.base_shift, max_shift=f.max_shift))
-        return FlowSchedule(T=T, shift=shift)
+        return FlowSchedule(T=T, shift=shift, grid_end=f.grid_end)
     if cfg.objective == "edm":
         e = cfg.edm
         return EDMSchedule(T=T, sigma_data=e.sigma_data, p_mean=e.p_mean, p_std=e.p_std,
