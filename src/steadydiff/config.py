@@ -1015,11 +1015,11 @@ class Config(Section):
             raise ValueError(f"sample.sampler={self.sample.sampler} does not apply to "
                              f"diffusion.objective={obj}; valid: "
                              f"{', '.join(OBJECTIVE_SAMPLERS[obj])}")
-        if m.pretrained and obj != "ddpm":
-            raise ValueError(f"diffusion.objective={obj}: model.pretrained is a Stable "
-                             "Diffusion 1.x/2.x/SDXL UNet, trained with the ddpm objective its "
-                             "scheduler folder describes; remove diffusion.objective (flow and "
-                             "edm train steadydiff's own UNet and DiT)")
+        if m.pretrained and obj == "edm":
+            raise ValueError("diffusion.objective=edm: a pretrained model trains with the "
+                             "objective its scheduler folder describes (ddpm for Stable "
+                             "Diffusion 1.x/2.x and SDXL, flow for SD3 and FLUX.1); remove "
+                             "diffusion.objective (edm trains steadydiff's own UNet and DiT)")
         if self.optim.clip_mode == "zclip" and not self.guard.enabled:
             raise ValueError("optim.clip_mode=zclip takes its threshold from the guard's "
                              "grad-norm statistics; set guard.enabled=true or choose "

@@ -28,7 +28,7 @@ from torch import nn
 from .attention import UpcastJointAttention, autocast_off
 from .base import SDFolderError, Setting, read_json
 
-__all__ = ["SCHEDULER", "flow_recipe", "encoder_autocast_off", "prepare_joint_attention",
+__all__ = ["SCHEDULER", "flow_recipe", "vae_down", "encoder_autocast_off", "prepare_joint_attention",
            "transformer_prefix", "load_transformer_file", "transformer_state"]
 
 SCHEDULER = ("FlowMatchEulerDiscreteScheduler",)
@@ -75,6 +75,12 @@ def flow_recipe(root: Path, defaults: dict[str, Setting]) -> dict[str, Setting]:
         out["diffusion.flow.shift"] = Setting(float(s.get("shift", 1.0)), f"{src}: shift")
     out.update(defaults)
     return out
+
+
+def vae_down(root: Path) -> int:
+    """The VAE's downsampling (2 ** (levels - 1)) from the folder's vae/config.json."""
+    conf = read_json(Path(root) / "vae" / "config.json", "the VAE's configuration")
+    return 2 ** (len(conf["block_out_channels"]) - 1)
 
 
 def encoder_autocast_off(device: torch.device):

@@ -47,7 +47,8 @@ from torch import Tensor, nn
 from ..sd.original import Entry
 from .base import Family, Layout, Parts, Setting, TextEncoder
 from .flowmatch import (SCHEDULER, encoder_autocast_off, flow_recipe, load_transformer_file,
-                        prepare_joint_attention, transformer_prefix, transformer_state)
+                        prepare_joint_attention, transformer_prefix, transformer_state,
+                        vae_down)
 
 __all__ = ["Flux", "pack", "unpack", "image_ids", "original_table"]
 
@@ -160,6 +161,17 @@ class Flux(Family):
             "diffusion.cfg_dropout": Setting(
                 0.0, "FLUX.1 is guidance-distilled: no unconditional pass samples the null "
                 "condition", default=True),
+            # the dynamic shift counts FluxPipeline's tokens: 2x2 patches of latents
+            "diffusion.flow.token_pixels": Setting(
+                2 * vae_down(root), f"{root.name}/vae/config.json: x{vae_down(root)} "
+                "downsampling, then 2x2 packing"),
+            "diffusion.flow.grid_end": Setting("steps", "FluxPipeline's grid, "
+                                               "linspace(1, 1/n, n)"),
+            "sample.sampler": Setting("euler", "FluxPipeline's FlowMatchEulerDiscreteScheduler",
+                                      default=True),
+            "sample.cfg_scale": Setting(1.0, "guidance-distilled: the guidance is embedded "
+                                        "(model.guidance), no unconditional pass",
+                                        default=True),
         })
 
     def denoiser_multiple(self, conf: dict[str, Any]) -> int:

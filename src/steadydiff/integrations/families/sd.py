@@ -62,6 +62,7 @@ def ddpm_recipe(root: Path) -> dict[str, Any]:
                             f"{' with trained_betas' if s.get('trained_betas') else ''} is not "
                             f"supported; valid: {', '.join(_SCHEDULES)}")
     out: dict[str, Any] = {
+        "diffusion.objective": "ddpm",
         "diffusion.timesteps": int(s.get("num_train_timesteps", 1000)),
         "diffusion.schedule": _SCHEDULES[kind],
         "diffusion.prediction": _PREDICTIONS[pred],

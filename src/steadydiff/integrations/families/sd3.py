@@ -146,6 +146,13 @@ class SD3(Family):
             "diffusion.logit_std": Setting(1.0, trainers, default=True),
             "diffusion.loss_weighting": Setting("uniform", trainers + ": weighting none",
                                                 default=True),
+            # StableDiffusion3Pipeline samples the scheduler's own grid (no sigmas passed)
+            "diffusion.flow.grid_end": Setting("table", "StableDiffusion3Pipeline's grid (the "
+                                               "scheduler's, to shift(1/1000))"),
+            "sample.sampler": Setting("euler", "StableDiffusion3Pipeline's "
+                                      "FlowMatchEulerDiscreteScheduler", default=True),
+            "sample.cfg_scale": Setting(7.0, "StableDiffusion3Pipeline's guidance_scale",
+                                        default=True),
         })
 
     def denoiser_multiple(self, conf: dict[str, Any]) -> int:

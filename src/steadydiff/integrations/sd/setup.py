@@ -177,11 +177,11 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             targets = add_lora(den, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                                targets=a.targets)
             if a.text_encoder:  # their LoRA trains too: the model encodes token ids itself
-                # every encoder the family's trainers train (SDXL: both, as kohya's do)
-                in_step = [te if spec.lora else None
-                           for spec, te in zip(fam.text, media.text_encoders)]
+                # a LoRA on every encoder the family's trainers train (SDXL: both, as
+                # kohya's; SD3, FLUX: the CLIPs, not T5, which runs frozen in the step)
+                in_step = [te.requires_grad_(False) for te in media.text_encoders]
                 for spec, te in zip(fam.text, in_step):
-                    if te is not None:
+                    if spec.lora:
                         targets += [f"{spec.part}.{n}" for n in add_lora(
                             te, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                             targets=TEXT_ENCODER_TARGETS)]
@@ -189,9 +189,10 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             if a.init_from:  # continue a LoRA (ours, kohya's, diffusers'): rename, copy
                 from .lora_files import LoraFileError, load_lora_file
 
-                try:
-                    load_lora_file(a.init_from, den, in_step, rank=a.rank,
-                                   alpha=a.alpha or a.rank)
+                try:  # the encoders that have a LoRA, in the family's order
+                    load_lora_file(a.init_from, den,
+                                   [te if getattr(te, "peft_config", None) else None
+                                    for te in in_step], rank=a.rank, alpha=a.alpha or a.rank)
                 except LoraFileError as e:
                     raise ConfigError(f"adapter.init_from: {e}") from None
             weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank)
