@@ -502,3 +502,71 @@ def test_nan_in_a_captions_t5_embedding_is_named_before_training(folders, tmp_pa
     with pytest.raises(Exception, match="red"):
         steadydiff.train(flow_config(bad, shapes(tmp_path / "images"), "flux"),
                          out_dir=tmp_path / "run")
+
+
+# --------------------------------------------------------------------------- memory savers, full
+
+
+def test_transformer_checkpointing_gives_the_same_lora_gradients(folders, tmp_path):
+    """train.gradient_checkpointing on FLUX.1: diffusers' own switch on the transformer's
+    blocks; the LoRA's gradients are the plain model's."""
+    from steadydiff.models import enable_checkpointing
+
+    model, _, media = _build(flow_config(folders["flux"], shapes(tmp_path / "i", 2), "flux"))
+    model.train()
+    torch.manual_seed(0)
+    for p in model.parameters():
+        if p.requires_grad:
+            torch.nn.init.normal_(p, std=0.1)
+    x, t = torch.randn(2, 4, 16, 16), torch.tensor([300.0, 800.0])
+    y = media.encode_prompts(["a red square", "a circle"])
+
+    def grads():
+        model.zero_grad()
+        model(x, t, y).pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    plain = grads()
+    assert "transformer" in enable_checkpointing(model)
+    assert model.transformer.is_gradient_checkpointing
+    ckpt_ = grads()
+    for n in plain:
+        torch.testing.assert_close(ckpt_[n], plain[n], rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_text_encoders_leave_the_device_after_caching(folders, tmp_path, capsys):
+    """model.offload_text_encoders: once the captions are cached the encoders sit on the
+    CPU; the validation prompts still render (encoded there); refused where the encoders
+    run in every step."""
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(flow_config(folders["flux"], data, "flux", "train.steps=2",
+                                       "model.offload_text_encoders=true",
+                                       "train.sample_every=2"), out_dir=tmp_path / "run")
+    assert "text encoders moved to the CPU" in capsys.readouterr().out
+    assert res.samples and res.samples[-1].is_file()
+    with pytest.raises(ConfigError, match="offload_text_encoders"):
+        flow_config(folders["flux"], data, "flux", "model.offload_text_encoders=true",
+                    "data.caption_shuffle=true")
+
+
+def test_full_fine_tune_is_written_as_a_diffusers_folder_and_samples(folders, tmp_path,
+                                                                      capsys):
+    """adapter.kind=none on FLUX.1: the whole transformer trains (EMA too) and the run is
+    written as RUN/model, a folder FluxPipeline loads, holding the trained transformer and
+    the base's other parts; ``steadydiff sample RUN --prompt`` draws from the run."""
+    from steadydiff.cli import main
+
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(flow_config(folders["flux"], data, "flux", "adapter.kind=none",
+                                       "train.steps=1", "optim.lr=0.01"),
+                           out_dir=tmp_path / "run")
+    assert np.isfinite(res.final_loss)
+    pipe, base = pipeline(tmp_path / "run" / "model", "flux"), pipeline(folders["flux"], "flux")
+    trained = dict(pipe.transformer.named_parameters())
+    assert any(not torch.equal(p, trained[n]) for n, p in base.transformer.named_parameters())
+    assert all(torch.equal(p, dict(pipe.text_encoder_2.named_parameters())[n])
+               for n, p in base.text_encoder_2.named_parameters())
+    out = tmp_path / "s.png"
+    assert main(["sample", str(tmp_path / "run"), "--prompt", "a red square", "--num", "1",
+                 "--steps", "2", "--out", str(out)]) == 0
+    assert out.is_file()

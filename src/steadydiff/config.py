@@ -317,6 +317,12 @@ class ModelConfig(Section):
         None, ge=1, le=4096, description="model.pretrained with a T5 text encoder (SD3, "
         "FLUX.1): the captions' T5 token length; None: the family's pipeline's (SD3: 256; "
         "FLUX.1 dev: 512, schnell: 256)")
+    offload_text_encoders: Bool = Field(
+        False, description="model.pretrained: once the captions are encoded and cached, move "
+        "the frozen text encoders to the CPU; validation prompts and sampling encode there "
+        "(slower) and send the result to the device (T5-XXL frees ~9.5 GB of a GPU). Not "
+        "with data.caption_shuffle or adapter.text_encoder (the encoders then run in every "
+        "step)")
     guidance: float | None = Field(
         None, ge=0.0, le=100.0, description="model.pretrained guidance-distilled transformer "
         "(FLUX.1 dev): the guidance value embedded in training and sampling; None: 3.5 (the "
@@ -956,6 +962,12 @@ class Config(Section):
                              + (" (a hypernetwork transforms the UNet's cross-attention "
                                 "context, not the text encoder: set adapter.text_encoder="
                                 "false)" if a.kind == "hypernetwork" else ""))
+        if m.offload_text_encoders and (not m.pretrained or d.caption_shuffle
+                                        or (a.kind == "lora" and a.text_encoder)):
+            raise ValueError("model.offload_text_encoders moves a pretrained model's text "
+                             "encoders off the device once the captions are cached; with "
+                             "data.caption_shuffle or adapter.text_encoder they encode in "
+                             "every step: set model.offload_text_encoders=false")
         for key in ("max_sequence_length", "guidance"):
             if getattr(m, key) is not None and not m.pretrained:
                 raise ValueError(f"model.{key} configures a pretrained model family's text "

@@ -311,6 +311,16 @@ class Family:
     def check_config(self, root: Path, part: str, conf: dict[str, Any]) -> None:
         """Refuse a part's config.json that does not fit the family."""
 
+    def describe(self, root: Path, model: Any) -> list[str]:
+        """The family's recipe values that are no config key (the start line prints them
+        with the config's): the VAE's shift and scaling factors, T5's length, the
+        guidance embedding, the latent packing."""
+        vae = read_json(root / "vae" / "config.json", "the VAE's configuration")
+        out = [f"VAE scaling_factor {vae.get('scaling_factor', 0.18215)}"]
+        if vae.get("shift_factor"):
+            out.append(f"shift_factor {vae['shift_factor']}")
+        return out
+
     def force_zeros(self, index: dict[str, Any]) -> bool:
         """Whether the pipeline's null condition is zeros (``force_zeros_for_empty_prompt``
         in model_index.json), not the encoded empty caption."""

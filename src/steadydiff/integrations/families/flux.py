@@ -174,6 +174,17 @@ class Flux(Family):
                                         default=True),
         })
 
+    def describe(self, root: Path, model: Any) -> list[str]:
+        from .base import read_json
+
+        conf = read_json(root / "transformer" / "config.json", "the transformer's config")
+        dev = bool(conf.get("guidance_embeds"))
+        t5 = model.max_sequence_length or (512 if dev else 256)
+        return super().describe(root, model) + [
+            f"T5 {t5} tokens", "CLIP-L pooled", "latents packed 2x2 with (0, row, col) ids",
+            (f"guidance embedding {GUIDANCE if model.guidance is None else model.guidance} "
+             "(dev)") if dev else "no guidance embedding (schnell)"]
+
     def denoiser_multiple(self, conf: dict[str, Any]) -> int:
         return 2  # the 2x2 packing
 

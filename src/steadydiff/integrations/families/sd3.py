@@ -155,6 +155,16 @@ class SD3(Family):
                                         default=True),
         })
 
+    def describe(self, root: Path, model: Any) -> list[str]:
+        from .base import read_json
+
+        conf = read_json(root / "transformer" / "config.json", "the transformer's config")
+        return super().describe(root, model) + [
+            f"T5 {model.max_sequence_length or self.t5_length} tokens after CLIP-L+G's 77",
+            f"pooled projections {conf.get('pooled_projection_dim')} (CLIP-L+G)",
+            f"qk_norm {conf.get('qk_norm')}",
+            f"{conf.get('patch_size', 2)}x{conf.get('patch_size', 2)} patches"]
+
     def denoiser_multiple(self, conf: dict[str, Any]) -> int:
         return int(conf.get("patch_size", 2))
 

@@ -568,6 +568,7 @@ class TextToImage:
                               for te, d in zip(text_encoders, dtypes)]
         self.vae = to_device(vae, device, vae_dtype).eval().requires_grad_(False) if vae else None
         self.device, self.text_dtype, self.vae_dtype = device, dtypes[0], vae_dtype
+        self.text_device = device  # where the text encoders are (offload: the CPU)
         self.tokens = False  # True: prompts become token ids (the model encodes them)
         self.layout: Layout = family.layout(self.tokenizers, self.text_encoders, force_zeros,
                                             max_sequence_length)
@@ -608,12 +609,20 @@ class TextToImage:
         the drawn size); with ``tokens`` (the model runs its own text encoders) the token
         ids it encodes itself. :meth:`text_part` is its text (what the cache holds: each
         sample's own ids are added per item)."""
-        ids = self.tokenize(prompts).to(self.device)
+        ids = self.tokenize(prompts)
         if self.tokens:
-            return ids
-        per, extra = self.layout.split_ids(ids)
+            return ids.to(self.device)
+        per, extra = self.layout.split_ids(ids.to(self.text_device))
         embeds, pooled = self.family.encode(self.text_encoders, per, self.layout)
-        return self.layout.pack(embeds, pooled, extra)
+        return self.layout.pack(embeds, pooled, extra).to(self.device)
+
+    def offload(self) -> None:
+        """Move the frozen text encoders to the CPU (``model.offload_text_encoders``): the
+        captions are cached; what is encoded from now on (validation prompts, sampling) is
+        encoded there and sent to the device."""
+        cpu = torch.device("cpu")
+        self.text_encoders = [te.to(cpu) for te in self.text_encoders]
+        self.text_device = cpu
 
     def text_part(self, y: Tensor) -> Tensor:
         """The text of a condition from :meth:`encode_prompts` or :meth:`tokenize` (without

@@ -322,6 +322,10 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                          tokenize=Tokenize(media.tokenizers, media.layout.ids_len),
                          extra=extra)
     out.caption_overflow = len(over)
+    if cfg.model.offload_text_encoders and not media.tokens:
+        media.offload()
+        say("text encoders moved to the CPU after caching (model.offload_text_encoders): "
+            "validation prompts encode there")
     if out.variants is not None:
         d = cfg.data
         say("captions: " + ", ".join(

@@ -45,7 +45,8 @@ def resolve_config(cfg: Config) -> tuple[Config, list[str]]:
     if not cfg.model.pretrained:
         return cfg, []
     root = model_root(cfg.model)
-    recipe = family_of(root).recipe(root)
+    fam = family_of(root)
+    recipe = fam.recipe(root)
     if cfg.diffusion.zero_terminal_snr and "diffusion.zero_terminal_snr" in recipe:
         recipe["diffusion.zero_terminal_snr"] = Setting(True, "diffusion.zero_terminal_snr")
     changes, notes = {}, []
@@ -60,7 +61,15 @@ def resolve_config(cfg: Config) -> tuple[Config, list[str]]:
         if old != s.value:
             changes[key] = s.value
             notes.append(f"{key}={s.value} (from {s.source}; was {old})")
-    return (replace(cfg, changes) if changes else cfg), notes
+    cfg = replace(cfg, changes) if changes else cfg
+    values = []
+    for key in recipe:
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        values.append(f"{key}={node}")
+    notes.append(f"{fam.label} recipe: " + ", ".join(values + fam.describe(root, cfg.model)))
+    return cfg, notes
 
 
 def load_parts(path: str | Path, config: str | Path | None = None) -> Parts:
