@@ -373,7 +373,7 @@ def test_single_file_round_trips_in_the_original_layout(folders, tmp_path, name)
     """The transformer written as one original-layout file (SD3: model.diffusion_model.
     joint_blocks, fused qkv, diffusers' SD3 loader reads it back exactly; FLUX: Black Forest
     Labs' double_blocks/single_blocks) loads with the folder as model.single_file_config;
-    a LoRA run from the file trains."""
+    a full fine-tune from the file is written back as one file of that layout."""
     from safetensors import safe_open
 
     from steadydiff.integrations.sd.single_file import export_single_file
@@ -401,9 +401,15 @@ def test_single_file_round_trips_in_the_original_layout(folders, tmp_path, name)
         assert torch.equal(mine.denoiser.state_dict()[k], v), k
     assert mine.root == f
     res = steadydiff.train(flow_config(f, shapes(tmp_path / "images"), name, "train.steps=1",
+                                       "adapter.kind=none", "optim.lr=0.01",
                                        f"model.single_file_config={folder}"),
                            out_dir=tmp_path / "run")
     assert np.isfinite(res.final_loss)
+    out = load_parts(tmp_path / "run" / "model.safetensors", folder)
+    with safe_open(str(tmp_path / "run" / "model.safetensors"), "pt") as h:
+        assert sorted(h.keys()) == sorted(keys)  # the same layout
+    after = out.denoiser.state_dict()
+    assert any(not torch.equal(after[k], v) for k, v in p.denoiser.state_dict().items())
 
 
 # --------------------------------------------------------------------------- resume, guard
