@@ -191,6 +191,8 @@ class Flux(Family):
     def latent_shape(self, conf: Any, vae_conf: Any) -> tuple[int, int]:
         # the transformer has no native size (its positions are rotary); the pipeline draws
         # at the VAE's sample size (1024 px: 128 latents, its default_sample_size)
+        if vae_conf is None:
+            return int(conf.in_channels) // 4, 128  # FluxPipeline's default_sample_size
         down = 2 ** (len(vae_conf.block_out_channels) - 1)
         return int(conf.in_channels) // 4, int(vae_conf.sample_size) // down
 

@@ -251,7 +251,8 @@ class SD3(Family):
         CLIP-G with projections (16 and 24 wide), a 2-layer T5 (48 wide, a tokenizer.json
         built with ``tokenizers``), the SD3 VAE's shift and scaling factors, the scheduler
         SD3 ships (shift 3.0)."""
-        from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+        from diffusers import (FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel,
+                               StableDiffusion3Pipeline)
 
         from ..sd.tiny_parts import (tiny_t5, tiny_t5_tokenizer, tiny_text_encoder,
                                      tiny_tokenizer, tiny_vae)
@@ -259,8 +260,6 @@ class SD3(Family):
         path = Path(path)
         heads, head_dim, t5_dim = 2, 8, 48
         torch.manual_seed(seed)
-        from diffusers import SD3Transformer2DModel
-
         transformer = SD3Transformer2DModel(
             sample_size=image_size // 2, patch_size=2, in_channels=4, num_layers=2,
             attention_head_dim=head_dim, num_attention_heads=heads,
