@@ -30,13 +30,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch
 
 import torch  # noqa: E402
 
+from steadydiff.kinds import OBJECTIVE_SAMPLERS  # noqa: E402
 from steadydiff.kinds import SAMPLER_NAMES as SAMPLERS  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from throughput import REPO, env_info, print_table  # noqa: E402
 
 STEPS = (10, 20, 50, 100, 1000)
-STYLE = {"ddpm": "o-", "ddim": "s--", "dpmpp_2m": "^-", "euler": "x:"}
+STYLE = {"ddpm": "o-", "ddim": "s--", "dpmpp_2m": "^-", "euler": "x:", "heun": "d-."}
 
 
 def plot(rows: list[dict], floor: dict, path: Path) -> None:
@@ -73,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("checkpoint", nargs="?", default=str(REPO / "runs" / "quickstart"))
     p.add_argument("--num", type=int, default=128, help="samples per cell (and real images)")
-    p.add_argument("--samplers", default=",".join(SAMPLERS))
+    p.add_argument("--samplers", default=None,
+                   help="comma-separated; default: every sampler the checkpoint's "
+                        "diffusion.objective takes")
     p.add_argument("--steps", default=",".join(map(str, STEPS)))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1)
@@ -90,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pipe = load(a.checkpoint, device="cpu")
     fx = extractor_for(pipe.config)
-    samplers = [s for s in a.samplers.split(",") if s]
+    samplers = ([s for s in a.samplers.split(",") if s] if a.samplers is not None
+                else list(OBJECTIVE_SAMPLERS[pipe.config.diffusion.objective]))
     steps = sorted(int(s) for s in a.steps.split(",") if s)
     done: list[dict] = []
     if a.jsonl and Path(a.jsonl).is_file():

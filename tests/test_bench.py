@@ -44,7 +44,8 @@ def _last_json(stdout: str) -> dict:
                                     "logging_overhead.py", "eval_samplers.py",
                                     "eval_sanity.py", "eval_curves.py", "posthoc_ema.py",
                                     "grow_resolution.py", "sd_overhead.py", "sd_faults.py",
-                                    "fashion_text.py", "gpu.py", "fsdp_memory.py"])
+                                    "fashion_text.py", "gpu.py", "fsdp_memory.py",
+                                    "objectives.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -221,6 +222,34 @@ def test_posthoc_ema_smoke(tmp_path):
     assert r["snapshots"] == 3 and len(r["rows"]) == 4 and r["real_floor_fd"] > 0
     assert r["best_posthoc_fd"] == min(x["fd"] for x in r["rows"] if "sigma_rel" in x)
     assert r["best_fixed_fd"] == min(x["fd"] for x in r["rows"] if "decay" in x)
+
+
+@pytest.mark.slow  # two cells as child processes: train, sweep 2 EMAs, judge 2: ~1 min
+def test_objectives_smoke(tmp_path):
+    out = _last_json(_run(
+        "objectives.py", "--objectives", "flow,edm", "--seeds", "0", "--max-time", "2s",
+        "--jobs", "2", "--sweep-num", "16", "--judge-num", "16", "--sigma-rels", "0.05,0.1",
+        "--posthoc-every", "1", "--out", str(tmp_path / "b"), "--json", "--set",
+        "model.unet.channels=8", "model.unet.head_channels=8", "model.unet.norm_groups=4",
+        "train.batch_size=8", "sample.steps=2", timeout=600).stdout)
+    cells = {c["objective"]: c for c in out["cells"]}
+    assert set(cells) == {"flow", "edm"}
+    for c in cells.values():
+        assert c["steps"] >= 2 and c["time_budget"]  # the budget, not train.steps, ended it
+        sw, j = c["sweep"], c["judge"]
+        assert sw["picked_sigma_rel"] in (0.05, 0.1)
+        assert sw["picked_fd"] == min(r["fd"] for r in sw["rows"])
+        assert j["num"] == 16 and j["seed"] == 1 and j["real_floor_fd"] > 0
+        assert j["run_ema"]["fd"] > 0 and j["posthoc"]["fd"] > 0
+        assert c["process"]["exit"] == 0 and c["process"]["cpu_s"] > 0
+        # the snapshots are removed after the sweep; its pick stays a checkpoint
+        run = tmp_path / "b" / f"{c['objective']}_s0" / "run"
+        assert not list((run / "posthoc").glob("step_*.safetensors"))
+        assert (run / "checkpoints" / "posthoc_best").is_dir()
+    best = min((c["judge"][k]["fd"], f"{o}+{k}") for o, c in cells.items()
+               for k in ("run_ema", "posthoc"))[1]
+    assert out["wins"] == {"0": best} and best in out["verdict"]
+    assert out["grid"]["jobs"] == 2 and out["grid"]["load_avg_1m"]
 
 
 def test_eval_curves_reads_eval_jsonl(tmp_path):

@@ -80,6 +80,59 @@ def test_cross_field_errors_say_what_to_change():
         load_config(None, ["diffusion.beta_start=0.1", "diffusion.beta_end=0.01"])
 
 
+@pytest.mark.parametrize("overrides, expected", [
+    (["diffusion.objective=rf"], "diffusion.objective: Input should be 'ddpm', 'flow' or 'edm'"),
+    (["diffusion.objective=flow", "diffusion.zero_terminal_snr=true"],
+     "diffusion.zero_terminal_snr belongs to diffusion.objective=ddpm's schedule and "
+     "prediction; diffusion.objective=flow does not use it (flow reaches pure noise at "
+     "sigma = 1 by construction"),
+    (["diffusion.objective=edm", "diffusion.prediction=v"],
+     "diffusion.prediction belongs to diffusion.objective=ddpm's"),
+    (["diffusion.objective=flow", "diffusion.resolution_shift_base=16"],
+     "set diffusion.flow.shift or diffusion.flow.dynamic_shift"),
+    (["diffusion.objective=flow", "diffusion.schedule=cosine"], "remove diffusion.schedule"),
+    (["diffusion.objective=flow", "diffusion.loss_weighting=min_snr"],
+     "diffusion.loss_weighting=min_snr does not apply to diffusion.objective=flow; valid: "
+     "uniform, sigma_sqrt, cosmap"),
+    (["diffusion.loss_weighting=cosmap"], "valid: uniform, min_snr"),
+    (["diffusion.objective=edm", "diffusion.loss_weighting=sigma_sqrt"], "valid: uniform"),
+    (["diffusion.objective=edm", "diffusion.timestep_sampling=logit_normal"],
+     "edm draws ln(sigma) ~ N(diffusion.edm.p_mean, diffusion.edm.p_std^2)"),
+    (["diffusion.flow.shift=3.0"], "diffusion.flow.shift configure diffusion.objective=flow, "
+     "but the objective is ddpm"),
+    (["diffusion.objective=flow", "diffusion.edm.p_mean=-0.4", "diffusion.edm.rho=5"],
+     "diffusion.edm.p_mean, diffusion.edm.rho configure diffusion.objective=edm"),
+    (["diffusion.objective=flow", "diffusion.flow.shift=3", "diffusion.flow.dynamic_shift=true"],
+     "both shift the noise levels"),
+    (["diffusion.objective=flow", "diffusion.flow.max_seq_len=100"],
+     "diffusion.flow.max_seq_len (100) must be greater than diffusion.flow.base_seq_len (256)"),
+    (["diffusion.objective=edm", "diffusion.edm.sigma_min=90"],
+     "diffusion.edm.sigma_min (90.0) must be less than diffusion.edm.sigma_max (80.0)"),
+    (["diffusion.flow.shift=0"], "diffusion.flow.shift: Input should be greater than 0"),
+    (["sample.sampler=heun"], "sample.sampler=heun does not apply to diffusion.objective=ddpm; "
+     "valid: ddpm, ddim, dpmpp_2m, euler"),
+    # a pretrained model's folder decides its objective (ddpm: SD/SDXL, flow: SD3/FLUX.1,
+    # set by its family's recipe); none trains EDM
+    (["diffusion.objective=edm", "model.pretrained=/x", "data.captions=auto",
+      "data.dataset=folder", "data.path=/x"], "a pretrained model trains with the objective "
+     "its scheduler folder describes"),
+])
+def test_objective_combinations_are_refused_by_name(overrides, expected):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert expected in str(e.value)
+
+
+def test_objectives_validate_with_their_keys():
+    cfg = load_config(None, ["diffusion.objective=flow", "diffusion.flow.shift=3",
+                             "diffusion.loss_weighting=cosmap", "diffusion.timestep_sampling=mode",
+                             "sample.sampler=heun"])
+    assert cfg.diffusion.flow.shift == 3.0 and cfg.sample.sampler == "heun"
+    cfg = load_config(None, ["diffusion.objective=edm", "diffusion.edm.sigma_data=0.4",
+                             "sample.sampler=dpmpp_2m"])
+    assert cfg.diffusion.edm.sigma_data == 0.4
+
+
 def test_malformed_overrides_and_files(tmp_path):
     with pytest.raises(ConfigError, match="not of the form"):
         apply_overrides({}, ["train.steps"])

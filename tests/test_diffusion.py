@@ -9,6 +9,7 @@ from torch import nn
 
 from steadydiff.config import DiffusionConfig
 from steadydiff.kinds import PREDICTIONS, SCHEDULES
+from steadydiff.diffusion import edm, flow
 from steadydiff.diffusion import (
     LossOutput,
     Schedule,
@@ -347,3 +348,116 @@ def test_diffusion_loss_rejects_labels_for_unconditional_model():
     with pytest.raises(ValueError, match="unconditional"):
         diffusion_loss(Recorder(0), torch.zeros(2, 1, 2, 2), torch.zeros(2, dtype=torch.long),
                        make_schedule(cfg), cfg, torch.Generator().manual_seed(0))
+
+
+# ---------------------------------------------------------------------- flow and edm
+
+
+def test_flow_loss_matches_manual_computation():
+    """objective=flow: σ from the density (here logit-normal), clamped to [1/T, 1] and
+    shifted; x = (1-σ)·x0 + σ·ε; the network at σ·T; the velocity target ε - x0, weighted
+    by diffusers' cosmap; buckets floor(σ·T)."""
+    cfg = DiffusionConfig(objective="flow", timesteps=1000, timestep_sampling="logit_normal",
+                          logit_mean=0.2, loss_weighting="cosmap", cfg_dropout=0.0,
+                          flow={"shift": 3.0})
+    sched = make_schedule(cfg)
+    model = Recorder()
+    x0 = torch.rand(6, 1, 3, 3) * 2 - 1
+    out = diffusion_loss(model, x0, None, sched, cfg, torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    u = flow.draw_sigmas(6, "logit_normal", g, logit_mean=0.2)
+    noise = torch.randn(x0.shape, generator=g)
+    sig = flow.shift_sigmas(u.clamp(1e-3, 1.0), 3.0)
+    x = flow.noisy(x0, noise, sig)
+    torch.testing.assert_close(model.calls[0][0], x)
+    torch.testing.assert_close(model.calls[0][1], sig * 1000)
+    with torch.no_grad():
+        pred = model.conv(x)
+    mse = (pred - (noise - x0)).square().mean((1, 2, 3))
+    torch.testing.assert_close(out.per_sample.detach(), mse * flow.loss_weight("cosmap", sig))
+    assert torch.equal(out.t, (sig * 1000).long())
+
+
+def test_edm_loss_matches_manual_computation_and_is_the_weighted_denoiser_loss():
+    """objective=edm: ln σ ~ N(P_mean, P_std²); the network sees c_in·x at T·¼ln σ and
+    regresses (x0 - c_skip·x)/c_out, whose MSE is λ(σ)·‖D - x0‖² (Karras et al. eq. 8)."""
+    cfg = DiffusionConfig(objective="edm", cfg_dropout=0.0, edm={"sigma_data": 0.6})
+    sched = make_schedule(cfg)
+    model = Recorder()
+    x0 = torch.rand(8, 1, 3, 3) * 2 - 1
+    out = diffusion_loss(model, x0, None, sched, cfg, torch.Generator().manual_seed(1))
+    g = torch.Generator().manual_seed(1)
+    sig = edm.draw_sigmas(8, g)
+    noise = torch.randn(x0.shape, generator=g)
+    x = x0 + sig.view(-1, 1, 1, 1) * noise
+    c_skip, c_out, c_in, c_noise = (c.view(-1, 1, 1, 1) for c in edm.precondition(sig, 0.6))
+    torch.testing.assert_close(model.calls[0][0], c_in * x)
+    torch.testing.assert_close(model.calls[0][1], 1000 * c_noise.flatten())
+    with torch.no_grad():
+        F = model.conv(c_in * x)
+    d = c_skip * x + c_out * F
+    ref = edm.loss_weight(sig, 0.6) * (d - x0).square().mean((1, 2, 3))
+    torch.testing.assert_close(out.per_sample.detach(), ref, rtol=1e-4, atol=1e-5)
+    # buckets: the training distribution's CDF, so each of B buckets gets ~1/B of the draws
+    many = diffusion_loss(model, torch.zeros(4000, 1, 1, 1), None, sched, cfg,
+                          torch.Generator().manual_seed(2))
+    counts = torch.bincount(many.t * 10 // 1000, minlength=10).float()
+    assert float(counts.min()) > 300 and float(counts.max()) < 500
+
+
+def test_flow_and_edm_losses_replay_and_take_labels():
+    for obj in ("flow", "edm"):
+        cfg = DiffusionConfig(objective=obj, cfg_dropout=0.5)
+        sched = make_schedule(cfg)
+        model = Recorder(num_classes=10)
+        x0 = torch.rand(16, 1, 4, 4) * 2 - 1
+        y = torch.arange(16) % 10
+        a = diffusion_loss(model, x0, y, sched, cfg, torch.Generator().manual_seed(3))
+        b = diffusion_loss(model, x0, y, sched, cfg, torch.Generator().manual_seed(3))
+        assert torch.equal(a.per_sample, b.per_sample) and torch.equal(a.t, b.t)
+        assert a.t.dtype == torch.long and 0 <= int(a.t.min()) and int(a.t.max()) < 1000
+        ys = model.calls[0][2]
+        assert 0 < int((ys == 10).sum()) < 16  # label dropout to the null class
+        a.loss.backward()
+        assert torch.isfinite(model.conv.weight.grad).all()
+
+
+def test_flow_draws_never_reach_sigma_zero():
+    """The clamp to [1/T, 1] keeps sigma_sqrt's σ^-2 finite whatever the density draws."""
+    sched = make_schedule(DiffusionConfig(objective="flow"))
+    s = sched.from_draw(torch.tensor([0.0, 1e-9, 0.5, 1.0]))
+    assert s.tolist() == pytest.approx([1e-3, 1e-3, 0.5, 1.0])
+    assert torch.isfinite(flow.loss_weight("sigma_sqrt", s)).all()
+
+
+def test_make_schedule_resolves_the_flow_shift():
+    """FLUX's dynamic shift for a 32x32 run: 16² = 256 tokens in 2x2 patches -> mu =
+    base_shift -> s = e^0.5; a static shift is taken as it is; 16x16 extrapolates below."""
+    dyn = DiffusionConfig(objective="flow", flow={"dynamic_shift": True})
+    assert make_schedule(dyn, 32).shift == pytest.approx(math.exp(0.5))
+    assert make_schedule(dyn, 16).shift < math.exp(0.5)
+    with pytest.raises(ValueError, match="needs the training resolution"):
+        make_schedule(dyn)
+    st = make_schedule(DiffusionConfig(objective="flow", flow={"shift": 3.0}))
+    assert st.shift == 3.0 and st.grid(4).tolist() == pytest.approx([1.0, 0.9, 0.75, 0.5])
+    e = make_schedule(DiffusionConfig(objective="edm", edm={"sigma_max": 10.0}))
+    assert float(e.grid(5)[0]) == pytest.approx(10.0) and e.prior_std(10.0) == 10.0
+
+
+@pytest.mark.parametrize("obj", ["flow", "edm"])
+def test_objective_levels_contract(obj):
+    """What the samplers and the probe read from a flow/edm schedule: α, σ (and λ) at the
+    grid, the clean end appended, spread levels ascending over the training range, buckets
+    inside [0, T)."""
+    sched = make_schedule(DiffusionConfig(objective=obj))
+    grid = sched.grid(8)
+    a, s, lam = sched.levels(grid)
+    assert len(a) == len(s) == len(lam) == 9 and (a[-1], s[-1], lam[-1]) == (1.0, 0.0, math.inf)
+    aa, ss = sched.alpha_sigma(grid, torch.float64)
+    assert a[:-1] == pytest.approx(aa.tolist()) and s[:-1] == pytest.approx(ss.tolist())
+    finite = [v for v in lam if math.isfinite(v)]
+    assert finite == sorted(finite)  # λ increases towards clean data
+    sp = sched.spread(5)
+    assert (sp[1:] > sp[:-1]).all()
+    b = sched.bucket(sp)
+    assert b.dtype == torch.long and (b[1:] >= b[:-1]).all() and int(b.max()) < 1000

@@ -401,4 +401,4 @@ def test_a_start_prints_a_header_and_writes_the_config(tmp_path, capsys):
     assert "diffusion:" not in out  # the ~170-line config is not on the terminal
     assert "diffusion:" in (tmp_path / "a" / "config.yaml").read_text()
     rc, out, err = run_cli([*argv, "--out", tmp_path / "b", "--print-config"], capsys)
-    assert rc == 0 and "diffusion:\n  timesteps: 100" in out
+    assert rc == 0 and "diffusion:\n  objective: ddpm\n  timesteps: 100" in out

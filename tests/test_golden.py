@@ -34,7 +34,13 @@ DIT = ["model.kind=dit", "model.dit.depth=2", "model.dit.hidden_size=32",
 VARIANT = ["diffusion.prediction=v", "diffusion.schedule=cosine",
            "diffusion.loss_weighting=min_snr", "diffusion.timestep_sampling=logit_normal",
            "optim.schedule=cosine", "optim.warmup_steps=2", "model.qk_norm=true"]
-CASES = {"unet": [], "dit": DIT, "unet-v-cosine-minsnr": VARIANT}
+# the other objectives (docs/objectives.md): rectified flow with a shift, a density and a
+# weighting; EDM's preconditioned DiT
+FLOW = ["diffusion.objective=flow", "diffusion.flow.shift=2.0",
+        "diffusion.timestep_sampling=logit_normal", "diffusion.loss_weighting=cosmap"]
+EDM = ["diffusion.objective=edm"]
+CASES = {"unet": [], "dit": DIT, "unet-v-cosine-minsnr": VARIANT, "unet-flow": FLOW,
+         "dit-edm": DIT + EDM}
 
 
 def train(tmp_path, case: str, guard: bool):
@@ -90,6 +96,30 @@ def test_samplers_on_a_trained_model(unet_run, sampler):
     pin(f"{sampler} grid", checksum(x), SAMPLER_GRIDS[sampler])
 
 
+@pytest.mark.parametrize("objective, sampler", [("flow", "euler"), ("flow", "heun"),
+                                                ("edm", "heun"), ("edm", "euler"),
+                                                ("edm", "ddpm")])
+def test_objective_samplers_on_a_trained_model(tmp_path_factory, objective, sampler):
+    """The flow and EDM samplers' grids from a trained UNet of each objective, with
+    classifier-free guidance (scale 2)."""
+    run = _objective_run(tmp_path_factory, objective)
+    x, _ = steadydiff.load(run, device="cpu").sample(4, sampler=sampler, steps=4, seed=5,
+                                                     cfg_scale=2.0)
+    pin(f"{objective} {sampler} grid", checksum(x), SAMPLER_GRIDS[f"{objective}-{sampler}"])
+
+
+_RUNS: dict = {}
+
+
+def _objective_run(factory, objective):
+    if objective not in _RUNS:
+        run = factory.mktemp(f"golden-{objective}") / "run"
+        steadydiff.train(load_config(None, RUN + {"flow": FLOW, "edm": EDM}[objective]),
+                         out_dir=run)
+        _RUNS[objective] = run
+    return _RUNS[objective]
+
+
 @pytest.fixture(scope="module")
 def unet_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("golden") / "run"
@@ -130,7 +160,30 @@ GOLDEN = {
         "grid": (-20.25461822375655, 123.58824638277292),
     },
 }
+GOLDEN["unet-flow"] = {
+    "loss": [1.7669236660003662, 1.7241696119308472, 1.6486449241638184, 1.6868956089019775,
+             1.645764708518982],
+    "grad_norm": [2.149595022201538, 2.2618024349212646, 2.5328140258789062,
+                  2.1449942588806152, 2.141479015350342],
+    "model": (324.5231034088938, 2764.945789185149),
+    "ema": (323.7777511612872, 2760.582554144405),
+    "grid": (-18.59928183630109, 155.91796465590596),
+}
+GOLDEN["dit-edm"] = {
+    "loss": [1.8838310241699219, 1.917043924331665, 1.5158932209014893, 1.9408574104309082,
+             1.3636304140090942],
+    "grad_norm": [2.265070676803589, 2.1632819175720215, 1.9231617450714111,
+                  3.0294642448425293, 1.2408076524734497],
+    "model": (-5.906121043169994, 2794.601164996911),
+    "ema": (-6.144867886339256, 2785.7426152409444),
+    "grid": (-11.841772049869178, 45.805128878651885),
+}
 SAMPLER_GRIDS = {
+    "flow-euler": (-24.79084289819002, 166.2929931357503),
+    "flow-heun": (-25.001065600663424, 166.25216769054532),
+    "edm-heun": (-26.20027341786772, 214.46789370384067),
+    "edm-euler": (-21.28765318961814, 64.42425744561478),
+    "edm-ddpm": (-21.127976693678647, 54.36751634487882),
     "ddpm": (-0.9187575378455222, 180.94098351011053),
     "ddim": (-5.16588785906788, 193.46262386033777),
     "euler": (-5.896757600829005, 194.60143306665123),

@@ -93,10 +93,27 @@ def test_every_value_is_implemented():
         t = sample_timesteps(16, DiffusionConfig(timestep_sampling=ts), 100, g)
         assert t.shape == (16,) and 0 <= t.min() and t.max() < 100
     snr = torch.tensor([0.0, 1.0, float("inf")])
-    for w in kinds.LOSS_WEIGHTINGS:
+    for w in kinds.OBJECTIVE_WEIGHTINGS["ddpm"]:
         for pred in kinds.PREDICTIONS:
             cfg = DiffusionConfig(loss_weighting=w, prediction=pred)
             assert torch.isfinite(loss_weights(cfg, snr)).all()
+    # every objective, with each loss weighting, sampling density and sampler it takes,
+    # trains a step of a tiny model and samples from it
+    from steadydiff.diffusion import diffusion_loss, sample
+    model = _Tiny()
+    x0 = torch.zeros(4, 1, 4, 4)
+    assert set().union(*kinds.OBJECTIVE_WEIGHTINGS.values()) == set(kinds.LOSS_WEIGHTINGS)
+    for obj in kinds.OBJECTIVES:
+        dens = kinds.TIMESTEP_SAMPLINGS if obj != "edm" else ("uniform",)
+        for w in kinds.OBJECTIVE_WEIGHTINGS[obj]:
+            for ts in dens:
+                cfg = DiffusionConfig(objective=obj, loss_weighting=w, timestep_sampling=ts)
+                out = diffusion_loss(model, x0, None, make_schedule(cfg), cfg, g)
+                assert torch.isfinite(out.loss) and out.t.dtype == torch.long
+        sched = make_schedule(DiffusionConfig(objective=obj))
+        for name in kinds.OBJECTIVE_SAMPLERS[obj]:
+            x = sample(model, sched, "eps", (2, 1, 4, 4), sampler=name, steps=3, generator=g)
+            assert torch.isfinite(x).all()
     for mode in kinds.CLIP_MODES:
         p = nn.Parameter(torch.ones(3, 2))
         p.grad = torch.full_like(p, 10.0)
@@ -104,6 +121,17 @@ def test_every_value_is_implemented():
     for kind in kinds.ADAPTER_KINDS:
         if kind != "none":
             wrap(nn.Linear(4, 4), kind, rank=2, alpha=2.0, dropout=0.0, hidden_mult=1.0)
+
+
+class _Tiny(nn.Module):
+    num_classes = 0
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x, t, y=None):
+        return self.w * x + 1e-4 * t.view(-1, 1, 1, 1)
 
 
 @pytest.mark.parametrize("module", ["steadydiff.kinds", "steadydiff.config", "steadydiff.lint"])

@@ -109,7 +109,7 @@ def test_alphas_cumprod_match_diffusers(sd_dir):
     ("single_file", "is a file"),
     ("no_index", "model_index.json is missing"),
     ("bad_index", "not valid JSON"),
-    ("wrong_class", "_class_name is 'FluxPipeline'"),
+    ("wrong_class", "_class_name is 'KandinskyV22Pipeline'; expected one of .*FluxPipeline"),
     ("sdxl", "SDXL"),
     ("no_unet", "unet/ is missing"),
     ("pickled", "pickled weights"),
@@ -129,7 +129,7 @@ def test_folder_errors_name_the_problem(sd_dir, tmp_path, case, needle):
         index.write_text("{not json")
     elif case in ("wrong_class", "sdxl"):
         d = json.loads(index.read_text())
-        d["_class_name"] = "FluxPipeline" if case == "wrong_class" else \
+        d["_class_name"] = "KandinskyV22Pipeline" if case == "wrong_class" else \
             "StableDiffusionXLPipeline"
         index.write_text(json.dumps(d))
     elif case == "no_unet":

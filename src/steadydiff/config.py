@@ -33,7 +33,9 @@ from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BucketCrop, CaptionSou
                     ConditioningMatch, ConditioningSource,
                     CompileBackend, CompileMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, HyperActivation,
-                    LossWeighting, LoraFormat, LRSchedule, ModelKind, OnSaveError, OptimizerName, Parallel,
+                    FlowGridEnd, LossWeighting, LoraFormat, LRSchedule, ModelKind, Objective,
+                    OBJECTIVE_SAMPLERS,
+                    OBJECTIVE_WEIGHTINGS, OnSaveError, OptimizerName, Parallel,
                     Precision, PrecisionSetting,
                     Prediction, SamplerName, ScheduleName, TimestepSampling)
 
@@ -337,13 +339,98 @@ class ModelConfig(Section):
     vae_precision: Precision | None = Field(
         None, description="dtype of the frozen VAE (fp32 avoids the fp16 VAE's NaN latents); "
         "None: train.precision")
+    max_sequence_length: Int | None = Field(
+        None, ge=1, le=4096, description="model.pretrained with a T5 text encoder (SD3, "
+        "FLUX.1): the captions' T5 token length; None: the family's pipeline's (SD3: 256; "
+        "FLUX.1 dev: 512, schnell: 256)")
+    offload_text_encoders: Bool = Field(
+        False, description="model.pretrained: once the captions are encoded and cached, move "
+        "the frozen text encoders to the CPU; validation prompts and sampling encode there "
+        "(slower) and send the result to the device (T5-XXL frees ~9.5 GB of a GPU). Not "
+        "with data.caption_shuffle or adapter.text_encoder (the encoders then run in every "
+        "step)")
+    guidance: float | None = Field(
+        None, ge=0.0, le=100.0, description="model.pretrained guidance-distilled transformer "
+        "(FLUX.1 dev): the guidance value embedded in training and sampling; None: 3.5 (the "
+        "pipeline's and the trainers' default)")
 
 
 # --------------------------------------------------------------------------- diffusion
 
 
+class FlowConfig(Section):
+    """diffusion.objective=flow: the shift of the noise levels (docs/objectives.md)."""
+
+    shift: float = Field(
+        1.0, gt=0.0, le=100.0, description="static shift s of every noise level, training and "
+        "sampling: sigma' = s*sigma / (1 + (s-1)*sigma) (SD3 paper eq. 23; SD3 uses 3.0 at "
+        "1024^2); s > 1 spends more steps at high noise; 1: none")
+    dynamic_shift: Bool = Field(
+        False, description="FLUX's resolution-dependent shift instead: s = exp(mu), mu linear "
+        "in the image's token count (data.image_size/token_pixels)^2 through (base_seq_len, "
+        "base_shift) and (max_seq_len, max_shift)")
+    base_seq_len: Int = Field(256, ge=1, le=1_000_000)
+    max_seq_len: Int = Field(4096, ge=2, le=1_000_000)
+    base_shift: float = Field(0.5, ge=-10.0, le=10.0)
+    max_shift: float = Field(1.15, ge=-10.0, le=10.0)
+    token_pixels: Int = Field(
+        2, ge=1, le=1024, description="the side in pixels of one image token, for the "
+        "dynamic shift's token count: 2 for steadydiff's own models (2x2 patches of pixels); "
+        "a model family sets its own (FLUX.1: 16, the VAE's x8 times the 2x2 packing)")
+    grid_end: FlowGridEnd = Field(
+        "steps", description="the sampling grid's last level before 0: steps, 1/steps (the "
+        "FLUX pipelines' linspace(1, 1/n, n)); table, the training table's smallest level "
+        "shift(1/timesteps) (diffusers' scheduler default: SD3's pipeline)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "FlowConfig":
+        if self.dynamic_shift and self.shift != 1.0:
+            raise ValueError(f"diffusion.flow.shift={self.shift} and diffusion.flow."
+                             "dynamic_shift=true both shift the noise levels: keep one (shift: "
+                             "1.0, or dynamic_shift: false)")
+        if self.max_seq_len <= self.base_seq_len:
+            raise ValueError(f"diffusion.flow.max_seq_len ({self.max_seq_len}) must be greater "
+                             f"than diffusion.flow.base_seq_len ({self.base_seq_len})")
+        return self
+
+
+class EDMConfig(Section):
+    """diffusion.objective=edm: Karras et al. 2022, Table 1 (docs/objectives.md)."""
+
+    sigma_data: float = Field(0.5, gt=0.0, le=100.0, description="the data's standard "
+                              "deviation (0.5 for images in [-1, 1])")
+    p_mean: float = Field(-1.2, ge=-10.0, le=10.0, description="training: ln(sigma) ~ "
+                          "N(p_mean, p_std^2)")
+    p_std: float = Field(1.2, gt=0.0, le=10.0)
+    sigma_min: float = Field(0.002, gt=0.0, le=1000.0, description="sampling: the Karras "
+                             "grid's smallest noise level before 0")
+    sigma_max: float = Field(80.0, gt=0.0, le=10_000.0, description="sampling: the first "
+                             "noise level (the starting noise has this std)")
+    rho: float = Field(7.0, gt=0.0, le=100.0, description="sampling: the Karras grid's "
+                       "exponent (eq. 5)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "EDMConfig":
+        if self.sigma_min >= self.sigma_max:
+            raise ValueError(f"diffusion.edm.sigma_min ({self.sigma_min}) must be less than "
+                             f"diffusion.edm.sigma_max ({self.sigma_max})")
+        return self
+
+
+# keys of the ddpm objective's schedule and prediction: another objective refuses them
+_DDPM_ONLY = ("schedule", "beta_start", "beta_end", "piecewise", "zero_terminal_snr",
+              "prediction", "resolution_shift_base")
+
+
 class DiffusionConfig(Section):
-    timesteps: Int = Field(1000, ge=2, le=100_000)
+    objective: Objective = Field(
+        "ddpm", description="ddpm: the variance-preserving diffusion of diffusion.schedule, "
+        "the network predicting diffusion.prediction; flow: rectified flow (x = (1-sigma)*x0 + "
+        "sigma*noise, the network predicts noise - x0; diffusion.flow); edm: Karras et al. "
+        "2022's preconditioned denoiser (diffusion.edm) (docs/objectives.md)")
+    timesteps: Int = Field(1000, ge=2, le=100_000, description="ddpm: the schedule's steps; "
+                           "flow/edm: the scale of the network's time input and of the "
+                           "guard's t-buckets")
     schedule: ScheduleName = "linear"
     beta_start: float = Field(1e-4, gt=0.0, lt=1.0)
     beta_end: float = Field(0.02, gt=0.0, lt=1.0)
@@ -374,6 +461,8 @@ class DiffusionConfig(Section):
         None, ge=4, le=1024, description="shift the log-SNR by 2*log(base/data.image_size) "
         "(Hoogeboom et al. 2023, simple diffusion): a larger image gets more noise at the same "
         "t; None: no shift (docs/resolution.md)")
+    flow: FlowConfig = FlowConfig()
+    edm: EDMConfig = EDMConfig()
 
     @model_validator(mode="after")
     def _check(self) -> "DiffusionConfig":
@@ -381,6 +470,37 @@ class DiffusionConfig(Section):
             raise ValueError(
                 f"diffusion.beta_end ({self.beta_end}) must be greater than "
                 f"diffusion.beta_start ({self.beta_start})")
+        obj = self.objective
+        if obj != "ddpm":
+            default = DiffusionConfig.model_fields
+            for key in _DDPM_ONLY:
+                if getattr(self, key) != default[key].default:
+                    why = (" (flow reaches pure noise at sigma = 1 by construction; edm has no "
+                           "terminal level)") if key == "zero_terminal_snr" else ""
+                    how = (" (for a resolution shift set diffusion.flow.shift or "
+                           "diffusion.flow.dynamic_shift)") if key == "resolution_shift_base" \
+                        and obj == "flow" else ""
+                    raise ValueError(f"diffusion.{key} belongs to diffusion.objective=ddpm's "
+                                     f"schedule and prediction; diffusion.objective={obj} does "
+                                     f"not use it{why}: remove diffusion.{key}{how}")
+        valid = OBJECTIVE_WEIGHTINGS[obj]
+        if self.loss_weighting not in valid:
+            raise ValueError(f"diffusion.loss_weighting={self.loss_weighting} does not apply to "
+                             f"diffusion.objective={obj}; valid: {', '.join(valid)}")
+        if obj == "edm" and self.timestep_sampling != "uniform":
+            raise ValueError(f"diffusion.timestep_sampling={self.timestep_sampling} applies to "
+                             "the ddpm and flow objectives; edm draws ln(sigma) ~ N(diffusion."
+                             "edm.p_mean, diffusion.edm.p_std^2): remove diffusion."
+                             "timestep_sampling")
+        for name, cls in (("flow", FlowConfig), ("edm", EDMConfig)):
+            if obj != name:
+                changed = [k for k in cls.model_fields
+                           if getattr(getattr(self, name), k) != cls.model_fields[k].default]
+                if changed:
+                    keys = ", ".join(f"diffusion.{name}.{k}" for k in changed)
+                    raise ValueError(f"{keys} configure diffusion.objective={name}, but the "
+                                     f"objective is {obj}: set diffusion.objective={name} or "
+                                     "remove them")
         return self
 
 
@@ -909,6 +1029,16 @@ class Config(Section):
                              + (" (a hypernetwork transforms the UNet's cross-attention "
                                 "context, not the text encoder: set adapter.text_encoder="
                                 "false)" if a.kind == "hypernetwork" else ""))
+        if m.offload_text_encoders and (not m.pretrained or d.caption_shuffle
+                                        or (a.kind == "lora" and a.text_encoder)):
+            raise ValueError("model.offload_text_encoders moves a pretrained model's text "
+                             "encoders off the device once the captions are cached; with "
+                             "data.caption_shuffle or adapter.text_encoder they encode in "
+                             "every step: set model.offload_text_encoders=false")
+        for key in ("max_sequence_length", "guidance"):
+            if getattr(m, key) is not None and not m.pretrained:
+                raise ValueError(f"model.{key} configures a pretrained model family's text "
+                                 "encoder or transformer (model.pretrained): remove it")
         if m.pretrained and (m.text_encoder or m.vae):
             raise ValueError("model.pretrained brings its own text encoder and VAE: remove "
                              "model.text_encoder and model.vae")
@@ -959,6 +1089,16 @@ class Config(Section):
                 f"adapter.base_precision={a.base_precision} needs autocast in that dtype: set "
                 f"train.precision={a.base_precision} (now {self.train.precision}), or "
                 "adapter.base_precision=fp32")
+        obj = self.diffusion.objective
+        if self.sample.sampler not in OBJECTIVE_SAMPLERS[obj]:
+            raise ValueError(f"sample.sampler={self.sample.sampler} does not apply to "
+                             f"diffusion.objective={obj}; valid: "
+                             f"{', '.join(OBJECTIVE_SAMPLERS[obj])}")
+        if m.pretrained and obj == "edm":
+            raise ValueError("diffusion.objective=edm: a pretrained model trains with the "
+                             "objective its scheduler folder describes (ddpm for Stable "
+                             "Diffusion 1.x/2.x and SDXL, flow for SD3 and FLUX.1); remove "
+                             "diffusion.objective (edm trains steadydiff's own UNet and DiT)")
         if self.optim.clip_mode == "zclip" and not self.guard.enabled:
             raise ValueError("optim.clip_mode=zclip takes its threshold from the guard's "
                              "grad-norm statistics; set guard.enabled=true or choose "

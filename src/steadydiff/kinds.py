@@ -88,12 +88,20 @@ OBJECTIVES: tuple[Objective, ...] = get_args(Objective)
 Prediction = Literal["eps", "x0", "v"]
 PREDICTIONS: tuple[Prediction, ...] = get_args(Prediction)
 
-LossWeighting = Literal["uniform", "min_snr"]
+# uniform: no weighting (diffusers' "none"); min_snr: ddpm's min-SNR-γ; sigma_sqrt and
+# cosmap: the flow objective's (diffusers' compute_loss_weighting_for_sd3).
+LossWeighting = Literal["uniform", "min_snr", "sigma_sqrt", "cosmap"]
 LOSS_WEIGHTINGS: tuple[LossWeighting, ...] = get_args(LossWeighting)
 # the flow objective's weights (diffusers' compute_loss_weighting_for_sd3; uniform is its
 # "none")
 FlowWeighting = Literal["uniform", "sigma_sqrt", "cosmap"]
 FLOW_WEIGHTINGS: tuple[FlowWeighting, ...] = get_args(FlowWeighting)
+
+# Where a flow sampling grid ends before 0 (diffusion.flow.grid_end): steps, at 1/steps (the
+# FLUX pipelines' linspace(1, 1/n, n)); table, at the training table's smallest level
+# shift(1/T) (diffusers' FlowMatchEulerDiscreteScheduler default: SD3's pipeline).
+FlowGridEnd = Literal["steps", "table"]
+FLOW_GRID_ENDS: tuple[FlowGridEnd, ...] = get_args(FlowGridEnd)
 
 # The density of the training noise level u in [0, 1] (t = u·T for ddpm, σ = u for flow;
 # SD3 paper §3.1, kohya's sigmoid). edm draws ln σ from its own normal instead.
@@ -102,8 +110,22 @@ TIMESTEP_SAMPLINGS: tuple[TimestepSampling, ...] = get_args(TimestepSampling)
 
 # --------------------------------------------------------------------------- sampling
 
-SamplerName = Literal["ddpm", "ddim", "dpmpp_2m", "euler"]
+SamplerName = Literal["ddpm", "ddim", "dpmpp_2m", "euler", "heun"]
 SAMPLER_NAMES: tuple[SamplerName, ...] = get_args(SamplerName)
+
+# Which samplers and loss weightings each objective takes (config validation, the API and
+# the CLI refuse the others by name). heun is second order in the ODE of flow (x over σ)
+# and edm (Karras et al. 2022, Alg. 1); ddpm's samplers are written over any (alpha, sigma).
+OBJECTIVE_SAMPLERS: dict[Objective, tuple[SamplerName, ...]] = {
+    "ddpm": ("ddpm", "ddim", "dpmpp_2m", "euler"),
+    "flow": SAMPLER_NAMES,
+    "edm": SAMPLER_NAMES,
+}
+OBJECTIVE_WEIGHTINGS: dict[Objective, tuple[LossWeighting, ...]] = {
+    "ddpm": ("uniform", "min_snr"),
+    "flow": FLOW_WEIGHTINGS,
+    "edm": ("uniform",),  # EDM's λ(σ) is built in: its F-space loss has unit weight
+}
 
 # Which training timesteps a sampler visits (Lin et al. 2024, table 2).
 Spacing = Literal["trailing", "leading", "linspace"]
@@ -188,7 +210,8 @@ __all__ = [
     "LR_SCHEDULES", "MODEL_KINDS", "ON_SAVE_ERRORS", "PRECISIONS", "PRECISION_SETTINGS",
     "PREDICTIONS", "AUTO", "Auto", "PrecisionSetting",
     "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS", "OBJECTIVES", "Objective",
-    "FLOW_WEIGHTINGS", "FlowWeighting",
+    "FLOW_WEIGHTINGS", "FlowWeighting", "OBJECTIVE_SAMPLERS", "OBJECTIVE_WEIGHTINGS",
+    "FLOW_GRID_ENDS", "FlowGridEnd",
     "AdapterKind", "HYPER_ACTIVATIONS", "HyperActivation", "CaptionSource", "Channels", "CompileBackend", "CompileMode", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
     "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "OPTIMIZERS", "OptimizerName", "BUCKET_CROPS", "BucketCrop", "LORA_FORMATS", "LoraFormat", "LabelledDataset", "LossWeighting",
     "ModelKind", "OnSaveError", "PARALLELS", "Parallel", "Precision", "Prediction", "SamplerName", "ScheduleName",

@@ -225,6 +225,17 @@ def _ztsnr_eps(cfg: Config, _dev) -> str | None:
             "diffusion.prediction=v (Lin et al. 2024, sec. 3.2)")
 
 
+def _flow_sigma_sqrt(cfg: Config, _dev) -> str | None:
+    d = cfg.diffusion
+    if d.objective != "flow" or d.loss_weighting != "sigma_sqrt":
+        return None
+    return (f"diffusion.loss_weighting=sigma_sqrt multiplies the velocity loss by 1/sigma^2, "
+            f"up to {d.timesteps ** 2:.0e} at the smallest trained sigma (1/diffusion.timesteps)"
+            ": the least noisy samples dominate the loss and its spikes. diffusers' SD3 "
+            "script and kohya apply it to the x0 error sigma^2*|v error|^2, where it gives back "
+            "the plain velocity loss: for that, set diffusion.loss_weighting=uniform")
+
+
 def _no_intermediate_checkpoint(cfg: Config, _dev) -> str | None:
     t = cfg.train
     if t.checkpoint_every > t.steps:
@@ -336,6 +347,8 @@ CHECKS: tuple[LintCheck, ...] = (
     LintCheck("double_caption_dropout", "data.caption_dropout, diffusion.cfg_dropout",
               _double_caption_dropout),
     LintCheck("ztsnr_eps", "diffusion.zero_terminal_snr, diffusion.prediction", _ztsnr_eps),
+    LintCheck("flow_sigma_sqrt", "diffusion.objective, diffusion.loss_weighting",
+              _flow_sigma_sqrt),
     LintCheck("no_intermediate_checkpoint", "train.checkpoint_every, train.steps",
               _no_intermediate_checkpoint),
     LintCheck("single_checkpoint", "train.keep_checkpoints", _single_checkpoint),

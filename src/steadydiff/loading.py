@@ -25,9 +25,9 @@ from . import seeding
 from .adapters import build_adapted, set_scale
 from .config import Config, validate
 from .devices import resolve_device
-from .diffusion import Schedule, make_schedule, sample as run_sampler
+from .diffusion import AnySchedule, make_schedule, sample as run_sampler
 from .diffusion.samplers import USES_ETA
-from .kinds import AdapterKind, SamplerName
+from .kinds import OBJECTIVE_SAMPLERS, AdapterKind, SamplerName
 from .models import build_model
 from .trainer import checkpoint as ckpt
 
@@ -90,7 +90,7 @@ class Pipeline:
     """A trained model ready for sampling (returned by :func:`load`)."""
 
     model: nn.Module
-    schedule: Schedule
+    schedule: AnySchedule
     config: Config
     device: torch.device
     checkpoint: Path
@@ -156,6 +156,10 @@ class Pipeline:
         s = self.config.sample
         num = num or s.num
         sampler = sampler or s.sampler
+        obj = self.config.diffusion.objective
+        if sampler not in OBJECTIVE_SAMPLERS[obj]:
+            raise ValueError(f"--sampler {sampler} does not apply to this model's diffusion."
+                             f"objective={obj}; valid: {', '.join(OBJECTIVE_SAMPLERS[obj])}")
         if eta is not None and sampler not in USES_ETA:
             raise ValueError(f"eta (--eta) is used by the {', '.join(USES_ETA)} sampler only; "
                              f"{sampler} ignores it: drop it, or choose --sampler "

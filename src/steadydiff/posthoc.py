@@ -261,7 +261,7 @@ class Measure:
                 f"{self.cfg.data.dataset}: reconstruct single values with --sigma-rel and "
                 "evaluate them with `steadydiff eval --inception-weights`")
         self.fx = extractor_for(self.cfg, verbose=verbose)
-        self.schedule = make_schedule(self.cfg.diffusion)
+        self.schedule = make_schedule(self.cfg.diffusion, self.cfg.data.image_size)
 
     def __call__(self, ema: dict[str, torch.Tensor], floor: bool = False) -> dict[str, Any]:
         """The figures of the EMA ``ema`` (trainable tensors; ``{}``: the checkpoint's own);

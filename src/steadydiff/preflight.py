@@ -24,6 +24,7 @@ from .data.captions import build_captioned
 from .data.pairs import build_paired, is_paired
 from .durations import format_duration
 from .devices import resolve_device
+from .diffusion.schedules import flow_seq_len, make_schedule
 from .models import build_model
 from .trainer.compilation import check_toolchain
 from .trainer.optim import check_optimizer
@@ -74,10 +75,32 @@ class Preflight:
                   f"{self.device}, guard {'on' if cfg.guard.enabled else 'off'}"
                   + (f", torch.compile ({t.compile_backend}, mode {t.compile_mode}: the "
                      "first step compiles)" if t.compile else "")]
+        if cfg.diffusion.objective != "ddpm":
+            lines.append(f"diffusion: {describe_objective(cfg)}")
         layout = bucket_layout(self.data)  # data.buckets: the histogram
         if layout is not None:
             lines += describe_histogram(layout, t.batch_size).splitlines()
         return lines
+
+
+def describe_objective(cfg: Config) -> str:
+    """One line naming the objective and the values that shape it (the run header prints
+    it for flow and edm; the shift is the resolved one, FLUX's dynamic one included)."""
+    d, s = cfg.diffusion, cfg.sample
+    if d.objective == "flow":
+        sched = make_schedule(d, cfg.data.image_size)
+        how = (f"dynamic (FLUX: {flow_seq_len(cfg.data.image_size, d.flow.token_pixels)} "
+               "tokens)"
+               if d.flow.dynamic_shift else "static")
+        return (f"rectified flow (velocity target), sigma ~ {d.timestep_sampling}, shift "
+                f"{sched.shift:.3g} {how}, {d.loss_weighting} loss weighting; "
+                f"sampler {s.sampler}, {s.steps} steps")
+    if d.objective == "edm":
+        e = d.edm
+        return (f"EDM (Karras et al. 2022), sigma_data {e.sigma_data:g}, ln sigma ~ "
+                f"N({e.p_mean:g}, {e.p_std:g}^2); sampler {s.sampler} over the Karras grid "
+                f"{e.sigma_max:g} -> {e.sigma_min:g} (rho {e.rho:g}), {s.steps} steps")
+    return f"ddpm, {d.schedule} schedule, {d.prediction} prediction"
 
 
 def check_classes(cfg: Config, num_classes_in_data: int) -> None:

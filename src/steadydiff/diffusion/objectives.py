@@ -1,7 +1,16 @@
-"""The training objective: timestep sampling, forward noising, eps/x0/v targets, loss weights.
+"""The training objective: timestep sampling, forward noising, targets, loss weights.
 
-Forward process (Ho et al. 2020, eq. 4): x_t = alpha_t·x0 + sigma_t·eps, alpha² + sigma² = 1.
-Targets: eps (Ho et al. 2020), x0, or v = alpha·eps - sigma·x0 (Salimans & Ho 2022, §4).
+``diffusion.objective`` picks one of three (docs/objectives.md):
+  ddpm: x_t = alpha_t·x0 + sigma_t·eps, alpha² + sigma² = 1 (Ho et al. 2020, eq. 4), on a
+      discrete schedule; the target is eps (Ho et al. 2020), x0, or v = alpha·eps - sigma·x0
+      (Salimans & Ho 2022, §4); loss weights uniform or min-SNR-γ.
+  flow: x = (1-σ)·x0 + σ·ε, the target the velocity ε - x0 (diffusion/flow.py); σ from a
+      density over [0, 1] (uniform, logit_normal, mode, sigmoid), shifted; weights uniform,
+      sigma_sqrt or cosmap on the velocity error.
+  edm: x = x0 + σ·ε with ln σ ~ N(P_mean, P_std²); the network F sees c_in·x and regresses
+      (x0 - c_skip·x)/c_out, whose plain MSE is EDM's λ(σ)-weighted loss (diffusion/edm.py).
+The schedule object (schedules.py) holds each objective's levels; this module draws, noises
+and scores, and is the one place that knows which objective converts a network output how.
 All randomness of one loss evaluation comes from one explicit ``torch.Generator``, in a fixed
 order (t, noise, label dropout), or from :class:`Draws` made that way for a whole global batch,
 so replaying a batch reproduces it bit for bit; the stability guard relies on this to re-run a
@@ -16,12 +25,14 @@ from torch import Tensor, nn
 
 from ..config import DiffusionConfig
 from ..kinds import LOSS_WEIGHTINGS, PREDICTIONS, TIMESTEP_SAMPLINGS, Prediction
+from . import edm, flow
 from .flow import draw_sigmas
-from .schedules import Schedule
+from .schedules import AnySchedule
 
 __all__ = ["Draws", "LossOutput", "context_dim_of", "draw", "drop_condition",
-           "is_conditional", "null_condition", "sample_timesteps", "q_sample", "training_target", "to_x0_eps",
-           "loss_weights", "diffusion_loss"]
+           "is_conditional", "null_condition", "sample_timesteps", "sample_levels", "q_sample",
+           "training_target", "to_x0_eps", "output_to_x0_eps", "loss_weights",
+           "diffusion_loss"]
 
 
 def _bcast(a: Tensor, x: Tensor) -> Tensor:
@@ -79,7 +90,8 @@ class LossOutput:
     """Result of :func:`diffusion_loss`.
 
     loss: 0-dim mean loss (attached to the graph); per_sample: (N,) weighted per-sample losses
-    (attached; detach before storing); t: (N,) long timesteps that were drawn.
+    (attached; detach before storing); t: (N,) long t-bucket coordinates in [0, T): the drawn
+    timesteps (ddpm), the noise levels mapped by the schedule's ``bucket`` (flow, edm).
     """
 
     loss: Tensor
@@ -110,6 +122,22 @@ def sample_timesteps(n: int, cfg: DiffusionConfig, T: int, generator: torch.Gene
                     logit_mean=cfg.logit_mean, logit_std=cfg.logit_std,
                     mode_scale=cfg.mode_scale, sigmoid_scale=cfg.sigmoid_scale)  # [0, 1]
     return (u * T).long().clamp_(0, T - 1)
+
+
+def sample_levels(n: int, cfg: DiffusionConfig, T: int, generator: torch.Generator | None,
+                  device: torch.device | str | None = None) -> Tensor:
+    """The objective's training draw, one call on ``generator``: ddpm, timesteps (n,) long
+    (:func:`sample_timesteps`); flow, the density's u (n,) float32 in [0, 1], before the
+    schedule's clamp and shift (:meth:`FlowSchedule.from_draw`); edm, σ (n,) float32 with
+    ln σ ~ N(p_mean, p_std²)."""
+    if cfg.objective == "flow":
+        return draw_sigmas(n, cfg.timestep_sampling, generator, device=device,
+                           logit_mean=cfg.logit_mean, logit_std=cfg.logit_std,
+                           mode_scale=cfg.mode_scale, sigmoid_scale=cfg.sigmoid_scale)
+    if cfg.objective == "edm":
+        return edm.draw_sigmas(n, generator, p_mean=cfg.edm.p_mean, p_std=cfg.edm.p_std,
+                               device=device)
+    return sample_timesteps(n, cfg, T, generator, device)
 
 
 def q_sample(x0: Tensor, alpha: Tensor, sigma: Tensor, noise: Tensor) -> Tensor:
@@ -180,6 +208,17 @@ def to_x0_eps(prediction: Prediction, out: Tensor, x_t: Tensor, alpha: Tensor,
     return x0, eps
 
 
+def output_to_x0_eps(schedule: AnySchedule, prediction: Prediction, out: Tensor, x: Tensor,
+                     t: Tensor | float) -> tuple[Tensor, Tensor]:
+    """(x0_hat, eps_hat) from a network output at level ``t``, for any objective: ddpm's
+    ``prediction`` through :func:`to_x0_eps`; flow's velocity and edm's F through their
+    schedule. Affine in ``out`` for every objective (guidance mixes raw outputs)."""
+    if schedule.objective == "ddpm":
+        alpha, sigma = schedule.alpha_sigma(t)
+        return to_x0_eps(prediction, out, x, alpha, sigma)
+    return schedule.to_x0_eps(out, x, t)
+
+
 def loss_weights(cfg: DiffusionConfig, snr: Tensor) -> Tensor:
     """Per-sample weights on the prediction-space MSE.
 
@@ -212,9 +251,10 @@ def loss_weights(cfg: DiffusionConfig, snr: Tensor) -> Tensor:
 
 @dataclass
 class Draws:
-    """The random draws of one loss evaluation: timesteps t (N,) long, noise like x0,
-    uniforms u (N,) for label dropout (dropped where u < cfg_dropout), and with
-    ``diffusion.noise_offset`` the offsets (N, C, 1, 1) added to the noise."""
+    """The random draws of one loss evaluation: the levels t (N,) as :func:`sample_levels`
+    draws them (ddpm: long timesteps; flow, edm: float32), noise like x0, uniforms u (N,) for
+    label dropout (dropped where u < cfg_dropout), and with ``diffusion.noise_offset`` the
+    offsets (N, C, 1, 1) added to the noise."""
 
     t: Tensor
     noise: Tensor
@@ -229,7 +269,8 @@ class Draws:
 def draw(n: int, shape: tuple[int, ...], cfg: DiffusionConfig, T: int,
          generator: torch.Generator, device: torch.device | str | None = None,
          dtype: torch.dtype = torch.float32) -> Draws:
-    """Draw, in this order and all from ``generator``, t (n,), noise (n, *shape), u (n,),
+    """Draw, in this order and all from ``generator``, t (n,) (:func:`sample_levels`),
+    noise (n, *shape), u (n,),
     and with ``cfg.noise_offset`` > 0 the offsets (n, C, 1, 1) (drawn last, so runs without
     it replay as before).
 
@@ -237,7 +278,7 @@ def draw(n: int, shape: tuple[int, ...], cfg: DiffusionConfig, T: int,
     micro-batch its slice, so the randomness of sample i of global batch b does not depend
     on how the batch is split (world size, gradient accumulation).
     """
-    t = sample_timesteps(n, cfg, T, generator, device)
+    t = sample_levels(n, cfg, T, generator, device)
     noise = torch.randn((n, *shape), generator=generator, device=device, dtype=dtype)
     u = torch.rand(n, generator=generator, device=device)
     offset = None
@@ -247,28 +288,30 @@ def draw(n: int, shape: tuple[int, ...], cfg: DiffusionConfig, T: int,
     return Draws(t, noise, u, offset)
 
 
-def diffusion_loss(model: nn.Module, x0: Tensor, y: Tensor | None, schedule: Schedule,
+def diffusion_loss(model: nn.Module, x0: Tensor, y: Tensor | None, schedule: AnySchedule,
                    cfg: DiffusionConfig, generator: torch.Generator | None = None, *,
                    draws: Draws | None = None) -> LossOutput:
-    """One evaluation of the denoising loss on a batch.
+    """One evaluation of the denoising loss on a batch, for ``cfg.objective``.
 
     Randomness: either ``draws`` (pre-drawn, see :func:`draw`), or :func:`draw` from
-    ``generator``: t (N,), noise like x0, and the label-dropout uniforms (N,); where
+    ``generator``: the levels (N,), noise like x0, and the label-dropout uniforms (N,); where
     u < cfg.cfg_dropout (and y is given) y is replaced by the null condition (the null class
     ``model.num_classes``, or a text model's empty caption: :func:`null_condition`; Ho &
-    Salimans 2022). The per-sample loss is the weighted MSE in prediction space,
-    averaged over C, H, W; it is computed in float32 whatever the autocast dtype of the model
-    output. No host syncs.
+    Salimans 2022). The per-sample loss is the weighted MSE in the network's output space
+    (ddpm: the prediction's; flow: the velocity's; edm: F's, which is EDM's λ(σ)-weighted
+    denoiser loss), averaged over C, H, W; it is computed in float32 whatever the autocast
+    dtype of the model output. No host syncs.
 
     Args:
-        model: denoiser ``model(x, t, y) -> out``, t (N,) float timesteps.
+        model: denoiser ``model(x, t, y) -> out``, t (N,) float32 (the schedule's
+            ``model_time``: ddpm timesteps, flow σ·T, edm T·¼ln σ).
         x0: (N, C, H, W) clean data in [-1, 1] (or latents). y: (N,) long labels, (N, L, D)
             text context, or None.
-        schedule: the noise schedule. cfg: the diffusion config section.
+        schedule: the objective's schedule (:func:`make_schedule`). cfg: the diffusion section.
         generator: torch.Generator on x0's device (when ``draws`` is None).
         draws: the draws for exactly these N samples.
     Returns:
-        LossOutput(loss 0-dim, per_sample (N,), t (N,) long).
+        LossOutput(loss 0-dim, per_sample (N,), t (N,) long t-bucket coordinates).
     """
     n, device = x0.shape[0], x0.device
     if draws is None:
@@ -278,12 +321,13 @@ def diffusion_loss(model: nn.Module, x0: Tensor, y: Tensor | None, schedule: Sch
     if draws.t.shape[0] != n or draws.noise.shape != x0.shape:
         raise ValueError(f"draws for {draws.t.shape[0]} samples of {tuple(draws.noise.shape)} "
                          f"do not match the batch {tuple(x0.shape)}")
-    t, noise = draws.t, draws.noise.to(x0.dtype)
+    noise = draws.noise.to(x0.dtype)
     if cfg.noise_offset > 0 and draws.offset is not None:
         # offset noise (Guttenberg 2023): a per-channel constant added to the noise lets the
         # model change an image's mean brightness, which plain noise barely teaches
         noise = noise + cfg.noise_offset * draws.offset.to(x0.dtype)
-    alpha, sigma = schedule.alpha_sigma(t)  # (N,) float32 table lookups
+    lv = schedule.from_draw(draws.t)  # ddpm: t (N,) long; flow, edm: σ (N,) float32
+    alpha, sigma = schedule.alpha_sigma(lv)  # (N,) float32
     x_t = q_sample(x0, alpha, sigma, noise)  # (N, C, H, W)
 
     if y is not None:
@@ -293,11 +337,17 @@ def diffusion_loss(model: nn.Module, x0: Tensor, y: Tensor | None, schedule: Sch
         if cfg.cfg_dropout > 0:
             y = drop_condition(model, y, draws.u < cfg.cfg_dropout)
 
-    out = model(x_t, t.to(torch.float32), y)
-    target = training_target(cfg.prediction, x0, noise, alpha, sigma)
+    out = model(schedule.model_input(x_t, lv), schedule.model_time(lv), y)
+    if schedule.objective == "ddpm":
+        target = training_target(cfg.prediction, x0, noise, alpha, sigma)
+    else:
+        target = schedule.target(x0, noise, x_t, lv)
     # MSE in float32: under bf16/fp16 autocast the output is low precision, the loss must not be.
     err = (out.float() - target.float()).square()
     per_sample = err.mean(dim=tuple(range(1, err.ndim)))  # (N,)
     if cfg.loss_weighting != "uniform":
-        per_sample = per_sample * loss_weights(cfg, schedule.snr(t))
-    return LossOutput(loss=per_sample.mean(), per_sample=per_sample, t=t)
+        if schedule.objective == "flow":
+            per_sample = per_sample * flow.loss_weight(cfg.loss_weighting, lv)
+        else:
+            per_sample = per_sample * loss_weights(cfg, schedule.snr(lv))
+    return LossOutput(loss=per_sample.mean(), per_sample=per_sample, t=schedule.bucket(lv))

@@ -7,6 +7,24 @@ fractional t, which we answer by interpolating λ linearly between the two integ
 
 Everything is computed in float64 on the CPU once; per-device copies of the tables are cached
 on first use so that the hot path (one lookup per training step) does not re-upload them.
+
+The other objectives' noise levels (``diffusion.objective``) live here too: :class:`FlowSchedule`
+(rectified flow, the level is σ in [0, 1]) and :class:`EDMSchedule` (σ in (0, ∞)), built by
+:func:`make_schedule` from the same config section. All three keep one contract, which the
+loss (objectives.py), the samplers (samplers.py) and the doctor's probe use without asking
+which objective they have; a *level* is a DDPM timestep t or a σ:
+
+    objective                      "ddpm" | "flow" | "edm"
+    T                              the network's time scale and the guard's bucket range
+    from_draw(d) -> level          the training draw (objectives.draw) made a level
+    alpha_sigma(level) -> (α, σ)   x = α·x0 + σ·ε at that level
+    model_input(x, level) -> x     what the network sees (EDM: c_in·x)
+    model_time(level) -> t         its time input, float32 (DDPM: t; flow: σ·T; EDM: T·¼ln σ)
+    bucket(level) -> long          the guard's t-bucket coordinate in [0, T)
+    grid(steps, spacing) -> levels the sampling grid, descending, without the clean end
+    levels(grid) -> (α, σ, λ)      python floats for the samplers, the clean end appended
+    spread(n) -> levels            n levels across the training range (the doctor's probe)
+    prior_std(level) -> float      the std of the starting noise at grid[0]
 """
 
 from __future__ import annotations
@@ -14,14 +32,17 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from ..config import DiffusionConfig
-from ..kinds import SCHEDULES, ScheduleName
+from ..kinds import OBJECTIVES, SCHEDULES, SPACINGS, FlowGridEnd, Objective, ScheduleName, Spacing
+from . import edm, flow
 
-__all__ = ["Schedule", "make_schedule", "resolution_shift"]
+__all__ = ["Schedule", "FlowSchedule", "EDMSchedule", "AnySchedule", "make_schedule",
+           "resolution_shift", "sampling_timesteps", "flow_seq_len"]
 
 # Piecewise log-SNR points are kept inside this range so that ᾱ = sigmoid(λ) stays strictly
 # inside (0, 1) in float64 (sigmoid(37) already rounds to 1.0). SNR = 0 at the end is what
@@ -49,6 +70,7 @@ class Schedule:
     alphas_cumprod: Tensor
     # device -> (ᾱ table, λ table, alpha table f32, sigma table f32); filled lazily.
     _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    objective: ClassVar[Objective] = "ddpm"
 
     def __post_init__(self) -> None:
         self.betas = torch.as_tensor(self.betas, dtype=torch.float64).detach().cpu().contiguous()
@@ -167,6 +189,236 @@ class Schedule:
         return (lo.to(w.dtype) + w).to(dtype)
 
 
+    # ------------------------------------------------------------------ the level contract
+    # (see the module docstring): a DDPM level is the timestep t itself.
+
+    def from_draw(self, t: Tensor) -> Tensor:
+        """The drawn timesteps (long) are the levels."""
+        return t
+
+    def model_input(self, x: Tensor, t: Tensor | float) -> Tensor:
+        return x
+
+    def model_time(self, t: Tensor) -> Tensor:
+        """The network is called with t itself, as float32 (integer-valued in training)."""
+        return t.to(torch.float32)
+
+    def bucket(self, t: Tensor) -> Tensor:
+        """The drawn (long) timestep is its own bucket coordinate."""
+        return t if not t.is_floating_point() else t.long().clamp(0, self.T - 1)
+
+    def grid(self, steps: int, spacing: Spacing = "trailing") -> Tensor:
+        """:func:`sampling_timesteps`."""
+        return sampling_timesteps(self, steps, spacing)
+
+    def levels(self, ts: Tensor) -> tuple[list[float], list[float], list[float]]:
+        """alpha, sigma, λ (float64, as python floats) at each t in ts, plus the clean level
+        (alpha = 1, sigma = 0, λ = +inf) appended as the target of the final step."""
+        lam = self.log_snr(ts.detach().to("cpu", torch.float64), dtype=torch.float64)
+        alpha = torch.sigmoid(lam).sqrt().tolist() + [1.0]
+        sigma = torch.sigmoid(-lam).sqrt().tolist() + [0.0]
+        return alpha, sigma, lam.tolist() + [math.inf]
+
+    def spread(self, n: int) -> Tensor:
+        """n integer timesteps evenly over [0, T-1] (long)."""
+        return torch.tensor([round(i * (self.T - 1) / max(n - 1, 1)) for i in range(n)])
+
+    def prior_std(self, t0: float) -> float:
+        """Sampling starts from N(0, I) (ᾱ ≈ 0 at the first timestep)."""
+        return 1.0
+
+
+def sampling_timesteps(schedule: Schedule, steps: int, spacing: Spacing = "trailing") -> Tensor:
+    """The timesteps at which a sampler evaluates the model, descending, integer-valued.
+
+    Spacings from Lin et al. 2024, Table 2 (T = 1000, steps = 10 shown):
+        trailing: round(T - i·T/steps) - 1 -> 999, 899, ..., 99  (recommended: starts at T-1,
+            so sampling begins at the same noise level training ends with)
+        leading:  i·(T // steps), reversed -> 900, 800, ..., 0    (never visits T-1)
+        linspace: round(linspace(T-1, 0, steps)) -> 999, 888, ..., 0
+    Args:
+        steps: number of model evaluations, 1..T.
+    Returns:
+        (steps,) float32 CPU tensor, strictly descending, values in [0, T-1].
+    """
+    T = schedule.T
+    if not 1 <= steps <= T:
+        raise ValueError(f"steps must be in [1, {T}] (the schedule's timesteps), got {steps}")
+    i = torch.arange(steps, dtype=torch.float64)
+    if spacing == "trailing":
+        ts = (T - i * (T / steps)).round() - 1
+    elif spacing == "leading":
+        ts = (steps - 1 - i) * (T // steps)
+    elif spacing == "linspace":
+        ts = torch.linspace(T - 1, 0, steps, dtype=torch.float64).round()
+    else:
+        raise ValueError(f"unknown spacing {spacing!r}; valid: {', '.join(SPACINGS)}")
+    return ts.float()
+
+
+# ---------------------------------------------------------------------- flow and EDM
+
+
+def _bcast(a: Tensor, x: Tensor) -> Tensor:
+    return a.reshape(a.shape[0], *([1] * (x.ndim - 1))) if a.ndim == 1 else a
+
+
+def _no_spacing(spacing: Spacing, objective: str) -> None:
+    if spacing != "trailing":
+        raise ValueError(f"spacing={spacing!r} picks integer timesteps of the ddpm objective; "
+                         f"diffusion.objective={objective} samples its own σ grid")
+
+
+@dataclass(eq=False)
+class FlowSchedule:
+    """Rectified flow's noise levels (``diffusion.objective: flow``; diffusion/flow.py): the
+    level of a sample is its σ in [0, 1], x = (1-σ)·x0 + σ·ε, shifted by ``shift`` in
+    training and sampling alike (:func:`flow.shift_sigmas`; FLUX's dynamic shift is the
+    static one with s = e^mu, resolved by :func:`make_schedule` for the run's resolution).
+
+    The network is called with σ·T (diffusers' timestep = σ·1000 for T = 1000) and predicts
+    the velocity ε - x0.
+    """
+
+    T: int
+    shift: float = 1.0
+    grid_end: FlowGridEnd = "steps"
+    objective: ClassVar[Objective] = "flow"
+
+    def from_draw(self, u: Tensor) -> Tensor:
+        """The drawn density value u in [0, 1] -> σ: clamped to [1/T, 1] (the support of
+        diffusers' training table, which never trains at σ = 0), then shifted."""
+        return flow.shift_sigmas(u.clamp(1.0 / self.T, 1.0), self.shift)
+
+    def alpha_sigma(self, sigma: Tensor | float,
+                    dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        s = _as_tensor(sigma).to(dtype)
+        return 1 - s, s
+
+    def model_input(self, x: Tensor, sigma: Tensor | float) -> Tensor:
+        return x
+
+    def model_time(self, sigma: Tensor) -> Tensor:
+        return flow.timesteps(sigma.to(torch.float32), self.T)
+
+    def bucket(self, sigma: Tensor) -> Tensor:
+        """σ in [0, 1] onto [0, T): bucket b of B holds σ in [b/B, (b+1)/B)."""
+        return (sigma.to(torch.float32) * self.T).long().clamp(0, self.T - 1)
+
+    def grid(self, steps: int, spacing: Spacing = "trailing") -> Tensor:
+        """:func:`flow.sampling_sigmas` (from 1, shifted) without its final 0; it ends at
+        1/steps (``grid_end="steps"``), or at the training table's smallest level,
+        shift(1/T), as diffusers' scheduler does by default (``"table"``)."""
+        _no_spacing(spacing, self.objective)
+        end = None
+        if self.grid_end == "table":
+            end = float(flow.shift_sigmas(torch.tensor(1.0 / self.T), self.shift))
+        return flow.sampling_sigmas(steps, shift=self.shift, end=end)[:-1]
+
+    def levels(self, ts: Tensor) -> tuple[list[float], list[float], list[float]]:
+        s = ts.detach().to("cpu", torch.float64).clamp(0, 1)
+        lam = 2 * (torch.log1p(-s) - torch.log(s))  # -inf at σ = 1, +inf at σ = 0
+        return (1 - s).tolist() + [1.0], s.tolist() + [0.0], lam.tolist() + [math.inf]
+
+    def spread(self, n: int) -> Tensor:
+        return torch.linspace(0.0, 1.0, n)
+
+    def prior_std(self, t0: float) -> float:
+        return 1.0
+
+    def to_x0_eps(self, out: Tensor, x: Tensor, sigma: Tensor | float) -> tuple[Tensor, Tensor]:
+        """(x0, ε) from the velocity: x0 = x - σ·v, ε = x + (1-σ)·v (affine in v)."""
+        s = _as_tensor(sigma).to(x.device, torch.float32)
+        return flow.to_x0(x, out, s), flow.to_noise(x, out, s)
+
+    def target(self, x0: Tensor, noise: Tensor, x: Tensor, sigma: Tensor) -> Tensor:
+        return flow.velocity(x0, noise)
+
+
+@dataclass(eq=False)
+class EDMSchedule:
+    """EDM's noise levels (``diffusion.objective: edm``; diffusion/edm.py): the level is
+    σ > 0, x = x0 + σ·ε; training draws ln σ ~ N(p_mean, p_std²), sampling walks the Karras
+    grid from sigma_max. The network sees c_in·x at time T·c_noise = T·¼·ln σ (Table 1's
+    c_noise, scaled like the DDPM timesteps our sinusoidal embedding resolves), and
+    predicts F.
+    """
+
+    T: int
+    sigma_data: float = edm.SIGMA_DATA
+    p_mean: float = edm.P_MEAN
+    p_std: float = edm.P_STD
+    sigma_min: float = edm.SIGMA_MIN
+    sigma_max: float = edm.SIGMA_MAX
+    rho: float = edm.RHO
+    objective: ClassVar[Objective] = "edm"
+
+    def from_draw(self, sigma: Tensor) -> Tensor:
+        return sigma
+
+    def alpha_sigma(self, sigma: Tensor | float,
+                    dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+        s = _as_tensor(sigma).to(dtype)
+        return torch.ones_like(s), s
+
+    def model_input(self, x: Tensor, sigma: Tensor | float) -> Tensor:
+        s = _as_tensor(sigma).to(x.device, torch.float32)
+        _, _, c_in, _ = edm.precondition(s, self.sigma_data)
+        return x * _bcast(c_in, x).to(x.dtype)
+
+    def model_time(self, sigma: Tensor) -> Tensor:
+        _, _, _, c_noise = edm.precondition(sigma.to(torch.float32), self.sigma_data)
+        return self.T * c_noise
+
+    def bucket(self, sigma: Tensor) -> Tensor:
+        """σ onto [0, T) by the training distribution's CDF, Φ((ln σ - p_mean)/p_std): every
+        bucket holds the same share of the training draws."""
+        z = (sigma.to(torch.float32).log() - self.p_mean) / self.p_std
+        u = 0.5 * (1 + torch.erf(z / math.sqrt(2)))
+        return (u * self.T).long().clamp(0, self.T - 1)
+
+    def grid(self, steps: int, spacing: Spacing = "trailing") -> Tensor:
+        """:func:`edm.karras_sigmas` without its final 0."""
+        _no_spacing(spacing, self.objective)
+        return edm.karras_sigmas(steps, self.sigma_min, self.sigma_max, self.rho)[:-1]
+
+    def levels(self, ts: Tensor) -> tuple[list[float], list[float], list[float]]:
+        s = ts.detach().to("cpu", torch.float64)
+        if bool((s <= 0).any()):
+            raise ValueError("EDM levels are σ > 0; the clean end is appended by the sampler")
+        return [1.0] * (len(s) + 1), s.tolist() + [0.0], (-2 * s.log()).tolist() + [math.inf]
+
+    def spread(self, n: int) -> Tensor:
+        """n levels at the training distribution's quantiles (i + 1/2)/n."""
+        q = (torch.arange(n, dtype=torch.float64) + 0.5) / n
+        z = math.sqrt(2) * torch.erfinv(2 * q - 1)
+        return (self.p_mean + self.p_std * z).exp().float()
+
+    def prior_std(self, t0: float) -> float:
+        """x(σ0) ~ N(0, σ0²·I) (the data's own spread is negligible at σ0 = 80)."""
+        return float(t0)
+
+    def to_x0_eps(self, out: Tensor, x: Tensor, sigma: Tensor | float) -> tuple[Tensor, Tensor]:
+        """x0 = D = c_skip·x + c_out·F (affine in F); ε = (x - x0)/σ."""
+        s = _as_tensor(sigma).to(x.device, torch.float32)
+        x0 = edm.denoised(out, x, s, self.sigma_data)
+        return x0, (x - x0) / _bcast(s, x)
+
+    def target(self, x0: Tensor, noise: Tensor, x: Tensor, sigma: Tensor) -> Tensor:
+        return edm.target(x0, x, sigma.to(torch.float32), self.sigma_data)
+
+
+AnySchedule = Schedule | FlowSchedule | EDMSchedule
+
+
+def flow_seq_len(image_size: int, token_pixels: int = 2) -> int:
+    """The image token count FLUX's dynamic shift reads: (image_size/token_pixels)², the
+    image in tokens of ``token_pixels`` pixels a side (steadydiff's own models: 2x2 patches
+    of pixels, as FLUX packs its latents; FLUX.1 itself: 16, its VAE's x8 times the 2x2
+    packing, so 1024 px is 4096 tokens)."""
+    return (image_size // token_pixels) ** 2
+
+
 # ---------------------------------------------------------------------- constructors
 
 
@@ -281,8 +533,10 @@ def _shift_log_snr(ab: Tensor, shift: float) -> Tensor:
     return torch.sigmoid(lam + shift)
 
 
-def make_schedule(cfg: DiffusionConfig, image_size: int | None = None) -> Schedule:
-    """Build the schedule described by ``cfg`` (``diffusion`` section).
+def make_schedule(cfg: DiffusionConfig, image_size: int | None = None) -> AnySchedule:
+    """Build the schedule described by ``cfg`` (``diffusion`` section): a :class:`Schedule`
+    for ``objective: ddpm`` (below), a :class:`FlowSchedule` (its shift resolved: the
+    dynamic one from ``image_size``) or an :class:`EDMSchedule`.
 
     Kinds:
         linear: β linear from beta_start to beta_end (Ho et al. 2020; 1e-4..0.02 at T=1000).
@@ -306,6 +560,24 @@ def make_schedule(cfg: DiffusionConfig, image_size: int | None = None) -> Schedu
         ValueError: invalid piecewise points, or a schedule that underflows/flattens.
     """
     T = cfg.timesteps
+    if cfg.objective == "flow":
+        f = cfg.flow
+        shift = f.shift
+        if f.dynamic_shift:
+            if image_size is None:
+                raise ValueError("diffusion.flow.dynamic_shift is set: make_schedule needs the "
+                                 "training resolution (image_size=cfg.data.image_size)")
+            shift = math.exp(flow.dynamic_shift_mu(
+                flow_seq_len(image_size, f.token_pixels), base_seq_len=f.base_seq_len,
+                max_seq_len=f.max_seq_len, base_shift=f.base_shift, max_shift=f.max_shift))
+        return FlowSchedule(T=T, shift=shift, grid_end=f.grid_end)
+    if cfg.objective == "edm":
+        e = cfg.edm
+        return EDMSchedule(T=T, sigma_data=e.sigma_data, p_mean=e.p_mean, p_std=e.p_std,
+                           sigma_min=e.sigma_min, sigma_max=e.sigma_max, rho=e.rho)
+    if cfg.objective != "ddpm":
+        raise ValueError(f"unknown diffusion.objective {cfg.objective!r}; valid: "
+                         f"{', '.join(OBJECTIVES)}")
     if cfg.schedule == "linear":
         betas = torch.linspace(cfg.beta_start, cfg.beta_end, T, dtype=torch.float64)
         ab = torch.cumprod(1.0 - betas, 0)

@@ -1,9 +1,10 @@
 """Doctor: one probe forward pass on a real batch, and what it shows.
 
-The run's data (noise when the dataset cannot be built) noised at timesteps spread over
-[0, T): per-layer activation maxima and the fp16 overflow margin (65504 / max|activation|);
-normalization layers whose input variance is at or below their eps (they stop normalizing:
-output std ≈ sqrt(var / (var + eps)), and the layer that produced the input is named);
+The run's data (noise when the dataset cannot be built) noised at levels spread over the
+objective's range (ddpm: [0, T)): per-layer activation maxima and the fp16 overflow margin
+(65504 / max|activation|); normalization layers whose input variance is at or below their eps
+(they stop normalizing: output std ≈ sqrt(var / (var + eps)), and the layer that produced the
+input is named);
 attention logit growth and entropy collapse (Dehghani et al. 2023; the cure is QK-norm).
 Uses the guard's own probes (:func:`steadydiff.guard.probes.probe` and ``findings``).
 """
@@ -64,7 +65,8 @@ def probe_batch(cfg: Any, n: int = 8, *, seed: int = 0) -> tuple[torch.Tensor, t
 @torch.no_grad()
 def run_probe(model: nn.Module, cfg: Any, x0: torch.Tensor, y: torch.Tensor | None, *,
               seed: int = 0) -> dict[str, Any]:
-    """One forward pass of ``model`` on ``x0`` noised at timesteps spread over [0, T), with
+    """One forward pass of ``model`` on ``x0`` noised at levels spread over the objective's
+    training range (ddpm: timesteps over [0, T); flow, edm: :meth:`spread`), with
     the guard's attention/normalization probes and per-module activation hooks.
 
     Returns:
@@ -75,13 +77,14 @@ def run_probe(model: nn.Module, cfg: Any, x0: torch.Tensor, y: torch.Tensor | No
     device = next(model.parameters()).device
     n = x0.shape[0]
     sched = make_schedule(cfg.diffusion, cfg.data.image_size)
-    t = torch.tensor([round(i * (sched.T - 1) / max(n - 1, 1)) for i in range(n)],
-                     device=device)
-    alpha, sigma = sched.alpha_sigma(t)
+    lv = sched.spread(n).to(device)  # ddpm: timesteps over [0, T); flow, edm: σ over training's
+    alpha, sigma = sched.alpha_sigma(lv)
     g = torch.Generator(device=device).manual_seed(seed)
     x0 = x0.to(device)
     noise = torch.randn(x0.shape, generator=g, device=device)
-    xt = q_sample(x0.clamp(-1, 1), alpha, sigma, noise)
+    # the network's input and time as the objective trains it (edm: c_in·x at T·¼ln σ)
+    xt = sched.model_input(q_sample(x0.clamp(-1, 1), alpha, sigma, noise), lv)
+    t = sched.model_time(lv)
     if getattr(model, "num_classes", 0):
         y = (y.to(device).clamp(0, model.num_classes) if y is not None else
              torch.full((n,), model.num_classes, device=device, dtype=torch.long))
@@ -117,7 +120,7 @@ def run_probe(model: nn.Module, cfg: Any, x0: torch.Tensor, y: torch.Tensor | No
     was = model.training
     model.eval()
     try:
-        stats = probes.probe(model, lambda: model(xt, t.float(), y))
+        stats = probes.probe(model, lambda: model(xt, t, y))
     finally:
         for h in handles:
             h.remove()

@@ -762,9 +762,9 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     run = RunDir(run_dir)
-    cfg, notes = preflight.resolve(cfg)  # an SD folder's scheduler decides the diffusion
+    cfg, notes = preflight.resolve(cfg)  # a model family's folder decides its recipe
     for note in notes:
-        say(f"stable diffusion: {note}")
+        say(f"model: {note}")
     cfg, chosen = speed.resolve(cfg, device)  # every `auto` speed setting, once, for device
     if chosen:
         say(speed.describe(chosen, device))

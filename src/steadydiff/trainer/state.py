@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..config import Config
-from ..diffusion import Schedule
+from ..diffusion import AnySchedule
 from ..guard import Decision, Guard
 from ..guard.update import Update
 from ..kinds import Precision
@@ -32,7 +32,7 @@ class TrainState:
     ema: EMA
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler | None
-    schedule: Schedule
+    schedule: AnySchedule  # the objective's (diffusion.objective)
     device: torch.device
     precision: Precision          # the runtime precision (the guard may fall back from fp16)
     grad_accum: int               # runtime micro-batches per step (OOM backoff doubles it)

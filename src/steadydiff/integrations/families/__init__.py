@@ -18,14 +18,16 @@ from typing import Any
 from torch import nn
 
 from .base import Family, Layout, Parts, SDFolderError, TextEncoder, read_json
+from .flux import Flux
 from .sd import SD
+from .sd3 import SD3
 from .sdxl import SDXL
 
 __all__ = ["FAMILIES", "Family", "Layout", "Parts", "SDFolderError", "TextEncoder", "get",
            "names", "of_index", "of_folder", "of_module", "read_json", "expected"]
 
 #: The table: one instance per family (order: what error messages list).
-FAMILIES: tuple[Family, ...] = (SD(), SDXL())
+FAMILIES: tuple[Family, ...] = (SD(), SDXL(), SD3(), Flux())
 
 
 def names() -> tuple[str, ...]:

@@ -32,7 +32,8 @@ from torch import Tensor, nn
 
 from ...config import ConfigError
 
-__all__ = ["SDFolderError", "read_json", "load_part", "Layout", "Parts", "Family", "TextEncoder"]
+__all__ = ["SDFolderError", "read_json", "load_part", "Layout", "Parts", "Family", "TextEncoder",
+           "Setting"]
 
 
 class SDFolderError(ConfigError):
@@ -67,6 +68,27 @@ def load_part(what: str, fn: Callable[..., Any], sub: Path, **kw: Any) -> Any:
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         raise SDFolderError(f"{sub}: the {what} does not load: {type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
+
+
+# --------------------------------------------------------------------------- the recipe
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One value of a family's training recipe (a config key's value).
+
+    Attributes:
+        value: the key's value.
+        source: where it comes from (the folder's file and field, or the trainers whose
+            default it is), printed at start.
+        default: False: a property of the folder (the scheduler the model was trained
+            with), always applied; True: the family's trainers' default (the timestep
+            density, the loss weighting), applied only when the user did not set the key.
+    """
+
+    value: Any
+    source: str
+    default: bool = False
 
 
 # --------------------------------------------------------------------------- the condition
@@ -193,6 +215,8 @@ class TextEncoder:
         classes: the transformers classes that may fill it.
         lora: whether the family's trainers train a LoRA on it (``adapter.text_encoder``).
         kohya: its prefix in kohya's LoRA files (``lora_te_``, ``lora_te1_`` ...).
+        fp16: whether it may run in fp16; False (T5, whose activations overflow fp16):
+            bf16, or fp32 where bf16 is not available, when the frozen parts are fp16.
     """
 
     part: str
@@ -200,6 +224,7 @@ class TextEncoder:
     classes: tuple[str, ...]
     lora: bool = True
     kohya: str = "lora_te_"
+    fp16: bool = True
 
 
 @dataclass
@@ -270,8 +295,9 @@ class Family:
     #: kohya's ``ss_base_model_version`` and the modelspec architecture of LoRA files
     kohya_version: ClassVar[str] = ""
     modelspec: ClassVar[str] = ""
-    #: kohya's prefix for the denoiser's LoRA layers
+    #: kohya's prefix for the denoiser's LoRA layers, and its network module's name
     kohya_denoiser: ClassVar[str] = "lora_unet_"
+    kohya_module: ClassVar[str] = "networks.lora"
     #: the LoRA layers' key style in the diffusers file: "diffusers" (``.lora.down``, the
     #: UNet loaders' legacy names) or "peft" (``.lora_A``, the transformer loaders')
     diffusers_lora_keys: ClassVar[str] = "diffusers"
@@ -285,27 +311,40 @@ class Family:
     def check_config(self, root: Path, part: str, conf: dict[str, Any]) -> None:
         """Refuse a part's config.json that does not fit the family."""
 
+    def describe(self, root: Path, model: Any) -> list[str]:
+        """The family's recipe values that are no config key (the start line prints them
+        with the config's): the VAE's shift and scaling factors, T5's length, the
+        guidance embedding, the latent packing."""
+        vae = read_json(root / "vae" / "config.json", "the VAE's configuration")
+        out = [f"VAE scaling_factor {vae.get('scaling_factor', 0.18215)}"]
+        if vae.get("shift_factor"):
+            out.append(f"shift_factor {vae['shift_factor']}")
+        return out
+
     def force_zeros(self, index: dict[str, Any]) -> bool:
         """Whether the pipeline's null condition is zeros (``force_zeros_for_empty_prompt``
         in model_index.json), not the encoded empty caption."""
         return False
 
-    def recipe(self, root: Path) -> dict[str, Any]:
-        """The ``diffusion.*`` values the folder's scheduler config implies (the family's
-        training recipe; printed at start, saved in the run's config)."""
+    def recipe(self, root: Path) -> dict[str, Setting]:
+        """The family's training recipe for the folder ``root``: config keys -> their
+        :class:`Setting` (the scheduler config's objective, timesteps, schedule or shift;
+        the trainers' defaults). Printed at start, saved in the run's config."""
         raise NotImplementedError
 
-    def load(self, root: Path) -> Parts:
+    def load(self, root: Path, denoiser: bool = True) -> Parts:
         """Every part of the (checked) diffusers folder ``root``, fp32 on the CPU, each
         through its class's ``from_pretrained`` (local files, safetensors only): the
-        denoiser, the VAE, and each text encoder (the class model_index.json names) with
-        its tokenizer."""
+        denoiser (unless ``denoiser`` is false: a single file brings it), the VAE, and each
+        text encoder (the class model_index.json names) with its tokenizer."""
         import diffusers
         import transformers
 
         index = read_json(root / "model_index.json", "the pipeline's index")
-        den = load_part(self.title, getattr(diffusers, self.denoiser_class).from_pretrained,
-                        root / self.denoiser, use_safetensors=True)
+        den = None
+        if denoiser:
+            den = load_part(self.title, getattr(diffusers, self.denoiser_class).from_pretrained,
+                            root / self.denoiser, use_safetensors=True)
         vae = load_part("VAE", diffusers.AutoencoderKL.from_pretrained, root / "vae",
                         use_safetensors=True).eval()
         toks, tes = [], []
@@ -322,14 +361,25 @@ class Family:
         """The parts of the single file ``f``, with the configs of the folder ``root``."""
         raise NotImplementedError
 
+    #: the parts a single file of this family holds (the rest, with weights, comes from
+    #: model.single_file_config); None: every part (the original SD checkpoints)
+    single_file_parts: ClassVar[tuple[str, ...] | None] = None
+
     def single_file_keys(self) -> tuple[str, ...]:
         """Key prefixes one of which a single file of this family has (checked before
         loading, so a file of another kind is named as such)."""
         return ()
 
+    def single_file_prefix(self, keys: list[str]) -> str:
+        """The prefix of the denoiser's keys in a single file with ``keys`` (every key under
+        it is the denoiser's; "": the file is the denoiser alone)."""
+        return "model.diffusion_model."
+
     def original_state_dict(self, denoiser: nn.Module, vae: nn.Module | None,
-                            text_encoders: list[nn.Module | None]) -> dict[str, Tensor]:
-        """The parts in the original single-file layout (A1111/ComfyUI's)."""
+                            text_encoders: list[nn.Module | None],
+                            prefix: str | None = None) -> dict[str, Tensor]:
+        """The parts in the original single-file layout (A1111/ComfyUI's); ``prefix``: the
+        denoiser's key prefix where the family's files vary (None: its makers' own)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ geometry
@@ -339,10 +389,16 @@ class Family:
         2 ** (levels - 1); a patchified transformer: its patch size)."""
         return 2 ** (len(conf["block_out_channels"]) - 1)
 
-    def latent_shape(self, conf: Any) -> tuple[int, int]:
-        """(latent channels, native latent side) from the denoiser's config."""
+    def latent_shape(self, conf: Any, vae_conf: Any) -> tuple[int, int]:
+        """(latent channels, native latent side) from the denoiser's and the VAE's
+        configs."""
         side = conf.sample_size
         return int(conf.in_channels), int(side if isinstance(side, int) else side[0])
+
+    def max_sequence_length(self, conf: Any) -> int | None:
+        """T5's length for this denoiser (its config: FLUX.1 dev or schnell), None for a
+        family without T5; ``model.max_sequence_length`` overrides it."""
+        return None
 
     def build_denoiser(self, conf: dict[str, Any]) -> nn.Module:
         """The denoiser from its config (call on the meta device to count parameters)."""
@@ -357,9 +413,10 @@ class Family:
 
     # ------------------------------------------------------------------ text
 
-    def layout(self, tokenizers: list[Any], encoders: list[nn.Module],
-               force_zeros: bool) -> Layout:
-        """Where the encoders' outputs sit in ``y``."""
+    def layout(self, tokenizers: list[Any], encoders: list[nn.Module], force_zeros: bool,
+               max_sequence_length: int | None = None) -> Layout:
+        """Where the encoders' outputs sit in ``y`` (``max_sequence_length``: T5's length,
+        ``model.max_sequence_length``; None: the family's pipeline's)."""
         te, tok = encoders[0], tokenizers[0]
         return Layout(text_len=int(tok.model_max_length), width=int(te.config.hidden_size),
                       ids_len=(int(tok.model_max_length),), pad_ids=(tok.pad_token_id,))
@@ -395,22 +452,38 @@ class Family:
         return {"encoder_hidden_states": y}
 
     def call(self, denoiser: nn.Module, x: Tensor, t: Tensor, y: Tensor, layout: Layout,
-             down: int, **extra: Any) -> Tensor:
+             down: int, guidance: float | None = None, **extra: Any) -> Tensor:
         """The denoiser's output for latents ``x`` (N, C, H, W) at steadydiff's timestep
-        ``t`` (N,) under the packed condition ``y``; ``extra`` goes to the call (a
-        ControlNet's residuals)."""
+        ``t`` (N,) under the packed condition ``y``. ``down``: the VAE's downsampling;
+        ``guidance``: a guidance-distilled transformer's embedded guidance (FLUX.1 dev);
+        ``extra`` goes to the call (a ControlNet's residuals)."""
         return denoiser(x, t, **self.condition(x, y, layout, down), **extra,
                         return_dict=False)[0]
 
     #: the key layout of a single-file ControlNet A1111 and ComfyUI load for this family:
-    #: ``original`` (lllyasviel's ``control_model.*``, SD 1.x/2.x) or ``diffusers``
-    controlnet_file_layout: ClassVar[str] = "diffusers"
+    #: ``original`` (lllyasviel's ``control_model.*``, SD 1.x/2.x) or ``diffusers``;
+    #: None: steadydiff trains no ControlNet for the family yet
+    controlnet_file_layout: ClassVar[str | None] = None
+
+    def prepare_attention(self, denoiser: nn.Module) -> None:
+        """Give the denoiser's attention layers the processor that follows their
+        ``upcast_attention`` attribute (the guard's per-layer fp16 remedy). Default: a
+        UNet's, q kᵀ in fp32 (attention.UpcastAware)."""
+        from .attention import UpcastAware
+
+        denoiser.set_attn_processor(UpcastAware())
 
     # ------------------------------------------------------------------ LoRA files
 
     def base_version(self, denoiser: nn.Module) -> str:
         """kohya's ``ss_base_model_version`` of a LoRA over ``denoiser``."""
         return self.kohya_version
+
+    def kohya_entries(self, config: Any) -> list[Any] | None:
+        """The original modules kohya's names follow when they fuse diffusers' modules
+        (a transformer's ``qkv``: sd/original.py entries), or None: one kohya layer per
+        LoRA layer at :meth:`kohya_path`."""
+        return None
 
     def kohya_path(self, path: str, config: Any) -> str:
         """The module path kohya's names use for the denoiser's module ``path`` (SD 1.x:

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from ..sd.ldm import TEXT, UNET, LayoutError, clip_to_original, unet_to_original, vae_to_original
-from .base import Family, Parts, SDFolderError, TextEncoder, read_json
+from .base import Family, Parts, SDFolderError, Setting, TextEncoder, read_json
 
 __all__ = ["SD", "ddpm_recipe", "SCHEDULERS"]
 
@@ -62,6 +62,7 @@ def ddpm_recipe(root: Path) -> dict[str, Any]:
                             f"{' with trained_betas' if s.get('trained_betas') else ''} is not "
                             f"supported; valid: {', '.join(_SCHEDULES)}")
     out: dict[str, Any] = {
+        "diffusion.objective": "ddpm",
         "diffusion.timesteps": int(s.get("num_train_timesteps", 1000)),
         "diffusion.schedule": _SCHEDULES[kind],
         "diffusion.prediction": _PREDICTIONS[pred],
@@ -108,8 +109,9 @@ class SD(Family):
         return super().owns(module) and \
             getattr(module.config, "addition_embed_type", None) != "text_time"
 
-    def recipe(self, root: Path) -> dict[str, Any]:
-        return ddpm_recipe(root)
+    def recipe(self, root: Path) -> dict[str, Setting]:
+        src = f"{Path(root).name}/scheduler/scheduler_config.json"
+        return {k: Setting(v, src) for k, v in ddpm_recipe(root).items()}
 
     def base_version(self, denoiser: nn.Module) -> str:
         """``ss_base_model_version`` as sd-scripts spell it: sd_v1 or sd_v2 (a 1024-wide
@@ -136,7 +138,8 @@ class SD(Family):
                      [pipe.text_encoder.eval()])
 
     def original_state_dict(self, denoiser: nn.Module, vae: nn.Module | None,
-                            text_encoders: list[nn.Module | None]) -> dict[str, Tensor]:
+                            text_encoders: list[nn.Module | None],
+                            prefix: str | None = None) -> dict[str, Tensor]:
         """UNet, VAE and the CLIP text encoder in the original SD 1.x layout (the CLIP
         under ``cond_stage_model.transformer.``).
 

@@ -156,8 +156,8 @@ class SDXL(SD):
 
     # ------------------------------------------------------------------ text
 
-    def layout(self, tokenizers: list[Any], encoders: list[nn.Module],
-               force_zeros: bool) -> Layout:
+    def layout(self, tokenizers: list[Any], encoders: list[nn.Module], force_zeros: bool,
+               max_sequence_length: int | None = None) -> Layout:
         length = int(tokenizers[0].model_max_length)
         return Layout(text_len=length,
                       width=sum(int(te.config.hidden_size) for te in encoders),
@@ -208,7 +208,8 @@ class SDXL(SD):
                      force_zeros=bool(pipe.config.get("force_zeros_for_empty_prompt", True)))
 
     def original_state_dict(self, denoiser: nn.Module, vae: nn.Module | None,
-                            text_encoders: list[nn.Module | None]) -> dict[str, Tensor]:
+                            text_encoders: list[nn.Module | None],
+                            prefix: str | None = None) -> dict[str, Tensor]:
         """UNet, VAE, the CLIP under ``conditioner.embedders.0.transformer.`` and the
         OpenCLIP under ``conditioner.embedders.1.model.`` (both or neither)."""
         from ..sd.ldm import LayoutError

@@ -49,10 +49,11 @@ def family_of(path: str | Path) -> Family:
 
 
 def check_folder(path: str | Path, parts: tuple[str, ...] | None = None, *,
-                 weights: bool = True) -> Path:
+                 weights: bool | tuple[str, ...] = True) -> Path:
     """Check that ``path`` is a diffusers folder of a model family with ``parts`` (None:
     every part of its family's table) and their safetensors weights unless ``weights`` is
-    false (a single file's config).
+    false (a single file's config); a tuple: the parts that may lack weights (those a
+    single file of the family holds).
 
     Raises:
         SDFolderError: the path is missing, a file (a single-file checkpoint goes through
@@ -92,7 +93,8 @@ def check_folder(path: str | Path, parts: tuple[str, ...] | None = None, *,
         config = "scheduler_config.json" if part == "scheduler" else "config.json"
         conf = read_json(sub / config, f"the {part}'s configuration")
         family.check_config(root, part, conf)
-        if part == "scheduler" or not weights:
+        if part == "scheduler" or weights is False or \
+                (isinstance(weights, tuple) and part in weights):
             continue
         found = list(sub.glob("*.safetensors")) + list(sub.glob("*.safetensors.index.json"))
         if not found:
@@ -100,7 +102,10 @@ def check_folder(path: str | Path, parts: tuple[str, ...] | None = None, *,
             hint = (f" (it has {', '.join(pickled)}: pickled weights, which steadydiff never "
                     "unpickles; re-save the model with save_pretrained(..., "
                     "safe_serialization=True))" if pickled else "")
-            raise SDFolderError(f"{sub}/ has no .safetensors weights{hint}")
+            also = (f" (a {family.label} single file holds only "
+                    f"{', '.join(family.single_file_parts or ())}: model.single_file_config "
+                    "must hold the other parts' weights)" if isinstance(weights, tuple) else "")
+            raise SDFolderError(f"{sub}/ has no .safetensors weights{hint}{also}")
     return root
 
 
@@ -120,13 +125,14 @@ def _check_tokenizer(sub: Path) -> None:
 
 
 def diffusion_settings(root: str | Path) -> dict[str, Any]:
-    """The ``diffusion.*`` values the folder's scheduler config implies: its family's
-    training recipe (SD 1.x/2.x, SDXL: the DDPM betas and prediction type).
+    """The config values the folder's family recipe sets (SD 1.x/2.x, SDXL: the DDPM betas
+    and prediction type of its scheduler config; the flow families: the objective and the
+    shift), without where each comes from (``Family.recipe``).
 
     Raises:
         SDFolderError: a schedule or prediction the family's recipe does not train.
     """
-    return family_of(root).recipe(Path(root))
+    return {k: s.value for k, s in family_of(root).recipe(Path(root)).items()}
 
 
 def load_vae(path: str | Path):

@@ -34,15 +34,20 @@ from torch import Tensor, nn
 
 from ..families import of_module
 from .ldm import LayoutError, clip_path, sgm_path
+from .original import fuse_lora, split_lora
 
 LORA_FILE = "pytorch_lora_weights.safetensors"  # diffusers' name for a saved LoRA
 
-__all__ = ["sgm_path", "kohya_names", "kohya_state_dict", "save_kohya", "LoraFile",
+__all__ = ["sgm_path", "kohya_names", "kohya_layers", "KohyaLayer", "kohya_state_dict",
+           "save_kohya", "LoraFile",
            "read_lora_file", "load_lora_file", "base_model_hashes", "LoraFileError"]
 
 PICKLES = (".ckpt", ".pt", ".pth", ".bin", ".pkl")
-# a diffusers LoRA file's prefixes (StableDiffusionXLPipeline.save_lora_weights adds the third)
-_DIFFUSERS = ("unet.", "text_encoder.", "text_encoder_2.")
+# a diffusers LoRA file's prefixes: the denoiser's (a UNet's, a transformer's) and the text
+# encoders' (the pipelines' component names)
+_DENOISERS = ("unet.", "transformer.")
+_TEXT = ("text_encoder.", "text_encoder_2.", "text_encoder_3.")
+_DIFFUSERS = _DENOISERS + _TEXT
 
 
 class LoraFileError(ValueError):
@@ -58,27 +63,84 @@ def _lora_layers(module: nn.Module) -> dict[str, nn.Module]:
             if isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and "default" in m.lora_A}
 
 
+@dataclass
+class KohyaLayer:
+    """One layer of a kohya LoRA file and the peft LoRA layers it holds: one (a plain
+    rename), or several stacked block-diagonally (an original module diffusers splits:
+    a transformer's fused ``qkv``; original.py ``fuse_lora``).
+
+    Attributes:
+        name: its kohya name (``lora_unet_double_blocks_0_img_attn_qkv``).
+        layers: the peft LoRA layer of each part (None: a part without a LoRA).
+        paths: each part's module path in its model.
+        out_dims: each part's output width. swap: the original swaps the output halves.
+    """
+
+    name: str
+    layers: list[nn.Module | None]
+    paths: list[str]
+    out_dims: list[int]
+    swap: bool = False
+
+
+def kohya_layers(denoiser: nn.Module, text_encoders: list[nn.Module | None] = ()
+                 ) -> dict[str, KohyaLayer]:
+    """Every LoRA layer of ``denoiser`` and the text encoders (in the family's order; None
+    where one has no LoRA), grouped into the layers of a kohya file, by kohya name.
+
+    Raises:
+        LoraFileError: a LoRA layer with no kohya name, or more text encoders than the
+            family has.
+    """
+    family = _family(denoiser)
+    out: dict[str, KohyaLayer] = {}
+    lora = _lora_layers(denoiser)
+    entries = family.kohya_entries(denoiser.config)
+    if entries is None:  # one kohya layer per LoRA layer, at the family's module path
+        for n, m in lora.items():
+            try:
+                path = family.kohya_path(n, denoiser.config)
+            except LayoutError as e:
+                raise LoraFileError(str(e)) from None
+            name = family.kohya_denoiser + path.replace(".", "_")
+            out[name] = KohyaLayer(name, [m], [n], [m.out_features])
+    else:  # the original modules, each made of one or more diffusers modules
+        mods = dict(denoiser.named_modules())
+        covered: set[str] = set()
+        for e in entries:
+            if e.how not in ("cat", "swap") or not any(p in lora for p in e.parts):
+                continue
+            name = family.kohya_denoiser + e.original.replace(".", "_")
+            out[name] = KohyaLayer(name, [lora.get(p) for p in e.parts], list(e.parts),
+                                   [int(mods[p].out_features) for p in e.parts],
+                                   e.how == "swap")
+            covered.update(e.parts)
+        left = sorted(set(lora) - covered)
+        if left:
+            raise LoraFileError(f"the LoRA on {left[:3]} has no kohya name (no original "
+                                f"{family.label} module holds it): leave it out of "
+                                "adapter.targets, or write adapter.lora_format=diffusers")
+    tes = list(text_encoders)
+    if len([t for t in tes if t is not None]) and len(tes) > len(family.text):
+        raise LoraFileError(f"{len(tes)} text encoders for a {family.title} that takes "
+                            f"{len(family.text)}")
+    for spec, te in zip(family.text, tes):
+        if te is None:
+            continue
+        for n, m in _lora_layers(te).items():
+            name = spec.kohya + clip_path(n).replace(".", "_")
+            out[name] = KohyaLayer(name, [m], [n], [m.out_features])
+    return out
+
+
 def kohya_names(unet: nn.Module, text_encoders: list[nn.Module | None] = ()
                 ) -> dict[str, tuple[nn.Module, str]]:
     """Every LoRA layer of ``unet`` and the text encoders, by its kohya name:
-    ``{kohya name: (peft layer, its module path)}``."""
-    family = _family(unet)
-    out: dict[str, tuple[nn.Module, str]] = {}
-    for n, m in _lora_layers(unet).items():
-        try:
-            path = family.kohya_path(n, unet.config)
-        except LayoutError as e:
-            raise LoraFileError(str(e)) from None
-        out[family.kohya_denoiser + path.replace(".", "_")] = (m, n)
-    tes = [t for t in text_encoders if t is not None]
-    prefixes = [te.kohya for te in family.text]
-    if len(tes) > len(prefixes):
-        raise LoraFileError(f"{len(tes)} text encoders for a {family.title} that takes "
-                            f"{len(prefixes)}")
-    for prefix, te in zip(prefixes, tes):
-        for n, m in _lora_layers(te).items():
-            out[prefix + clip_path(n).replace(".", "_")] = (m, n)
-    return out
+    ``{kohya name: (peft layer, its module path)}`` (the families whose kohya layers are
+    one LoRA layer each: SD 1.x/2.x, SDXL; a fused layer names its first part)."""
+    return {k: (next(m for m in v.layers if m is not None),
+                next(p for m, p in zip(v.layers, v.paths) if m is not None))
+            for k, v in kohya_layers(unet, text_encoders).items()}
 
 
 def _family(denoiser: nn.Module):
@@ -88,14 +150,24 @@ def _family(denoiser: nn.Module):
         raise LoraFileError(str(e)) from None
 
 
+def _peft_tensors(m: nn.Module | None) -> tuple[Tensor, Tensor, float] | None:
+    if m is None:
+        return None
+    return (m.lora_A["default"].weight.detach().to("cpu", torch.float32),
+            m.lora_B["default"].weight.detach().to("cpu", torch.float32),
+            float(m.lora_alpha["default"]))
+
+
 def kohya_state_dict(unet: nn.Module, text_encoders: list[nn.Module | None] = ()
                      ) -> dict[str, Tensor]:
-    """The LoRA tensors as kohya writes them (fp32, CPU): down, up and alpha per layer."""
+    """The LoRA tensors as kohya writes them (fp32, CPU): down, up and alpha per layer (a
+    fused layer's parts stacked block-diagonally, its alpha x the parts: the same delta)."""
     sd: dict[str, Tensor] = {}
-    for name, (m, _) in kohya_names(unet, text_encoders).items():
-        sd[f"{name}.lora_down.weight"] = m.lora_A["default"].weight
-        sd[f"{name}.lora_up.weight"] = m.lora_B["default"].weight
-        sd[f"{name}.alpha"] = torch.tensor(float(m.lora_alpha["default"]))
+    for name, k in kohya_layers(unet, text_encoders).items():
+        down, up, alpha = fuse_lora([_peft_tensors(m) for m in k.layers], k.out_dims, k.swap)
+        sd[f"{name}.lora_down.weight"] = down
+        sd[f"{name}.lora_up.weight"] = up
+        sd[f"{name}.alpha"] = torch.tensor(float(alpha))
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
 
 
@@ -170,16 +242,22 @@ def save_kohya(path: str | Path, unet: nn.Module, text_encoders: list[nn.Module 
     if bad:
         raise CheckpointError(f"the LoRA has non-finite weights ({bad[0]} and {len(bad) - 1} "
                               "more): not written")
-    ranks = {int(v.shape[0]) for k, v in sd.items() if k.endswith("lora_down.weight")}
-    alphas = {float(v) for k, v in sd.items() if k.endswith(".alpha")}
-    meta = {"ss_network_module": "networks.lora",
+    family = _family(unet)
+    layers = kohya_layers(unet, text_encoders)
+    parts = [t for k in layers.values() for t in map(_peft_tensors, k.layers) if t is not None]
+    ranks = {int(d.shape[0]) for d, _, _ in parts}  # the LoRA's own (a fused layer: k x it)
+    alphas = {a for _, _, a in parts}
+    args: dict[str, Any] = {} if len(ranks) == len(alphas) == 1 else \
+        {"note": "per-layer rank/alpha: see each .alpha"}
+    if any(len(k.layers) > 1 for k in layers.values()):
+        args["split_qkv"] = "True"  # kohya's name for fused layers stored block-diagonally
+    meta = {"ss_network_module": family.kohya_module,
             "ss_network_dim": str(max(ranks)), "ss_network_alpha": _num(max(alphas)),
             "ss_base_model_version": base_model_version(unet),
             "ss_v2": str(base_model_version(unet) == "sd_v2"),
-            "ss_network_args": json.dumps({} if len(ranks) == len(alphas) == 1 else
-                                          {"note": "per-layer rank/alpha: see each .alpha"}),
+            "ss_network_args": json.dumps(args),
             "modelspec.sai_model_spec": "1.0.0",
-            "modelspec.architecture": _family(unet).modelspec,
+            "modelspec.architecture": family.modelspec,
             "modelspec.implementation": "diffusers",
             "ss_training_finished_at": str(time.time())}
     meta.update({k: str(v) for k, v in (metadata or {}).items() if v is not None})
@@ -272,7 +350,7 @@ def read_lora_file(path: str | Path) -> LoraFile:
     else:
         odd = [k for k in sd if not k.startswith(("lora_unet_", "lora_te") + _DIFFUSERS)][:3]
         raise LoraFileError(f"{f}: neither kohya (lora_unet_*/lora_te*) nor diffusers "
-                            f"(unet.*/text_encoder.*/text_encoder_2.*) LoRA keys, e.g. {odd}")
+                            f"(unet.*/transformer.*/text_encoder*.*) LoRA keys, e.g. {odd}")
     for name, (d, u, _) in layers.items():
         if d.ndim < 2 or u.ndim < 2 or u.shape[1] != d.shape[0]:
             raise LoraFileError(f"{f}: {name}: lora_down {tuple(d.shape)} and lora_up "
@@ -304,14 +382,23 @@ def _diffusers_layers(f: Path, sd: dict[str, Tensor], meta: dict[str, str]
                       ) -> dict[str, tuple[Tensor, Tensor, float | None]]:
     from diffusers.utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
 
+    def to_peft(part: dict[str, Tensor], convert) -> dict[str, Tensor]:
+        # the transformer loaders' files hold peft's names already (.lora_A/.lora_B)
+        if not part or all(".lora_A." in k or ".lora_B." in k for k in part):
+            return part
+        return convert(part)
+
     # diffusers' own renames to peft's: the UNet's .lora.down/up, the text encoder's
     # .lora_linear_layer.down/up -> .lora_A/.lora_B
-    peft = convert_unet_state_dict_to_peft({k: v for k, v in sd.items() if k.startswith("unet.")})
-    for prefix in _DIFFUSERS[1:]:  # text_encoder. and SDXL's text_encoder_2.
+    peft: dict[str, Tensor] = {}
+    for prefix in _DENOISERS:
+        peft.update(to_peft({k: v for k, v in sd.items() if k.startswith(prefix)},
+                            convert_unet_state_dict_to_peft))
+    for prefix in _TEXT:
         te = {k: v for k, v in sd.items() if k.startswith(prefix)}
         # CLIP paths with their text_model level, whichever transformers wrote the file
         peft.update({prefix + clip_path(k[len(prefix):]): v
-                     for k, v in (convert_state_dict_to_peft(te) if te else {}).items()})
+                     for k, v in to_peft(te, convert_state_dict_to_peft).items()})
     alphas: dict[str, float] = {}
     if "lora_adapter_metadata" in meta:  # diffusers' record of each LoraConfig
         for k, conf in json.loads(meta["lora_adapter_metadata"]).items():
@@ -331,8 +418,12 @@ def _diffusers_layers(f: Path, sd: dict[str, Tensor], meta: dict[str, str]
 def load_lora_file(path: str | Path, unet: nn.Module,
                    text_encoders: list[nn.Module | None] = (), *, rank: int,
                    alpha: float) -> dict[str, int]:
-    """Copy a LoRA file's tensors into the peft LoRA layers already on ``unet`` (and the
-    text encoders): training then continues from it.
+    """Copy a LoRA file's tensors into the peft LoRA layers already on ``unet`` (the
+    denoiser, UNet or transformer) and the text encoders (the family's order, None where
+    one has no LoRA): training then continues from it. A kohya layer of a fused original
+    module (a transformer's ``qkv``) is split into its parts (block-diagonal: kohya's
+    ``split_qkv`` and ours; or one down shared by the parts: a LoRA trained on the fused
+    module); a part the file leaves at zero keeps ours.
 
     Args:
         rank, alpha: the run's adapter.rank and alpha (adapter.alpha, or the rank).
@@ -345,13 +436,17 @@ def load_lora_file(path: str | Path, unet: nn.Module,
             alpha other than the run's, or a shape that does not fit the layer.
     """
     lf = read_lora_file(path)
+    family = _family(unet)
     if lf.format == "kohya":
-        ours = {k: m for k, (m, _) in kohya_names(unet, text_encoders).items()}
-    else:  # diffusers: text_encoder.* and (SDXL) text_encoder_2.*, by position
-        ours = {f"unet.{n}": m for n, m in _lora_layers(unet).items()}
-        for prefix, te in zip(_DIFFUSERS[1:], text_encoders):
+        groups = kohya_layers(unet, text_encoders)
+        ours = {k: g for k, g in groups.items()}
+    else:  # diffusers: the denoiser's and each text encoder's, by its component name
+        ours = {f"{family.denoiser}.{n}": KohyaLayer(n, [m], [n], [m.out_features])
+                for n, m in _lora_layers(unet).items()}
+        for spec, te in zip(family.text, text_encoders):
             if te is not None:
-                ours.update({f"{prefix}{clip_path(n)}": m
+                ours.update({f"{spec.part}.{clip_path(n)}": KohyaLayer(n, [m], [n],
+                                                                        [m.out_features])
                              for n, m in _lora_layers(te).items()})
     unknown = sorted(set(lf.layers) - set(ours))
     if unknown:
@@ -362,17 +457,37 @@ def load_lora_file(path: str | Path, unet: nn.Module,
         raise LoraFileError(f"{lf.path}: {len(unknown)} of its {len(lf.layers)} layers name no "
                             f"LoRA layer of this model, e.g. {unknown[:3]} ({hint}; this "
                             f"model's are e.g. {sorted(ours)[:2]})")
-    if lf.ranks() != {rank}:
-        raise LoraFileError(f"{lf.path}: its LoRA has rank {sorted(lf.ranks())} "
+    # each file layer as the parts of ours it fills: (name, our layer, down, up, alpha)
+    fills: list[tuple[str, nn.Module, Tensor, Tensor, float | None]] = []
+    for n, (d, u, a) in lf.layers.items():
+        g = ours[n]
+        if len(g.layers) == 1:
+            fills.append((n, g.layers[0], d, u, a))
+            continue
+        try:
+            pieces = split_lora(d, u, a if a is not None else rank, g.out_dims, rank, g.swap)
+        except ValueError as e:
+            raise LoraFileError(f"{lf.path}: {n}: {e} (adapter.rank is {rank}: set it to the "
+                                "file's rank)") from None
+        for m, path_, piece in zip(g.layers, g.paths, pieces):
+            if piece is None:
+                continue
+            if m is None:
+                raise LoraFileError(f"{lf.path}: {n} adapts {path_}, which adapter.targets "
+                                    "does not cover: add it (or a pattern matching it)")
+            fills.append((f"{n} ({path_})", m, *piece))
+    ranks = {int(d.shape[0]) for _, _, d, _, _ in fills}
+    if ranks != {rank}:
+        raise LoraFileError(f"{lf.path}: its LoRA has rank {sorted(ranks)} "
                             f"(ss_network_dim={lf.metadata.get('ss_network_dim')}); the run's "
-                            f"adapter.rank is {rank}: set adapter.rank={max(lf.ranks())}")
-    bad_alpha = {a for a in lf.alphas() if abs(a - alpha) > 1e-6 * max(1.0, alpha)}
+                            f"adapter.rank is {rank}: set adapter.rank={max(ranks)}")
+    alphas = {a for *_, a in fills if a is not None}
+    bad_alpha = {a for a in alphas if abs(a - alpha) > 1e-6 * max(1.0, alpha)}
     if bad_alpha:
-        raise LoraFileError(f"{lf.path}: its LoRA has alpha {sorted(lf.alphas())}; the run's "
-                            f"is {_num(alpha)}: set adapter.alpha={_num(max(lf.alphas()))}")
+        raise LoraFileError(f"{lf.path}: its LoRA has alpha {sorted(alphas)}; the run's "
+                            f"is {_num(alpha)}: set adapter.alpha={_num(max(alphas))}")
     with torch.no_grad():
-        for n, (d, u, _) in lf.layers.items():
-            m = ours[n]
+        for n, m, d, u, _ in fills:
             for what, dst, src in (("lora_down", m.lora_A["default"].weight, d),
                                    ("lora_up", m.lora_B["default"].weight, u)):
                 if tuple(dst.shape) != tuple(src.shape):
@@ -380,4 +495,6 @@ def load_lora_file(path: str | Path, unet: nn.Module,
                                         f"the layer takes {tuple(dst.shape)} (another base "
                                         "model?)")
                 dst.copy_(src.to(dst.dtype))
-    return {"loaded": len(lf.layers), "fresh": len(ours) - len(lf.layers)}
+    loaded = {id(m) for _, m, *_ in fills}
+    total = sum(1 for g in ours.values() for m in g.layers if m is not None)
+    return {"loaded": len(loaded), "fresh": total - len(loaded)}

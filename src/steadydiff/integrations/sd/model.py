@@ -44,28 +44,12 @@ __all__ = ["to_device", "SDDenoiser", "TextToImage", "Tokenize", "PeftLoraWeight
 # --------------------------------------------------------------------------- attention
 
 
-class _UpcastAware:
-    """An attention processor that honours ``attn.upcast_attention`` at run time.
-
-    diffusers' default processor (scaled_dot_product_attention) ignores the attribute; the
-    classic ``AttnProcessor`` computes q kᵀ in fp32 when it is set. The guard's fp16 remedy
-    sets it on the one layer that overflowed (``Guard.upcast_attention``), so that layer
-    switches to the classic path and every other layer keeps the fast one."""
-
-    def __init__(self) -> None:
-        from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
-
-        self.fast, self.exact = AttnProcessor2_0(), AttnProcessor()
-
-    def __call__(self, attn, *args, **kwargs):
-        use = self.exact if getattr(attn, "upcast_attention", False) else self.fast
-        return use(attn, *args, **kwargs)
-
-
-def upcast_aware_attention(unet: nn.Module) -> None:
-    """Give every attention layer of ``unet`` the processor that follows its
-    ``upcast_attention`` attribute (see :class:`_UpcastAware`)."""
-    unet.set_attn_processor(_UpcastAware())
+def upcast_aware_attention(denoiser: nn.Module) -> None:
+    """Give every attention layer of ``denoiser`` (a family's UNet or transformer) the
+    processor that follows its ``upcast_attention`` attribute, the guard's per-layer fp16
+    remedy (``Family.prepare_attention``: the UNet's q kᵀ in fp32, a transformer's whole
+    joint-attention layer in fp32)."""
+    of_module(denoiser).prepare_attention(denoiser)
 
 
 # --------------------------------------------------------------------------- the denoiser
@@ -86,6 +70,9 @@ class SDDenoiser(nn.Module):
             ids and the condition is computed here. Registered under their component names
             (``model.text_encoder``, ``model.text_encoder_2``); absent ones are None.
         down: the VAE's downsampling (a sample's size in pixels is the latent's x it).
+        shape: (latent channels, native latent side) (``Family.latent_shape``).
+        guidance: a guidance-distilled transformer's embedded guidance (FLUX.1 dev;
+            ``model.guidance``); None: the family's default.
 
     Attributes:
         num_classes: 0 (conditioned on text, not labels). context_dim: D, the context's
@@ -98,9 +85,11 @@ class SDDenoiser(nn.Module):
 
     def __init__(self, denoiser: nn.Module, layout: Layout, family: Family,
                  text_encoders: list[nn.Module | None] | None = None, *,
-                 down: int = 8) -> None:
+                 down: int = 8, shape: tuple[int, int] | None = None,
+                 guidance: float | None = None) -> None:
         super().__init__()
         self.family, self.layout, self.down = family, layout, down
+        self.guidance = guidance
         self.add_module(family.denoiser, denoiser)
         tes = list(text_encoders or [])
         for i, spec in enumerate(family.text):
@@ -108,7 +97,7 @@ class SDDenoiser(nn.Module):
         if any(te is not None for te in tes):
             self.register_buffer("null_ids", torch.zeros(layout.text_ids, dtype=torch.long))
         self.context_dim = layout.width
-        self.in_channels, self.image_size = family.latent_shape(denoiser.config)
+        self.in_channels, self.image_size = shape or family.latent_shape(denoiser.config, None)
         self.register_buffer("null_context", torch.zeros(layout.text_rows, layout.width))
 
     @property
@@ -195,7 +184,8 @@ class SDDenoiser(nn.Module):
         """The denoiser's prediction; ``extra`` goes to its call (a ControlNet's
         ``down_block_additional_residuals`` / ``mid_block_additional_residual``)."""
         t, y = self._inputs(x, t, y)
-        return self.family.call(self.denoiser, x, t, y, self.layout, self.down, **extra)
+        return self.family.call(self.denoiser, x, t, y, self.layout, self.down,
+                                guidance=self.guidance, **extra)
 
     def denoiser_inputs(self, x: Tensor, t: Tensor, y: Tensor | None = None
                         ) -> tuple[Tensor, dict[str, Any]]:
@@ -237,9 +227,11 @@ def lora_targets(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
     out = [n for n in names if any(hit(n, p) for p in patterns)]
     if not out:
         attn = [n for n in names if n.endswith(("to_q", "to_k", "to_v", "to_out.0"))][:4]
+        what = type(model).__name__
         raise ValueError(f"adapter.targets {list(patterns)} match no Linear/Conv2d layer of "
-                         f"the UNet; e.g. {attn or names[:4]} (SD LoRA usually targets "
-                         "'*.to_q', '*.to_k', '*.to_v', '*.to_out.0')")
+                         f"the {what}; e.g. {attn or names[:4]} (a LoRA usually targets the "
+                         "attention: '*.to_q', '*.to_k', '*.to_v', '*.to_out.0'; see the "
+                         "family's config in configs/)")
     return out
 
 
@@ -567,9 +559,11 @@ class TextToImage:
         tokenizers, text_encoders: the family's tokenizers and text encoders (frozen), in
             its order.
         vae: a diffusers AutoencoderKL (frozen) or None (pixel space).
-        device: where they run. text_dtype, vae_dtype: their dtypes.
+        device: where they run. text_dtype, vae_dtype: their dtypes (``text_dtype`` a list:
+            each encoder's; an fp16-unsafe T5 runs in bf16/fp32).
         force_zeros: the pipeline's ``force_zeros_for_empty_prompt`` (the null condition is
             zeros).
+        max_sequence_length: T5's token length (None: the family's default).
 
     Attributes:
         layout: where the condition's pieces sit (families/base.py ``Layout``).
@@ -581,16 +575,21 @@ class TextToImage:
 
     def __init__(self, family: Family, tokenizers: list[Any], text_encoders: list[nn.Module],
                  vae: nn.Module | None, device: torch.device,
-                 text_dtype: torch.dtype = torch.float32,
-                 vae_dtype: torch.dtype = torch.float32, *, force_zeros: bool = False) -> None:
+                 text_dtype: torch.dtype | list[torch.dtype] = torch.float32,
+                 vae_dtype: torch.dtype = torch.float32, *, force_zeros: bool = False,
+                 max_sequence_length: int | None = None) -> None:
         self.family = family
         self.tokenizers = list(tokenizers)
-        self.text_encoders = [to_device(te, device, text_dtype).eval().requires_grad_(False)
-                              for te in text_encoders]
+        dtypes = text_dtype if isinstance(text_dtype, list) else [text_dtype] * len(text_encoders)
+        self.text_dtypes = dtypes
+        self.text_encoders = [to_device(te, device, d).eval().requires_grad_(False)
+                              for te, d in zip(text_encoders, dtypes)]
         self.vae = to_device(vae, device, vae_dtype).eval().requires_grad_(False) if vae else None
-        self.device, self.text_dtype, self.vae_dtype = device, text_dtype, vae_dtype
+        self.device, self.text_dtype, self.vae_dtype = device, dtypes[0], vae_dtype
+        self.text_device = device  # where the text encoders are (offload: the CPU)
         self.tokens = False  # True: prompts become token ids (the model encodes them)
-        self.layout: Layout = family.layout(self.tokenizers, self.text_encoders, force_zeros)
+        self.layout: Layout = family.layout(self.tokenizers, self.text_encoders, force_zeros,
+                                            max_sequence_length)
         self.force_zeros = force_zeros  # the null condition is zeros, not the encoded ""
         self.context_len = self.layout.text_len
         self.context_dim = self.layout.width
@@ -628,12 +627,20 @@ class TextToImage:
         the drawn size); with ``tokens`` (the model runs its own text encoders) the token
         ids it encodes itself. :meth:`text_part` is its text (what the cache holds: each
         sample's own ids are added per item)."""
-        ids = self.tokenize(prompts).to(self.device)
+        ids = self.tokenize(prompts)
         if self.tokens:
-            return ids
-        per, extra = self.layout.split_ids(ids)
+            return ids.to(self.device)
+        per, extra = self.layout.split_ids(ids.to(self.text_device))
         embeds, pooled = self.family.encode(self.text_encoders, per, self.layout)
-        return self.layout.pack(embeds, pooled, extra)
+        return self.layout.pack(embeds, pooled, extra).to(self.device)
+
+    def offload(self) -> None:
+        """Move the frozen text encoders to the CPU (``model.offload_text_encoders``): the
+        captions are cached; what is encoded from now on (validation prompts, sampling) is
+        encoded there and sent to the device."""
+        cpu = torch.device("cpu")
+        self.text_encoders = [te.to(cpu) for te in self.text_encoders]
+        self.text_device = cpu
 
     def text_part(self, y: Tensor) -> Tensor:
         """The text of a condition from :meth:`encode_prompts` or :meth:`tokenize` (without
@@ -655,8 +662,10 @@ class TextToImage:
 
         extra: dict[str, Any] = {"dtype": str(self.text_dtype)}
         extra.update(self.family.identity(self.layout))
-        for i, te in enumerate(self.text_encoders[1:], start=2):
+        for i, (te, d) in enumerate(zip(self.text_encoders[1:], self.text_dtypes[1:]), start=2):
             extra[f"text_encoder_{i}"] = module_identity(te)
+            if d != self.text_dtype:
+                extra[f"text_encoder_{i}_dtype"] = str(d)
         return module_identity(self.text_encoders[0], extra)
 
     # -- latents

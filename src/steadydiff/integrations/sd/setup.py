@@ -30,6 +30,7 @@ from ...models import build_model
 from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
 from ..controlnet import ControlNetDenoiser, ControlNetWeights, build_controlnet
+from .. import families
 from ..families import Family
 from .hypernetwork import HypernetworkWeights, add_hypernetwork
 from .source import family, load_parts, model_root
@@ -125,6 +126,21 @@ def unet_parameters(root: str | Path) -> int:
     return sum(p.numel() for p in den.parameters())
 
 
+def text_dtypes(fam: Family, frozen: torch.dtype, device: torch.device) -> list[torch.dtype]:
+    """Each text encoder's dtype: the frozen parts', except an fp16-unsafe encoder (T5,
+    ``TextEncoder.fp16`` false) under fp16, which runs in bf16 where the device has it,
+    else fp32 (T5's activations overflow fp16 on real prompts)."""
+    out = []
+    for spec in fam.text:
+        dtype = frozen
+        if frozen == torch.float16 and not spec.fp16:
+            dtype = torch.bfloat16 if prec.native_support("bf16", device) else torch.float32
+            log.info(f"{spec.part} ({spec.classes[0]}) runs in {dtype} (not fp16: it overflows "
+                     "fp16)")
+        out.append(dtype)
+    return out
+
+
 def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextToImage]:
     """The denoiser, the owner of its trained weights, and the media of a text run.
 
@@ -145,9 +161,12 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             vae_dtype = torch.float32
             log.info(f"the {fam.label} VAE runs in fp32: its config has force_upcast=true "
                      "and model.vae_precision is unset")
-        media = TextToImage(fam, parts.tokenizers, parts.text_encoders, parts.vae, device,
-                            frozen, vae_dtype, force_zeros=parts.force_zeros)
         den = parts.denoiser
+        media = TextToImage(fam, parts.tokenizers, parts.text_encoders, parts.vae, device,
+                            text_dtypes(fam, frozen, device), vae_dtype,
+                            force_zeros=parts.force_zeros,
+                            max_sequence_length=(m.max_sequence_length
+                                                 or fam.max_sequence_length(den.config)))
         upcast_aware_attention(den)
         if m.upcast_attention:
             for mod in den.modules():
@@ -160,11 +179,11 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             targets = add_lora(den, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                                targets=a.targets)
             if a.text_encoder:  # their LoRA trains too: the model encodes token ids itself
-                # every encoder the family's trainers train (SDXL: both, as kohya's do)
-                in_step = [te if spec.lora else None
-                           for spec, te in zip(fam.text, media.text_encoders)]
+                # a LoRA on every encoder the family's trainers train (SDXL: both, as
+                # kohya's; SD3, FLUX: the CLIPs, not T5, which runs frozen in the step)
+                in_step = [te.requires_grad_(False) for te in media.text_encoders]
                 for spec, te in zip(fam.text, in_step):
-                    if te is not None:
+                    if spec.lora:
                         targets += [f"{spec.part}.{n}" for n in add_lora(
                             te, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                             targets=TEXT_ENCODER_TARGETS)]
@@ -172,9 +191,10 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             if a.init_from:  # continue a LoRA (ours, kohya's, diffusers'): rename, copy
                 from .lora_files import LoraFileError, load_lora_file
 
-                try:
-                    load_lora_file(a.init_from, den, in_step, rank=a.rank,
-                                   alpha=a.alpha or a.rank)
+                try:  # the encoders that have a LoRA, in the family's order
+                    load_lora_file(a.init_from, den,
+                                   [te if getattr(te, "peft_config", None) else None
+                                    for te in in_step], rank=a.rank, alpha=a.alpha or a.rank)
                 except LoraFileError as e:
                     raise ConfigError(f"adapter.init_from: {e}") from None
             weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank)
@@ -188,8 +208,14 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 raise ConfigError(str(e)) from None
             weights = HypernetworkWeights(a, parts.root, layers)
         elif cfg.controlnet.enabled:  # the UNet frozen, a ControlNet trains beside it
+            if fam.controlnet_file_layout is None:
+                ok = ", ".join(f.label for f in families.FAMILIES
+                               if f.controlnet_file_layout is not None)
+                raise ConfigError(f"controlnet.enabled: steadydiff does not train a "
+                                  f"{fam.label} ControlNet yet (its diffusers class differs "
+                                  f"from the UNet families'); it does for {ok}")
             to_device(den, device, frozen).requires_grad_(False)
-            controlnet = _controlnet(cfg, den, media.down, device)
+            controlnet = _controlnet(cfg, den, media.down, device, fam)
             weights = ControlNetWeights(parts.root, cfg.controlnet.init_from, fam)
         else:  # a full fine-tune: the denoiser trains in fp32 under autocast
             to_device(den, device, torch.float32).requires_grad_(True)
@@ -200,8 +226,9 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             # the token ids the data stream carries.
             in_step = [te.requires_grad_(False) for te in media.text_encoders]
             media.tokens = True
-        model: nn.Module = SDDenoiser(den, media.layout, fam, in_step,
-                                      down=media.down).to(device)
+        model: nn.Module = SDDenoiser(
+            den, media.layout, fam, in_step, down=media.down, guidance=m.guidance,
+            shape=fam.latent_shape(den.config, parts.vae.config)).to(device)
         if a.kind == "hypernetwork":  # registered after the UNet: its own tensor names
             model.hypernetwork = hyper
         if model.encodes:
@@ -228,7 +255,8 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
     return model, weights, media
 
 
-def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device) -> nn.Module:
+def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device,
+                fam: Family) -> nn.Module:
     """The ControlNet a run trains (fp32, the upcast-aware attention): from the base UNet,
     or ``controlnet.init_from``'s."""
     c = cfg.controlnet
@@ -241,7 +269,7 @@ def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device) -
     if have != c.conditioning_channels:
         raise ConfigError(f"controlnet.init_from={c.init_from} reads {have}-channel "
                           f"conditioning images: set controlnet.conditioning_channels={have}")
-    upcast_aware_attention(net)
+    fam.prepare_attention(net)  # the guard's per-layer fp16 remedy, as in the UNet
     return to_device(net, device, torch.float32).requires_grad_(True)
 
 
@@ -381,6 +409,10 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                          tokenize=Tokenize(media.tokenizers, media.layout.ids_len),
                          extra=extra, conditioning=conditioning)
     out.caption_overflow = len(over)
+    if cfg.model.offload_text_encoders and not media.tokens:
+        media.offload()
+        say("text encoders moved to the CPU after caching (model.offload_text_encoders): "
+            "validation prompts encode there")
     if out.variants is not None:
         d = cfg.data
         say("captions: " + ", ".join(

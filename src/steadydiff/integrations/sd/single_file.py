@@ -105,10 +105,12 @@ def check_single_file(path: str | Path, config: str | Path | None) -> tuple[Path
             "the same architecture instead (configs and tokenizer/ are enough)")
     try:
         root = check_folder(c, weights=False)
+        family = family_of(root)
+        if family.single_file_parts is not None:  # the other parts' weights: the folder's
+            check_folder(c, weights=family.single_file_parts)
     except SDFolderError as e:
         raise SDFolderError(f"model.single_file_config: {e}") from None
     keys = _keys(f)
-    family = family_of(root)
     want = family.single_file_keys()
     if want and not any(k.startswith(want) for k in keys):
         what = ("a diffusers UNet (its diffusion_pytorch_model.safetensors)"
@@ -167,17 +169,20 @@ _rename, _vae_map = rename, vae_map  # the tests' names for the maps (ldm.py own
 
 
 def to_original(denoiser: nn.Module, vae: nn.Module | None = None,
-                *text_encoders: nn.Module | None) -> dict[str, Tensor]:
+                *text_encoders: nn.Module | None, prefix: str | None = None
+                ) -> dict[str, Tensor]:
     """The original single-file state dict of diffusers parts (CPU tensors, own dtypes),
-    in the layout of the family whose denoiser ``denoiser`` is.
+    in the layout of the family whose denoiser ``denoiser`` is (a transformer family's:
+    the transformer alone, its keys under ``prefix``, None: its makers' own).
 
     Raises:
         CheckpointError: a part without an original layout (an SD 2.x OpenCLIP text
             encoder converted to transformers, a UNet with per-level layer counts).
     """
+    family = of_module(denoiser)
     try:
-        return of_module(denoiser).original_state_dict(denoiser, vae, list(text_encoders))
-    except (LayoutError, ValueError) as e:
+        return family.original_state_dict(denoiser, vae, list(text_encoders), prefix=prefix)
+    except (LayoutError, ValueError, KeyError) as e:
         raise CheckpointError(f"no original single-file layout: {e}") from None
 
 
@@ -226,11 +231,13 @@ def export_single_file(out: str | Path, denoiser: nn.Module, vae: nn.Module | No
     if not isinstance(text_encoders, (list, tuple)):
         text_encoders = [text_encoders]
     if base_file is not None:
-        tensors = to_original(denoiser)
-        own = of_module(denoiser).single_file_keys()  # the denoiser's keys in such a file
         with safe_open(str(base_file), framework="pt") as h:
-            for k in h.keys():
-                if not k.startswith(own):
+            keys = list(h.keys())
+            # the denoiser's keys in the base file: under its prefix ("": all of them)
+            own = of_module(denoiser).single_file_prefix(keys)
+            tensors = to_original(denoiser, prefix=own)
+            for k in keys:
+                if own and not k.startswith(own):
                     tensors[k] = h.get_tensor(k)
                 elif dtype is None:  # the denoiser in the dtype the base file had (fp16 often)
                     dtype = h.get_slice(k).get_dtype()

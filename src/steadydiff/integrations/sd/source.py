@@ -10,8 +10,8 @@ from typing import Any
 
 from ...config import Config, replace
 from ..families import Family, Parts
-from .folder import SDFolderError, check_folder, diffusion_settings, family_of, \
-    load_folder_parts
+from ..families.base import Setting
+from .folder import SDFolderError, check_folder, family_of, load_folder_parts
 from .single_file import check_single_file, is_single_file, load_single_file
 
 __all__ = ["family", "load_parts", "model_root", "resolve_config"]
@@ -36,26 +36,40 @@ def family(m: Any) -> Family:
 
 
 def resolve_config(cfg: Config) -> tuple[Config, list[str]]:
-    """``cfg`` with the diffusion settings of ``model.pretrained``'s scheduler and the image
-    size of its VAE x UNet, and a note for each value that changed (printed at start; the
-    saved config holds the resolved values). A zero-terminal-SNR rescale the user asked for
-    (``diffusion.zero_terminal_snr: true``) is kept: it is a fine-tuning choice (Lin et al.
-    2024), not a property of the folder."""
+    """``cfg`` with the training recipe of ``model.pretrained``'s family (``Family.recipe``:
+    the scheduler's diffusion settings, which always apply; the family's trainers'
+    defaults, which apply to the keys the user did not set), and a note for each value
+    that changed (printed at start; the saved config holds the resolved values). A
+    zero-terminal-SNR rescale the user asked for (``diffusion.zero_terminal_snr: true``)
+    is kept: it is a fine-tuning choice (Lin et al. 2024), not a property of the folder."""
     if not cfg.model.pretrained:
         return cfg, []
     root = model_root(cfg.model)
-    want = diffusion_settings(root)
-    if cfg.diffusion.zero_terminal_snr:
-        want["diffusion.zero_terminal_snr"] = True
+    fam = family_of(root)
+    recipe = fam.recipe(root)
+    if cfg.diffusion.zero_terminal_snr and "diffusion.zero_terminal_snr" in recipe:
+        recipe["diffusion.zero_terminal_snr"] = Setting(True, "diffusion.zero_terminal_snr")
     changes, notes = {}, []
-    for key, value in want.items():
-        section, name = key.split(".")
-        old = getattr(getattr(cfg, section), name)
-        if old != value:
-            changes[key] = value
-            notes.append(f"{key}={value} (from {root.name}/scheduler/scheduler_config.json; "
-                         f"was {old})")
-    return (replace(cfg, changes) if changes else cfg), notes
+    for key, s in recipe.items():
+        *sections, name = key.split(".")
+        node = cfg
+        for sec in sections:
+            node = getattr(node, sec)
+        old = getattr(node, name)
+        if s.default and name in node.model_fields_set:
+            continue  # the user's own choice over the trainers' default
+        if old != s.value:
+            changes[key] = s.value
+            notes.append(f"{key}={s.value} (from {s.source}; was {old})")
+    cfg = replace(cfg, changes) if changes else cfg
+    values = []
+    for key in recipe:
+        node = cfg
+        for part in key.split("."):
+            node = getattr(node, part)
+        values.append(f"{key}={node}")
+    notes.append(f"{fam.label} recipe: " + ", ".join(values + fam.describe(root, cfg.model)))
+    return cfg, notes
 
 
 def load_parts(path: str | Path, config: str | Path | None = None) -> Parts:

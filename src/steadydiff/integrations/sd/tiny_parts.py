@@ -3,15 +3,19 @@ a byte-level CLIP tokenizer, small CLIP text encoders, an AutoencoderKL and a UN
 family modules (``integrations/families/``) assemble them into folders laid out like their
 real models (``Family.tiny``); tiny.py is the command that writes one.
 
-The tokenizer is a CLIP BPE tokenizer without merges over a byte-level vocabulary (every
-byte, and every byte ending a word): any text tokenizes, one token per character.
+The CLIP tokenizer is a BPE tokenizer without merges over a byte-level vocabulary (every
+byte, and every byte ending a word): any text tokenizes, one token per character. The T5
+tokenizer is a Unigram model over single characters written as a ``tokenizer.json`` with the
+``tokenizers`` library (what transformers loads offline without sentencepiece: a folder
+holding only ``spiece.model`` would need it).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["tiny_tokenizer", "tiny_text_encoder", "tiny_vae", "tiny_unet"]
+__all__ = ["tiny_tokenizer", "tiny_text_encoder", "tiny_vae", "tiny_unet", "tiny_t5",
+           "tiny_t5_tokenizer"]
 
 
 def _byte_chars() -> list[str]:
@@ -85,3 +89,39 @@ def tiny_unet(cross_attention_dim: int = 32, sample_size: int = 16, in_channels:
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
         up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
         cross_attention_dim=cross_attention_dim, attention_head_dim=8, norm_num_groups=8)
+
+
+def tiny_t5_tokenizer(max_length: int = 512):
+    """A T5 tokenizer (transformers' tokenizers-backed ``T5Tokenizer``) over a Unigram
+    vocabulary of T5's special tokens (``<pad>`` 0, ``</s>`` 1, ``<unk>`` 2) and each
+    printable ASCII character, with and without the word-start mark "▁"; SentencePiece's
+    Metaspace pre-tokenizer and T5's ``</s>`` appended, as the real one. Saved, it is a
+    ``tokenizer.json``: it loads offline with no sentencepiece model."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    chars = [chr(c) for c in range(33, 127)]
+    pieces = ([("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+              + [("\u2581" + c, -2.0) for c in chars] + [(c, -3.0) for c in chars])
+    tk = Tokenizer(models.Unigram(pieces, unk_id=2, byte_fallback=False))
+    tk.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tk.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="always")
+    tk.post_processor = processors.TemplateProcessing(
+        single="$A </s>", pair="$A </s> $B </s>", special_tokens=[("</s>", 1)])
+    cls = getattr(transformers, "T5TokenizerFast", None) or transformers.T5Tokenizer
+    return cls(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>", pad_token="<pad>",
+               model_max_length=max_length, extra_ids=0)
+
+
+def tiny_t5(d_model: int = 48, layers: int = 2, vocab_size: int = 192, seed: int = 0):
+    """A ``layers``-layer T5EncoderModel of width ``d_model`` (random weights from
+    ``seed``; gated-GELU feed-forward as T5 v1.1, the encoder SD3 and FLUX.1 use)."""
+    from transformers import T5Config, T5EncoderModel
+
+    cfg = T5Config(vocab_size=vocab_size, d_model=d_model, d_kv=d_model // 4,
+                   d_ff=2 * d_model, num_layers=layers, num_heads=4,
+                   feed_forward_proj="gated-gelu", relative_attention_num_buckets=8,
+                   relative_attention_max_distance=16, pad_token_id=0, eos_token_id=1,
+                   decoder_start_token_id=0)
+    torch.manual_seed(seed)
+    return T5EncoderModel(cfg).eval()
