@@ -393,3 +393,16 @@ def test_an_exploding_zero_convolution_is_named_and_rolled_back(sd_dir, tmp_path
     assert rows and rows[0]["action"] == "rollback" and rows[0]["evidence"]["params"][0] == zero
     c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
     assert all(torch.isfinite(v).all() for v in c.model.values())
+
+
+def test_a_transformer_family_controlnet_is_refused_by_name(tmp_path):
+    """SD3/FLUX ControlNets are other diffusers classes: not trained yet, and said so."""
+    from steadydiff.config import ConfigError
+    from steadydiff.integrations.sd.tiny import make_tiny
+
+    sd3 = make_tiny(tmp_path / "tiny-sd3", "sd3", image_size=32)
+    data = pairs(tmp_path / "images", n=4)
+    with pytest.raises(ConfigError, match=r"does not train a .*ControlNet yet.*"
+                                          r"Stable Diffusion 1.x/2.x, SDXL"):
+        steadydiff.train(sd_config(sd3, data, *CN, "train.steps=1",
+                                   "diffusion.loss_weighting=uniform"), out_dir=tmp_path / "r")
