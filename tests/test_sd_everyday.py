@@ -4,6 +4,7 @@ right strength, LoRA variants, textual inversion, a quiet log."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,111 @@ def test_what_reads_as_a_hub_id(path, hub):
     from steadydiff.integrations.sd.folder import is_hub_id
 
     assert is_hub_id(path) is hub
+
+
+# --------------------------------------------------------------------------- older diffusers
+
+# the Python of a venv with diffusers 0.32 (and transformers < 4.50, peft 0.14) beside this
+# one's torch: docs/sd.md#lora-files-for-older-diffusers says how to make it
+OLD_DIFFUSERS = os.environ.get("STEADYDIFF_OLD_DIFFUSERS_PYTHON", "/tmp/d032/bin/python")
+
+DRAW = r"""
+import sys, torch
+from diffusers import StableDiffusionPipeline
+from safetensors.torch import save_file
+folder, lora_dir, out = sys.argv[1:4]
+images = {}
+for name in ("pytorch_lora_weights.safetensors", "k.safetensors", None):
+    p = StableDiffusionPipeline.from_pretrained(folder, local_files_only=True,
+                                                safety_checker=None)
+    p.set_progress_bar_config(disable=True)
+    if name:
+        p.load_lora_weights(lora_dir, weight_name=name)
+    z = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1))
+    images[name or "none"] = p("a red square", num_inference_steps=2, guidance_scale=3.0,
+                               latents=z, output_type="pt").images.contiguous()
+save_file(images, out)
+"""
+
+
+def draw_with(python: str, folder: Path, lora: Path, out: Path) -> dict:
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    script = out.with_suffix(".py")
+    script.write_text(DRAW)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([python or sys.executable, str(script), str(folder), str(lora), str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return load_file(out)
+
+
+def trained_lora(tmp_path: Path) -> tuple[Path, Path]:
+    """The tiny SD folder and a LoRA (UNet and text encoder, alpha 2 != rank 4, random up
+    weights) written in both formats."""
+    import torch
+    from diffusers import StableDiffusionPipeline
+
+    from steadydiff.integrations.sd.model import TEXT_ENCODER_TARGETS, add_lora, save_lora
+    from steadydiff.integrations.sd.tiny import make_tiny_sd
+
+    sd = make_tiny_sd(tmp_path / "sd", image_size=32)
+    pipe = StableDiffusionPipeline.from_pretrained(sd, local_files_only=True,
+                                                   safety_checker=None)
+    torch.manual_seed(0)
+    add_lora(pipe.unet, rank=4, alpha=2.0, dropout=0.0,
+             targets=("*.to_q", "*.to_k", "*.to_v", "*.to_out.0"))
+    add_lora(pipe.text_encoder, rank=4, alpha=2.0, dropout=0.0, targets=TEXT_ENCODER_TARGETS)
+    with torch.no_grad():
+        for m in (pipe.unet, pipe.text_encoder):
+            for n, p in m.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn_like(p) * 0.3)
+    save_lora(pipe.unet, tmp_path / "out", pipe.text_encoder, format="both", kohya_name="k")
+    return sd, tmp_path / "out"
+
+
+def transformers4_folder(sd: Path, out: Path) -> Path:
+    """A copy of the tiny folder that transformers 4 reads: the CLIP weights under their
+    ``text_model.`` keys, the tokenizer's vocab.json + merges.txt beside its tokenizer.json
+    (what a real SD folder from the hub has anyway)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from steadydiff.integrations.sd.ldm import clip_path
+
+    shutil.copytree(sd, out)
+    w = out / "text_encoder" / "model.safetensors"
+    save_file({clip_path(k): v for k, v in load_file(w).items()}, w, metadata={"format": "pt"})
+    tok = json.loads((out / "tokenizer" / "tokenizer.json").read_text())
+    (out / "tokenizer" / "vocab.json").write_text(json.dumps(tok["model"]["vocab"]))
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    (out / "tokenizer" / "merges.txt").write_text("#version: 0.2\n" + "".join(
+        m + "\n" for m in merges))
+    return out
+
+
+@pytest.mark.skipif(not Path(OLD_DIFFUSERS).is_file(),
+                    reason=f"no venv with diffusers 0.32 at {OLD_DIFFUSERS}")
+def test_diffusers_file_loads_at_the_trained_strength_in_diffusers_0_32(tmp_path):
+    """diffusers 0.32 (no alpha metadata read, CLIP keys need ``text_model.``) draws with our
+    diffusers file what it draws with our kohya file (right in every version), and what the
+    installed diffusers draws: alpha (2) != rank (4), so a lost alpha shows."""
+    import torch
+
+    sd, lora = trained_lora(tmp_path)
+    old = draw_with(OLD_DIFFUSERS, transformers4_folder(sd, tmp_path / "sd4"), lora,
+                    tmp_path / "old.safetensors")
+    new = draw_with("", sd, lora, tmp_path / "new.safetensors")
+    for images in (old, new):
+        assert (images["k.safetensors"] - images["none"]).abs().max() > 1e-3
+        torch.testing.assert_close(images["pytorch_lora_weights.safetensors"],
+                                   images["k.safetensors"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(old["pytorch_lora_weights.safetensors"],
+                               new["pytorch_lora_weights.safetensors"], atol=1e-4, rtol=0)
