@@ -11,9 +11,19 @@ import pytest
 
 pytest.importorskip("diffusers")
 
+import steadydiff  # noqa: E402
 from steadydiff.cli import main  # noqa: E402
+from steadydiff.trainer import checkpoint as ckpt  # noqa: E402
+from test_sd import sd_config, shapes  # noqa: E402
 
 HUB_ID = "stable-diffusion-v1-5/stable-diffusion-v1-5"
+
+
+@pytest.fixture(scope="module")
+def sd_dir(tmp_path_factory) -> Path:
+    from steadydiff.integrations.sd.tiny import make_tiny_sd
+
+    return make_tiny_sd(tmp_path_factory.mktemp("sd") / "tiny-sd", image_size=32)
 
 
 # --------------------------------------------------------------------------- hub ids
@@ -161,3 +171,57 @@ def test_diffusers_file_loads_at_the_trained_strength_in_diffusers_0_32(tmp_path
                                    images["k.safetensors"], atol=1e-5, rtol=0)
     torch.testing.assert_close(old["pytorch_lora_weights.safetensors"],
                                new["pytorch_lora_weights.safetensors"], atol=1e-4, rtol=0)
+
+
+# --------------------------------------------------------------------------- LRs per part
+
+
+def test_text_encoder_has_its_own_learning_rate_and_resumes_exactly(sd_dir, tmp_path, capsys):
+    """AdamW's first step moves each weight by about its LR (m / sqrt(v) = +-1): the UNet's
+    LoRA up weights (zero at start) by optim.lr, the text encoder's by its own; a run
+    resumed at step 1 equals the straight one bit for bit."""
+    import torch
+
+    data = shapes(tmp_path / "images")
+    sets = ("adapter.text_encoder=true", "optim.lr=0.01", "optim.lr_text_encoder=0.0001",
+            "optim.schedule=constant", "optim.grad_clip=0", "train.checkpoint_every=1",
+            "data.cache_dir=" + str(tmp_path / "cache"))
+    first = steadydiff.train(sd_config(sd_dir, data, *sets, "train.steps=1"),
+                             out_dir=tmp_path / "a")
+    assert "optim: learning rates: unet 0.01, text_encoder 0.0001" in capsys.readouterr().out
+    c = ckpt.load_checkpoint(first.checkpoint, "cpu", weights_only=True)
+    up = {k: v.abs().max().item() for k, v in c.model.items() if "lora_B" in k}
+    unet = max(v for k, v in up.items() if k.startswith("unet."))
+    te = max(v for k, v in up.items() if k.startswith("text_encoder."))
+    assert unet == pytest.approx(0.01, rel=0.05) and te == pytest.approx(1e-4, rel=0.05)
+    straight = steadydiff.train(sd_config(sd_dir, data, *sets, "train.steps=2"),
+                                out_dir=tmp_path / "straight")
+    resumed = steadydiff.train(sd_config(sd_dir, data, *sets, "train.steps=2"),
+                               out_dir=tmp_path / "a")
+    assert resumed.resumed_from is not None
+    a = ckpt.load_checkpoint(straight.checkpoint, "cpu", weights_only=True)
+    b = ckpt.load_checkpoint(resumed.checkpoint, "cpu", weights_only=True)
+    for k in a.model:
+        assert torch.equal(a.model[k], b.model[k]), k
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (("optim.lr_text_encoder=0.0001",), "no text encoder is trained in this run: set "
+                                        "adapter.text_encoder=true"),
+    (("adapter.text_encoder=true", "optim.lr_text_encoder=[0.0001,0.0002]"),
+     "has 2 learning rates; this model has 1 text encoder"),
+    (("adapter.text_encoder=true", "optim.lr_text_encoder=-1"), "must be in \\(0, 10\\]"),
+])
+def test_bad_text_encoder_learning_rates_are_refused(sd_dir, tmp_path, capsys, sets, needle):
+    import re
+
+    import yaml
+
+    data = shapes(tmp_path / "images")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump(sd_config(sd_dir, data).model_dump(mode="json")))
+    argv = ["train", str(cfg), "--out", str(tmp_path / "run")]
+    for s_ in sets:
+        argv += ["--set", s_]
+    assert main(argv) == 2
+    assert re.search(needle, capsys.readouterr().err)

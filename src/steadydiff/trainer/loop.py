@@ -57,7 +57,7 @@ from .checkpoint_io import CheckpointIO
 from .compilation import compile_failure, compile_forward, training_module
 from .ema import EMA
 from .hooks import FULL_WEIGHTS, PIXELS
-from .optim import build_optimizer, lr_at, set_lr
+from .optim import build_optimizer, describe_lrs, lr_at, set_lr
 from .preempt import StopSignals, TrainingInterrupted, signal_name
 from .resolution import GROW_KEYS, Growth, apply_growth, grow_from_checkpoint
 from .state import StepOutput, TrainState
@@ -801,6 +801,9 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     state = build_state(cfg, pre.num_classes_in_data, device, ctx)
     if state.checkpointing:
         say(f"gradient checkpointing: {state.checkpointing}")
+    lrs = describe_lrs(state.model, cfg.optim)  # optim.lr_text_encoder: each part's LR
+    if lrs:
+        say(f"optim: {lrs}")
     state.evaluator = make_evaluator(cfg, run_dir)
     encoded = None
     if state.media.text:  # latents and text contexts, cached and checked finite

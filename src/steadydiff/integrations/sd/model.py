@@ -112,6 +112,19 @@ class SDDenoiser(nn.Module):
         return [getattr(self, spec.part) for spec in self.family.text]
 
     @property
+    def text_encoder_count(self) -> int:
+        """How many text encoders the family has (trained or not)."""
+        return len(self.family.text)
+
+    def text_encoder_of(self, name: str) -> int | None:
+        """The index of the text encoder (the family's order) a parameter ``name`` of this
+        module belongs to, or None (the denoiser's): ``optim.lr_text_encoder``'s groups."""
+        for i, spec in enumerate(self.family.text):
+            if name.startswith(spec.part + "."):
+                return i
+        return None
+
+    @property
     def encodes(self) -> bool:
         """Whether the text encoders run in the step (y is token ids)."""
         return any(te is not None for te in self.text_encoders)
@@ -447,7 +460,7 @@ class PeftLoraWeights(_SDWeights):
         return {**self._hashes, "ss_sd_model_name": self.base.name, "ss_output_name": root.name,
                 "ss_steps": state.step, "ss_max_train_steps": cfg.train.steps,
                 "ss_learning_rate": cfg.optim.lr, "ss_unet_lr": cfg.optim.lr,
-                "ss_text_encoder_lr": cfg.optim.lr if cfg.adapter.text_encoder else None,
+                "ss_text_encoder_lr": _text_encoder_lr(cfg),
                 "ss_train_batch_size": cfg.train.batch_size,
                 "ss_resolution": f"({cfg.data.image_size}, {cfg.data.image_size})",
                 "ss_enable_bucket": cfg.data.buckets,
@@ -455,6 +468,15 @@ class PeftLoraWeights(_SDWeights):
                 "ss_network_dropout": cfg.adapter.dropout,
                 "ss_training_started_at": self._started,
                 "ss_training_comment": "trained with steadydiff"}
+
+
+def _text_encoder_lr(cfg: Any) -> Any:
+    """``ss_text_encoder_lr``: the text encoders' LR (kohya writes one, or a list for
+    SDXL's two), None where they are not trained."""
+    if not cfg.adapter.text_encoder:
+        return None
+    te = cfg.optim.lr_text_encoder
+    return cfg.optim.lr if te is None else te
 
 
 class FullUNetWeights(_SDWeights):
