@@ -225,3 +225,95 @@ def test_bad_text_encoder_learning_rates_are_refused(sd_dir, tmp_path, capsys, s
         argv += ["--set", s_]
     assert main(argv) == 2
     assert re.search(needle, capsys.readouterr().err)
+
+
+# --------------------------------------------------------------------------- a quiet log
+
+
+def test_noise_filter_drops_the_listed_lines_and_keeps_the_rest(tmp_path):
+    """Records from the libraries' own loggers: the listed notices are dropped from the
+    console handler and written to RUN/third_party.log; our warnings and a third-party
+    warning not listed reach the console."""
+    import io
+    import logging
+
+    from steadydiff import quiet
+
+    console = io.StringIO()
+    handler = logging.StreamHandler(console)
+    loggers = [logging.getLogger(n) for n in ("transformers", "diffusers", "steadydiff")]
+    for lg in loggers:
+        lg.addHandler(handler)
+    try:
+        quiet.install()
+        logging.getLogger("transformers.utils.import_utils").warning(
+            "`CLIPImageProcessor` requires torchvision (not installed); falling back")
+        logging.getLogger("diffusers.loaders.lora_base").warning(
+            "No LoRA keys associated to CLIPTextModel found with the prefix='text_encoder'.")
+        logging.getLogger("diffusers.loaders.lora_base").warning("a real diffusers problem")
+        logging.getLogger("steadydiff.integrations.sd.setup").warning("our own warning")
+        log = quiet.log_to(tmp_path)
+        logging.getLogger("torchao").warning("Failed to load _C_mxfp8.so")  # after: direct
+        handler.flush()
+    finally:
+        for lg in loggers:
+            lg.removeHandler(handler)
+    shown = console.getvalue()
+    assert "our own warning" in shown and "a real diffusers problem" in shown
+    assert "torchvision" not in shown and "No LoRA keys" not in shown
+    kept = log.read_text()
+    assert "requires torchvision" in kept and "No LoRA keys associated to CLIPTextModel" in kept
+    assert "our own warning" not in kept
+
+
+@pytest.mark.slow  # three fresh processes (about 3 CPU-minutes on a loaded machine)
+def test_a_run_says_what_matters_and_keeps_the_rest_in_its_log(sd_dir, tmp_path):
+    """The CLI in a fresh process, where the libraries are imported after the filter: the
+    console has no listed notice and no progress bar; the run states its kohya-unlike
+    defaults once, ends with what to load where; `sample --width/--height` sizes the
+    image."""
+    import subprocess
+    import sys
+
+    from PIL import Image
+
+    data = shapes(tmp_path / "images")
+    run = tmp_path / "myrun"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src"),
+           "OMP_NUM_THREADS": "1"}
+    env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)
+    argv = [sys.executable, "-m", "steadydiff", "train",
+            str(Path(__file__).parents[1] / "configs" / "sd_lora.yaml")]
+    for s_ in (f"model.pretrained={sd_dir}", f"data.path={data}", "data.image_size=32",
+               "train.steps=1", "train.batch_size=2", "train.device=cpu",
+               "train.precision=fp32", "sample.num=1", "sample.steps=2",
+               "data.trigger=sks", "data.num_workers=0", "optim.warmup_steps=0"):
+        argv += ["--set", s_]
+    r = subprocess.run(argv + ["--out", str(run)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from steadydiff.quiet import NOISE
+
+    import re
+    for _, pat, _ in NOISE:
+        if pat:
+            assert not re.search(pat, r.stderr), pat
+    assert "Loading weights" not in r.stderr and "it/s]" not in r.stderr
+    assert r.stdout.count("note: defaults unlike a kohya sd-scripts recipe") == 1
+    assert "diffusion.cfg_dropout=0.1" in r.stdout and "min_snr" in r.stdout
+    assert f"copy {run / 'lora' / 'myrun.safetensors'} to models/loras/" in r.stdout
+    assert "<lora:myrun:1>" in r.stdout and "LoRA rank 16, alpha 16" in r.stdout
+    assert f"base: {sd_dir}" in r.stdout and 'trigger: put "sks"' in r.stdout
+    assert (run / "third_party.log").is_file()
+    out = tmp_path / "wide.png"
+    r = subprocess.run([sys.executable, "-m", "steadydiff", "sample", str(run), "--prompt",
+                        "sks", "--width", "64", "--height", "32", "--num", "1", "--steps", "2",
+                        "--out", str(out)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    w, h = Image.open(out).size  # one sample, the grid's padding around it
+    assert w - h == 32 and h >= 32
+    r = subprocess.run([sys.executable, "-m", "steadydiff", "sample", str(run), "--prompt",
+                        "sks", "--width", "61", "--out", str(tmp_path / "x.png")],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 2 and "--width 61 must be a positive multiple of" in r.stderr

@@ -31,7 +31,7 @@ from typing import Any, Callable, Literal
 import torch
 from tqdm import tqdm
 
-from .. import distributed, preflight, seeding, sharding
+from .. import distributed, preflight, quiet, seeding, sharding
 from ..adapters import AdapterRun
 from ..config import Config, ConfigError, config_diff, validate
 from ..data import make_loader, source_of
@@ -762,9 +762,16 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     run = RunDir(run_dir)
+    if main:  # the third-party lines kept off the console go to RUN/third_party.log
+        quiet.log_to(run.root)
     cfg, notes = preflight.resolve(cfg)  # a model family's folder decides its recipe
     for note in notes:
         say(f"model: {note}")
+    if cfg.model.pretrained:  # once: defaults unlike kohya's, a size below the native one
+        from ..integrations.sd.advice import start_notes
+
+        for note in start_notes(cfg):
+            say(note)
     cfg, chosen = speed.resolve(cfg, device)  # every `auto` speed setting, once, for device
     if chosen:
         say(speed.describe(chosen, device))
