@@ -258,6 +258,7 @@ def test_noise_filter_drops_the_listed_lines_and_keeps_the_rest(tmp_path):
     finally:
         for lg in loggers:
             lg.removeHandler(handler)
+        logging.captureWarnings(False)
     shown = console.getvalue()
     assert "our own warning" in shown and "a real diffusers problem" in shown
     assert "torchvision" not in shown and "No LoRA keys" not in shown
