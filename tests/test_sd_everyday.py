@@ -318,3 +318,20 @@ def test_a_run_says_what_matters_and_keeps_the_rest_in_its_log(sd_dir, tmp_path)
                         "sks", "--width", "61", "--out", str(tmp_path / "x.png")],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 2 and "--width 61 must be a positive multiple of" in r.stderr
+
+
+def test_start_notes_name_kohya_unlike_defaults_and_a_size_below_native(sd_dir, tmp_path):
+    from steadydiff.integrations.sd.advice import native_side, start_notes
+
+    data = shapes(tmp_path / "images")
+    cfg = sd_config(sd_dir, data)
+    assert native_side(cfg) == 32  # the tiny UNet's sample_size x the VAE's downsampling
+    notes = start_notes(cfg)
+    assert len(notes) == 1 and "diffusion.cfg_dropout=0.1" in notes[0]
+    small = start_notes(sd_config(sd_dir, data, "data.image_size=16"))
+    assert any(n.startswith("warning: data.image_size=16 is below") and "native 32 px" in n
+               for n in small)
+    kohya_like = start_notes(sd_config(sd_dir, data, "diffusion.cfg_dropout=0",
+                                       "diffusion.loss_weighting=uniform",
+                                       "sample.use_ema=false"))
+    assert kohya_like == []
