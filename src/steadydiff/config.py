@@ -33,7 +33,7 @@ from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BucketCrop, CaptionSou
                     ConditioningMatch, ConditioningSource,
                     CompileBackend, CompileMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, HyperActivation,
-                    FlowGridEnd, LossWeighting, LoraFormat, LRSchedule, ModelKind, Objective,
+                    FlowGridEnd, LossWeighting, LoraFormat, LoraVariant, LRSchedule, ModelKind, Objective,
                     OBJECTIVE_SAMPLERS,
                     OBJECTIVE_WEIGHTINGS, OnSaveError, OptimizerName, Parallel,
                     Precision, PrecisionSetting,
@@ -917,6 +917,11 @@ class AdapterConfig(Section):
         "both", description="model.pretrained LoRA exports: diffusers (RUN/lora/"
         "pytorch_lora_weights.safetensors, pipe.load_lora_weights), kohya (RUN/lora/<run "
         "name>.safetensors, the lora_unet_/lora_te_ file A1111 and ComfyUI load), or both")
+    variant: LoraVariant = Field(
+        "lora", description="model.pretrained LoRA: lora; dora (DoRA, Liu et al. 2024: a "
+        "learned magnitude per output row; kohya file with LyCORIS' dora_scale); locon (LoRA "
+        "also on the UNet's ResNet and sampler convolutions, kohya's conv_dim, same rank); "
+        "docs/sd.md#lora-variants")
     init_from: str | None = Field(
         None, description="model.pretrained LoRA: start from this LoRA (a kohya/A1111 "
         ".safetensors, or a diffusers LoRA folder/file) instead of B = 0; its rank and alpha "
@@ -1037,6 +1042,10 @@ class Config(Section):
                              "adapter.kind=hypernetwork); remove it")
         if m.pretrained and a.base:
             raise ValueError("model.pretrained is the base of the adapter: remove adapter.base")
+        if a.variant != "lora" and not (m.pretrained and a.kind == "lora"):
+            raise ValueError(f"adapter.variant={a.variant} is a LoRA variant over a model "
+                             "family's denoiser: it needs model.pretrained and "
+                             "adapter.kind=lora")
         if a.text_encoder and not (m.pretrained and a.kind == "lora"):
             raise ValueError("adapter.text_encoder trains a LoRA on a Stable Diffusion text "
                              "encoder: it needs model.pretrained and adapter.kind=lora"
