@@ -437,3 +437,27 @@ def test_variant_files_load_where_the_ecosystem_loads_them_and_round_trip(tmp_pa
     with pytest.raises(lf.LoraFileError, match="set adapter.variant=dora" if dora
                        else "name no LoRA layer"):  # a plain attention-only LoRA run
         lf.load_lora_file(lora / "k.safetensors", unet, [te], rank=4, alpha=2.0)
+
+
+def test_a_dora_run_trains_its_magnitudes_and_continues_from_its_file(sd_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.sd.lora_files import kohya_state_dict
+    from steadydiff.integrations.sd.setup import build
+
+    data = shapes(tmp_path / "images")
+    sets = ("adapter.variant=dora", "optim.lr=0.01", "optim.warmup_steps=0",
+            "train.steps=2", "sample.use_ema=false")
+    res = steadydiff.train(sd_config(sd_dir, data, *sets), out_dir=tmp_path / "run")
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    mags = [k for k in c.model if "lora_magnitude_vector" in k]
+    assert mags  # trained and checkpointed beside A and B
+    kohya = tmp_path / "run" / "lora" / "run.safetensors"
+    theirs = load_file(kohya)
+    assert any(k.endswith(".dora_scale") for k in theirs)
+    model, _, _ = build(sd_config(sd_dir, data, *sets, f"adapter.init_from={kohya}"),
+                        torch.device("cpu"))
+    ours = kohya_state_dict(model.unet)
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[k], ours[k]) for k in ours)
