@@ -461,3 +461,26 @@ def test_a_dora_run_trains_its_magnitudes_and_continues_from_its_file(sd_dir, tm
     ours = kohya_state_dict(model.unet)
     assert theirs.keys() == ours.keys()
     assert all(torch.equal(theirs[k], ours[k]) for k in ours)
+
+
+def test_large_upscales_are_warned_naming_the_smallest_image(tmp_path):
+    from PIL import Image
+
+    from steadydiff.data import ImageFolderDataset
+    from steadydiff.integrations.sd.advice import upscale_warning
+
+    root = tmp_path / "imgs"
+    root.mkdir()
+    for i, side in enumerate((512, 600, 100, 128)):
+        Image.new("RGB", (side, side + 10), (i * 40, 0, 0)).save(root / f"{i}.png")
+    data = ImageFolderDataset(root, image_size=512)
+    msg = upscale_warning(data, 512)
+    assert msg.startswith("warning: 2 of 4 images are upscaled 4x or more")
+    assert "2.png, 100x110, 5x" in msg
+    assert upscale_warning(data, 256) is None
+    for i in range(4):
+        (root / f"{i}.txt").write_text("a red thing")
+    from steadydiff.data.captions import CaptionedImageFolder
+
+    captioned = CaptionedImageFolder(data, source="txt")
+    assert upscale_warning(captioned, 512).startswith("warning: 2 of 4 images")

@@ -804,6 +804,12 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     data = pre.data
     for line in pre.header(cfg, run.root):  # the full config goes to RUN/config.yaml
         say(line)
+    if cfg.model.pretrained:  # small images blown up to the training size: said once
+        from ..integrations.sd.advice import upscale_warning
+
+        line = upscale_warning(data, cfg.data.image_size)
+        if line:
+            say(line)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, pre.num_classes_in_data, device, ctx)
     if state.checkpointing:
