@@ -230,10 +230,17 @@ def _parser() -> argparse.ArgumentParser:
                                     "first_stage_model.*, cond_stage_model.*. A run from a "
                                     "single file keeps that file's VAE and text encoder "
                                     "tensors as they were. Non-finite weights are refused; "
-                                    "the file is written atomically. (A LoRA run's export is "
-                                    "RUN/lora/, written during training.)")
+                                    "the file is written atomically. Neither: a Stable "
+                                    "Diffusion LoRA or hypernetwork run's numbered files "
+                                    "(RUN/lora/<run>-step00001000.safetensors, pytorch_lora_"
+                                    "weights-step00001000.safetensors) of the checkpoint "
+                                    "--step N (or SOURCE, a checkpoint), written as training "
+                                    "writes them; files already there are kept.")
     xp.add_argument("source", help="run directory, checkpoint, or diffusers SD folder")
-    what = xp.add_mutually_exclusive_group(required=True)
+    xp.add_argument("--step", type=int, default=None, metavar="N",
+                    help="the run's kept checkpoint of step N (or the best evaluation's) "
+                         "instead of the newest")
+    what = xp.add_mutually_exclusive_group()
     what.add_argument("--out", metavar="OUT.safetensors",
                       help="steadydiff's own model as one file (see above)")
     what.add_argument("--single-file", metavar="OUT.safetensors",
@@ -470,6 +477,23 @@ def cmd_export(a: argparse.Namespace) -> int:
     import torch
 
     dtype = torch.float16 if a.half else None
+    if not a.out and not a.single_file:  # an SD adapter run's numbered files
+        from .integrations.sd.export import export_adapter
+
+        if a.half:
+            raise ValueError("--half casts --out/--single-file files; LoRA files keep the "
+                             "run's fp32 tensors: drop --half")
+        written, left = export_adapter(a.source, a.step,
+                                       use_ema=False if a.raw_weights else None)
+        for p in written:
+            print(f"wrote {p}")
+        for p in left:
+            print(f"kept {p} (already there)")
+        return EXIT_OK
+    if a.step is not None:
+        from .integrations.sd.export import checkpoint_at
+
+        a.source = checkpoint_at(a.source, a.step)
     if a.out:
         from .loading import export_model
 

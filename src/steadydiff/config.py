@@ -903,6 +903,12 @@ class AdapterConfig(Section):
         "both", description="model.pretrained LoRA exports: diffusers (RUN/lora/"
         "pytorch_lora_weights.safetensors, pipe.load_lora_weights), kohya (RUN/lora/<run "
         "name>.safetensors, the lora_unet_/lora_te_ file A1111 and ComfyUI load), or both")
+    keep_files: Int | None = Field(
+        None, ge=1, le=100000, description="model.pretrained LoRA/hypernetwork: every save also "
+        "writes numbered files (RUN/lora/<run>-step00001000.safetensors and pytorch_lora_"
+        "weights-step00001000.safetensors; RUN/hypernetwork/<run>-step...): keep the newest N "
+        "steps' (the best evaluation's always stays); None: keep all. Independent of "
+        "train.keep_checkpoints")
     init_from: str | None = Field(
         None, description="model.pretrained LoRA: start from this LoRA (a kohya/A1111 "
         ".safetensors, or a diffusers LoRA folder/file) instead of B = 0; its rank and alpha "

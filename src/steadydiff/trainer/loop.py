@@ -531,7 +531,12 @@ def save_best(state: TrainState, run: RunDir) -> Path | None:
     """The best evaluation's checkpoint (``checkpoints/best``, one kept): the same writer as
     every other checkpoint. A failure is reported and never takes the run down."""
     try:
-        return CheckpointIO(state).save(run.best, keep=1)
+        path = CheckpointIO(state).save(run.best, keep=1)
+        ev = state.evaluator  # eval/during.py's: its config and early-stopping record
+        state.weights.mark_best(state, run.root, {
+            "metric": getattr(getattr(ev, "ecfg", None), "metric", None),
+            "value": getattr(getattr(ev, "stop", None), "best", None)})
+        return path
     except (ckpt.CheckpointError, OSError) as err:
         log.warning("could not write the best checkpoint at step %d: %s", state.step, err)
         print(f"warning: could not write the best checkpoint at step {state.step}: {err}")

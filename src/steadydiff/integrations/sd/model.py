@@ -34,6 +34,7 @@ from ...trainer.hooks import Weights
 from ...trainer.checkpoint import Checkpoint, CheckpointError
 from ..families import Family, Layout, of_module
 from .lora_files import LORA_FILE, base_model_hashes, save_kohya
+from .numbered import mark_best, numbered_files, prune, publish
 
 __all__ = ["to_device", "SDDenoiser", "TextToImage", "Tokenize", "PeftLoraWeights",
            "FullUNetWeights", "add_lora", "lora_targets", "upcast_aware_attention",
@@ -409,27 +410,55 @@ class PeftLoraWeights(_SDWeights):
 
     def export(self, state: Any, root: Path, final: bool) -> Path | None:
         model = state.ema.module if state.cfg.sample.use_ema else state.model
-        cfg = state.cfg
+        files = self.write(model, state.cfg, state.step, state.precision, root / "lora",
+                           root.name)
+        publish(files, root / "lora", state.step)  # RUN/lora/<name>-stepNNNNNNNN.safetensors
+        prune(root / "lora", set(files.values()), state.cfg.adapter.keep_files)
+        return next(iter(files))
+
+    def mark_best(self, state: Any, root: Path, info: dict[str, Any]) -> Path | None:
+        """Evaluation's best step: its numbered files (written now if this step saved
+        none) marked in ``RUN/lora/best.json``, which the keep policy never removes."""
+        folder, stems = root / "lora", self.stems(state.cfg, root.name)
+        have = numbered_files(folder, stems).get(state.step)
+        if not have:
+            self.export(state, root, False)
+            have = numbered_files(folder, stems).get(state.step, [])
+        return mark_best(folder, state.step, have, info)
+
+    @staticmethod
+    def stems(cfg: Any, name: str) -> dict[str, str]:
+        """The files a save writes, ``{file name stem: format}``, per adapter.lora_format."""
+        f = cfg.adapter.lora_format
+        return {**({Path(LORA_FILE).stem: "diffusers"} if f != "kohya" else {}),
+                **({name: "kohya"} if f != "diffusers" else {})}
+
+    def write(self, model: nn.Module, cfg: Any, step: int, precision: str, out: Path,
+              name: str) -> dict[Path, str]:
+        """Write ``model``'s LoRA into ``out`` in adapter.lora_format (diffusers' file and/or
+        ``<name>.safetensors``, kohya's); returns ``{file: its stem}``."""
         # a frozen text encoder in the model (shuffled captions) has no LoRA to save
         tes = [t if getattr(t, "peft_config", None) else None for t in model.text_encoders]
-        return save_lora(model.denoiser, root / "lora", tes, format=cfg.adapter.lora_format,
-                         kohya_name=root.name, metadata=self._kohya_metadata(state, root))
+        save_lora(model.denoiser, out, tes, format=cfg.adapter.lora_format, kohya_name=name,
+                  metadata=self._kohya_metadata(cfg, step, precision, name,
+                                                model.family.denoiser))
+        return {out / f"{stem}.safetensors": stem for stem in self.stems(cfg, name)}
 
-    def _kohya_metadata(self, state: Any, root: Path) -> dict[str, Any]:
+    def _kohya_metadata(self, cfg: Any, step: int, precision: str, name: str,
+                        part: str) -> dict[str, Any]:
         """The sd-scripts ``ss_*`` entries a run knows (A1111/ComfyUI show them)."""
-        if state.cfg.adapter.lora_format == "diffusers":
+        if cfg.adapter.lora_format == "diffusers":
             return {}
         if self._hashes is None:  # the base's denoiser file read once a run
-            self._hashes = base_model_hashes(self.base, state.model.family.denoiser)
-        cfg = state.cfg
-        return {**self._hashes, "ss_sd_model_name": self.base.name, "ss_output_name": root.name,
-                "ss_steps": state.step, "ss_max_train_steps": cfg.train.steps,
+            self._hashes = base_model_hashes(self.base, part)
+        return {**self._hashes, "ss_sd_model_name": self.base.name, "ss_output_name": name,
+                "ss_steps": step, "ss_max_train_steps": cfg.train.steps,
                 "ss_learning_rate": cfg.optim.lr, "ss_unet_lr": cfg.optim.lr,
                 "ss_text_encoder_lr": cfg.optim.lr if cfg.adapter.text_encoder else None,
                 "ss_train_batch_size": cfg.train.batch_size,
                 "ss_resolution": f"({cfg.data.image_size}, {cfg.data.image_size})",
                 "ss_enable_bucket": cfg.data.buckets,
-                "ss_mixed_precision": state.precision, "ss_seed": cfg.train.seed,
+                "ss_mixed_precision": precision, "ss_seed": cfg.train.seed,
                 "ss_network_dropout": cfg.adapter.dropout,
                 "ss_training_started_at": self._started,
                 "ss_training_comment": "trained with steadydiff"}
