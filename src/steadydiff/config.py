@@ -193,6 +193,34 @@ class DataConfig(Section):
         "center", description="buckets: where the crop of an image to its bucket lies: "
         "center, or random (seeded by train.seed and the image, the same every epoch)")
 
+    # kohya sd-scripts datasets and DreamBooth (data/kohya.py, docs/sd.md#kohya-datasets)
+    dataset_config: str | None = Field(
+        None, description="a kohya dataset TOML ([general], [[datasets]], [[datasets.subsets]]: "
+        "image_dir, num_repeats, caption_extension, keep_tokens, shuffle_caption, is_reg, "
+        "class_tokens; resolution, batch_size) read as it is, instead of data.path")
+    repeat_folders: AutoBool = Field(
+        "auto", description="data.path's sub-folders named <repeats>_<class tokens> (kohya's "
+        "10_sks dog): each image seen <repeats> times per epoch, captioned with the class "
+        "tokens when it has no caption file; auto: when data.path holds such folders (and no "
+        "images of its own)")
+    caption_extension: str = Field(
+        ".txt", pattern=r"^\.[^/\\]+$", description="kohya data: the caption file beside each "
+        "image (kohya's caption_extension)")
+    reg_path: str | None = Field(
+        None, description="DreamBooth prior preservation: the regularization (class) images "
+        "(kohya's reg_data_dir: <repeats>_<class tokens> folders, or a plain folder captioned "
+        "with data.class_prompt); as many regularization samples as instance samples per "
+        "epoch, each weighted data.prior_loss_weight")
+    prior_loss_weight: float = Field(
+        1.0, ge=0.0, le=1000.0, description="the loss weight of a regularization image "
+        "(kohya's prior_loss_weight; diffusers' train_dreambooth.py): loss = mean(w_i loss_i)")
+    instance_prompt: str | None = Field(
+        None, description="DreamBooth: the caption of an instance image without a caption "
+        "file (e.g. 'a photo of sks dog')")
+    class_prompt: str | None = Field(
+        None, description="DreamBooth: the caption of a regularization image without a caption "
+        "file (e.g. 'a photo of dog'), and the prompt data.num_class_images are generated with")
+
     conditioning: ConditioningSource = Field(
         "none", description="ControlNet training (controlnet.enabled): where each image's "
         "conditioning image is: folder (data.conditioning_dir: the same relative path, any "
@@ -213,11 +241,29 @@ class DataConfig(Section):
         "both files")
 
     _pin_memory = field_validator("pin_memory", mode="before")(_auto_bool)
+    _repeat_folders = field_validator("repeat_folders", mode="before")(_auto_bool)
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
-        if self.dataset == "folder" and not self.path:
-            raise ValueError("data.path is required when data.dataset is 'folder'")
+        if self.dataset == "folder" and not self.path and not self.dataset_config:
+            raise ValueError("data.path is required when data.dataset is 'folder' (or "
+                             "data.dataset_config, a kohya dataset TOML)")
+        kohya = [k for k in ("dataset_config", "reg_path", "instance_prompt", "class_prompt")
+                 if getattr(self, k)]
+        if kohya and (self.dataset != "folder" or self.captions == "none"):
+            raise ValueError(f"data.{kohya[0]} reads a captioned image folder (kohya "
+                             f"data, DreamBooth): set data.dataset=folder and data.captions="
+                             f"auto (now {self.dataset}, {self.captions})")
+        if self.dataset_config and self.path:
+            raise ValueError("data.dataset_config names the images (its subsets' image_dir): "
+                             "remove data.path")
+        if kohya and (self.buckets or self.conditioning != "none" or self.class_labels):
+            raise ValueError(f"data.{kohya[0]} (kohya subsets, DreamBooth) does not combine "
+                             "with data.buckets, data.conditioning or data.class_labels yet: "
+                             "remove one")
+        if self.prior_loss_weight != 1.0 and not (self.reg_path or self.dataset_config):
+            raise ValueError("data.prior_loss_weight weighs regularization images: set "
+                             "data.reg_path (or is_reg subsets in data.dataset_config)")
         if self.classes is not None:
             if not self.classes:
                 raise ValueError("data.classes is empty; list at least one class id, or "
@@ -551,6 +597,11 @@ class OptimConfig(Section):
 
 class TrainConfig(Section):
     steps: Int = Field(1000, ge=1, description="optimizer steps")
+    epochs: Int | None = Field(
+        None, ge=1, le=1000000, description="train this many epochs instead: train.steps = "
+        "ceil(epochs x samples per epoch / batch_size), samples per epoch = the images (x "
+        "their repeats, + the balanced regularization samples, for kohya data), printed at "
+        "start; None: train.steps")
     batch_size: Int = Field(64, ge=1, le=65536, description="global batch per optimizer step")
     grad_accum: Int = Field(1, ge=1, le=1024, description="micro-batches per optimizer step")
     seed: Int = Field(0, ge=0, le=2**63 - 1)

@@ -69,7 +69,8 @@ __all__ = ["RunResult", "StepOutput", "TrainState", "attach_guard", "build_state
            "train_step"]
 
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
-RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
+RESUME_SAFE = ("train.steps", "train.epochs", "train.checkpoint_every",
+               "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
                "data.path", "data.cache_dir", "train.on_save_error", "train.max_time",
                "sample.", "logging.",
@@ -175,6 +176,8 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
     set_lr(state.optimizer, lr)
 
     draws, total = step_draws(state, step, x)
+    if state.sample_weights is not None and idx is not None:  # prior preservation
+        draws.weight = state.sample_weights[idx].to(state.device)
     while True:  # retried only after an out-of-memory backoff
         try:
             xs, ys, ds, weights, per_sample, t_all = _forward_backward(state, x, y, draws,
@@ -770,6 +773,9 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     cfg, notes = preflight.resolve(cfg)  # a model family's folder decides its recipe
     for note in notes:
         say(f"model: {note}")
+    cfg, notes = preflight.resolve_data(cfg)  # a kohya dataset TOML's resolution, batch
+    for note in notes:
+        say(f"data: {note}")
     cfg, chosen = speed.resolve(cfg, device)  # every `auto` speed setting, once, for device
     if chosen:
         say(speed.describe(chosen, device))
@@ -800,6 +806,9 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     # then the real thing
     pre = preflight.check(cfg, dataset, device=device)
     data = pre.data
+    cfg, notes = preflight.resolve_epochs(cfg, data)  # train.epochs -> train.steps
+    for note in notes:
+        say(note)
     for line in pre.header(cfg, run.root):  # the full config goes to RUN/config.yaml
         say(line)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
@@ -820,6 +829,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir \
             else run.root / "cache"
         data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say)
+        state.sample_weights = getattr(data, "loss_weights", None)  # kohya's is_reg images
     # data.buckets: the histogram (printed in the header above) for the report
     layout = bucket_layout(data)
 

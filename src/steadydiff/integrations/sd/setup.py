@@ -23,6 +23,7 @@ from ...config import Config, ConfigError
 from ...data.cache import (EncodedDataset, TextResult, encode_conditioning, encode_latents,
                            encode_texts, module_identity)
 from ...data import source_of
+from ...data.kohya import KohyaDataset, Repeated
 from ...data.captions import CaptionVariants, overflow_message, token_overflow
 from ...guard.findings import SampleQuarantined
 from ...guard.provenance import is_attention
@@ -420,6 +421,8 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
              if d.caption_shuffle else [])
             + ([f"dropped to the empty caption with p={d.caption_dropout:g}"]
                if d.caption_dropout else [])))
+    if isinstance(data, KohyaDataset):  # each image encoded once; the repeats are positions
+        out = Repeated(out, data.repeats, data.loss_weights)
     return out
 
 
