@@ -184,3 +184,27 @@ def test_prior_preservation_run_resumes_exactly(sd_dir, tmp_path):
     cb = ckpt.load_checkpoint(b.checkpoint, "cpu", weights_only=True)
     for k in ca.model:
         assert torch.equal(ca.model[k], cb.model[k]), k
+
+
+def test_class_images_are_generated_once_and_cached(sd_dir, tmp_path, stream, capsys):
+    from steadydiff.integrations.sd.dreambooth import MANIFEST
+
+    inst = images(tmp_path / "dog", 2, (200, 30, 30))
+    cls = tmp_path / "cls"
+    fixed = (f"data.reg_path={cls}", "data.num_class_images=3", "data.instance_prompt=sks dog",
+             "data.class_prompt=a dog", "train.steps=2", "train.batch_size=2",
+             "train.checkpoint_every=0")
+    steadydiff.train(sd_config(sd_dir, inst, *fixed), out_dir=tmp_path / "a")
+    made = sorted(p.name for p in cls.glob("*.png"))
+    assert made == ["class_00000.png", "class_00001.png", "class_00002.png"]
+    assert "generating 3 from the base model with 'a dog'" in capsys.readouterr().out
+    assert Image.open(cls / made[0]).size == (32, 32)
+    assert any(s.startswith("cls/class_") for s in stream)  # trained on as regularization
+    before = {p: p.read_bytes() for p in cls.glob("*.png")}
+    steadydiff.train(sd_config(sd_dir, inst, *fixed), out_dir=tmp_path / "b")
+    assert "none generated" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in cls.glob("*.png")} == before  # cached, untouched
+    assert '"prompt": "a dog"' in (cls / MANIFEST).read_text()
+    with pytest.raises(DataError, match="drawn with prompt 'a dog'"):
+        steadydiff.train(sd_config(sd_dir, inst, *fixed[:-3], "data.class_prompt=a cat",
+                                   "train.steps=1"), out_dir=tmp_path / "c")

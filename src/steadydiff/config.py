@@ -221,6 +221,11 @@ class DataConfig(Section):
         None, description="DreamBooth: the caption of a regularization image without a caption "
         "file (e.g. 'a photo of dog'), and the prompt data.num_class_images are generated with")
 
+    num_class_images: Int = Field(
+        0, ge=0, le=100000, description="DreamBooth: when data.reg_path holds fewer images, "
+        "generate the missing ones before training from the base model with data.class_prompt "
+        "(sample.sampler/steps/cfg_scale), cached there for later runs; 0: none generated")
+
     conditioning: ConditioningSource = Field(
         "none", description="ControlNet training (controlnet.enabled): where each image's "
         "conditioning image is: folder (data.conditioning_dir: the same relative path, any "
@@ -261,6 +266,9 @@ class DataConfig(Section):
             raise ValueError(f"data.{kohya[0]} (kohya subsets, DreamBooth) does not combine "
                              "with data.buckets, data.conditioning or data.class_labels yet: "
                              "remove one")
+        if self.num_class_images and not (self.reg_path and self.class_prompt):
+            raise ValueError("data.num_class_images generates class images with "
+                             "data.class_prompt into data.reg_path: set both")
         if self.prior_loss_weight != 1.0 and not (self.reg_path or self.dataset_config):
             raise ValueError("data.prior_loss_weight weighs regularization images: set "
                              "data.reg_path (or is_reg subsets in data.dataset_config)")

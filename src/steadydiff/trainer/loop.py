@@ -804,6 +804,13 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
 
     # ---- setup: the dry run's checks (precision, the model on the meta device, the data),
     # then the real thing
+    if cfg.data.num_class_images and dataset is None:  # DreamBooth: before the data is read
+        from ..integrations.sd.dreambooth import ensure_class_images
+
+        if main:
+            ensure_class_images(cfg, device, say)
+        if ctx.enabled:
+            distributed.barrier()
     pre = preflight.check(cfg, dataset, device=device)
     data = pre.data
     cfg, notes = preflight.resolve_epochs(cfg, data)  # train.epochs -> train.steps
