@@ -208,3 +208,18 @@ def test_class_images_are_generated_once_and_cached(sd_dir, tmp_path, stream, ca
     with pytest.raises(DataError, match="drawn with prompt 'a dog'"):
         steadydiff.train(sd_config(sd_dir, inst, *fixed[:-3], "data.class_prompt=a cat",
                                    "train.steps=1"), out_dir=tmp_path / "c")
+
+
+def test_dry_run_prints_what_it_understood(sd_dir, tmp_path, capsys):
+    from steadydiff.cli import main
+
+    train, reg = kohya_tree(tmp_path)
+    sets = [f"model.pretrained={sd_dir}", f"data.path={train}", f"data.reg_path={reg}",
+            "data.image_size=32", "train.batch_size=4", "train.epochs=3", "train.device=cpu",
+            "train.precision=fp32"]
+    assert main(["train", "configs/sd_lora.yaml", "--dry-run",
+                 *[x for s in sets for x in ("--set", s)]]) == 0
+    out = capsys.readouterr()
+    assert "epoch: 22 samples = 6 steps of batch 4" in out.err
+    assert "train.epochs=3: 3 x 22 samples / batch 4 = 17 steps" in out.err
+    assert "steps: 17" in out.out

@@ -342,7 +342,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.dry_run:
         from .devices import resolve_device
         from .lint import lint_report
-        from .preflight import check, resolve
+        from .preflight import check, resolve, resolve_data, resolve_epochs
         from .trainer import speed
 
         if a.grow_resolution:  # the config the grown run would train with
@@ -350,11 +350,16 @@ def cmd_train(a: argparse.Namespace) -> int:
         cfg, notes = resolve(cfg)  # what an SD folder's scheduler decides
         for note in notes:
             print(f"stable diffusion: {note}", file=sys.stderr)
+        cfg, notes = resolve_data(cfg)  # a kohya dataset TOML's resolution and batch
+        for note in notes:
+            print(f"data: {note}", file=sys.stderr)
         device = resolve_device(cfg.train.device, what="train.device")
         cfg, chosen = speed.resolve(cfg, device)  # the `auto` speed settings, as a run would
 
         # what a run checks before its first step: fails the same way
         pre = check(cfg, device=device)
+        cfg, lines = resolve_epochs(cfg, pre.data)  # train.epochs -> steps; kohya subsets
+        print("".join(f"{line}\n" for line in lines), end="", file=sys.stderr)
         print(cfg.to_yaml(), end="")
         # stdout stays valid YAML: the summary is a comment
         print("".join(f"# {line}\n" for line in ["dry run: ok", *pre.header(cfg),
