@@ -114,3 +114,11 @@ def test_hypernetwork_run_writes_numbered_files(sd_dir, tmp_path):
     assert list(got) == [1, 2]
     assert (tmp_path / "hn" / "hypernetwork" / "hypernetwork.safetensors").read_bytes() == \
         got[2][0].read_bytes()
+    # step 1's file again from its checkpoint: the same tensors
+    from safetensors.torch import load_file
+
+    first = load_file(got[1][0])
+    got[1][0].unlink()
+    assert main(["export", str(tmp_path / "hn"), "--step", "1"]) == 0
+    again = load_file(got[1][0])
+    assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
