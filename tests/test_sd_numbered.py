@@ -66,6 +66,9 @@ def test_numbered_files_per_save_keep_policy_and_export_step(sd_dir, tmp_path, c
     # nothing overwritten: a second export keeps them
     assert main(["export", str(run), "--step", "2"]) == 0
     assert "kept" in capsys.readouterr().out
+    # --checkpoint names one the same way (files already there: kept)
+    assert main(["export", str(run), "--checkpoint", "step_00000004"]) == 0
+    assert "kept" in capsys.readouterr().out and (lora / "run-step00000004.safetensors").is_file()
     # a step without a kept checkpoint: exit 2, the kept steps named
     assert main(["export", str(run), "--step", "3"]) == 2
     assert "kept: [2, 4, 6]" in capsys.readouterr().err

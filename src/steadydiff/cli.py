@@ -237,9 +237,13 @@ def _parser() -> argparse.ArgumentParser:
                                     "--step N (or SOURCE, a checkpoint), written as training "
                                     "writes them; files already there are kept.")
     xp.add_argument("source", help="run directory, checkpoint, or diffusers SD folder")
-    xp.add_argument("--step", type=int, default=None, metavar="N",
-                    help="the run's kept checkpoint of step N (or the best evaluation's) "
-                         "instead of the newest")
+    which = xp.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, default=None, metavar="N",
+                       help="the run's kept checkpoint of step N (or the best evaluation's) "
+                            "instead of the newest")
+    which.add_argument("--checkpoint", default=None, metavar="CKPT",
+                       help="this checkpoint of the run: a directory, or its name under "
+                            "RUN/checkpoints (step_00001000, best/step_00001000)")
     what = xp.add_mutually_exclusive_group()
     what.add_argument("--out", metavar="OUT.safetensors",
                       help="steadydiff's own model as one file (see above)")
@@ -482,6 +486,12 @@ def cmd_export(a: argparse.Namespace) -> int:
     import torch
 
     dtype = torch.float16 if a.half else None
+    if a.checkpoint:  # a name under RUN/checkpoints, or a path
+        named = Path(a.source) / "checkpoints" / a.checkpoint
+        a.source = named if named.is_dir() else Path(a.checkpoint)
+        if not Path(a.source).is_dir():
+            raise ValueError(f"--checkpoint {a.checkpoint}: neither {named} nor "
+                             f"{a.checkpoint} is a checkpoint directory")
     if not a.out and not a.single_file:  # an SD adapter run's numbered files
         from .integrations.sd.export import export_adapter
 
