@@ -223,3 +223,38 @@ def test_dry_run_prints_what_it_understood(sd_dir, tmp_path, capsys):
     assert "epoch: 22 samples = 6 steps of batch 4" in out.err
     assert "train.epochs=3: 3 x 22 samples / batch 4 = 17 steps" in out.err
     assert "steps: 17" in out.out
+
+
+def test_repeat_folders_with_buckets_keep_each_batch_in_one_bucket(sd_dir, tmp_path):
+    """kohya's enable_bucket with repeat folders: each image in its bucket, each batch one
+    bucket, each image its repeats per epoch."""
+    from steadydiff.data.buckets import bucket_layout
+
+    wide, square = tmp_path / "d" / "2_wide", tmp_path / "d" / "1_square"
+    for folder, size in ((wide, (64, 32)), (square, (32, 32))):
+        folder.mkdir(parents=True)
+        for i in range(2):
+            im = np.full((size[1], size[0], 3), 240, np.uint8)
+            im[4:12, 4 + 3 * i:12 + 3 * i] = (200, 30, 30)
+            Image.fromarray(im).save(folder / f"im{i}.png")
+    batches: list[list[int]] = []
+    real = loop.make_loader
+
+    def buckets_seen(dataset, **kw):
+        lay = bucket_layout(dataset)
+        for batch in real(dataset, **kw):
+            batches.append([lay.ids[int(i)] for i in batch[2]])
+            yield batch
+
+    loop.make_loader = buckets_seen
+    try:
+        res = steadydiff.train(sd_config(
+            sd_dir, tmp_path / "d", "data.buckets=true", "data.bucket_step=8",
+            "data.bucket_min_side=16", "data.bucket_max_side=64", "data.bucket_max_ratio=2",
+            "train.batch_size=2", "train.epochs=2", "train.checkpoint_every=0"),
+            out_dir=tmp_path / "run")
+    finally:
+        loop.make_loader = real
+    assert res.steps == 6  # (2 x 2 + 2 x 1) x 2 epochs / 2
+    assert batches and all(len(set(b)) == 1 for b in batches)
+    assert len({b[0] for b in batches}) == 2  # both buckets trained

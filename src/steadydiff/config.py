@@ -262,10 +262,9 @@ class DataConfig(Section):
         if self.dataset_config and self.path:
             raise ValueError("data.dataset_config names the images (its subsets' image_dir): "
                              "remove data.path")
-        if kohya and (self.buckets or self.conditioning != "none" or self.class_labels):
+        if kohya and (self.conditioning != "none" or self.class_labels):
             raise ValueError(f"data.{kohya[0]} (kohya subsets, DreamBooth) does not combine "
-                             "with data.buckets, data.conditioning or data.class_labels yet: "
-                             "remove one")
+                             "with data.conditioning or data.class_labels yet: remove one")
         if self.num_class_images and not (self.reg_path and self.class_prompt):
             raise ValueError("data.num_class_images generates class images with "
                              "data.class_prompt into data.reg_path: set both")

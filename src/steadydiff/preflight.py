@@ -240,7 +240,7 @@ def _text_data(cfg: Config, dataset: Dataset | None) -> Dataset:
 
         plan = plan_of(cfg.data)  # kohya repeat folders, its dataset TOML, DreamBooth
         if plan is not None:
-            return build_kohya(cfg.data, plan)
+            return build_kohya(cfg.data, plan, seed=cfg.train.seed)
         return build_captioned(cfg.data, build_dataset(cfg.data, seed=cfg.train.seed),
                                seed=cfg.train.seed)
     captions = getattr(dataset, "captions", None)

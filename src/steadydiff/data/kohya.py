@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import Dataset
 
 from . import DataError, ImageFolderDataset
+from .buckets import BucketLayout, make_buckets
 from .captions import _clean, _read_text, with_trigger
 
 log = logging.getLogger(__name__)
@@ -266,9 +267,9 @@ def plan_of(cfg: Any) -> KohyaPlan | None:
                          f"folder {root}")
     else:
         return None
-    if cfg.buckets or cfg.class_labels or cfg.conditioning != "none":
-        raise DataError(f"{plan.source}: kohya subsets do not combine with data.buckets, "
-                        "data.class_labels or data.conditioning yet: remove them, or set "
+    if cfg.class_labels or cfg.conditioning != "none":
+        raise DataError(f"{plan.source}: kohya subsets do not combine with data.class_labels "
+                        "or data.conditioning yet: remove them, or set "
                         "data.repeat_folders=false to read the folder as one plain folder")
     if cfg.reg_path:
         reg = repeat_folders(cfg.reg_path, is_reg=True,
@@ -327,7 +328,8 @@ class KohyaDataset(Dataset):
     def __init__(self, plan: KohyaPlan, *, image_size: int, channels: int = 3,
                  center_crop: bool = True, follow_symlinks: bool = False,
                  missing: str = "error", trigger: str | None = None, separator: str = ",",
-                 prior_loss_weight: float = 1.0) -> None:
+                 prior_loss_weight: float = 1.0, buckets: list[tuple[int, int]] | None = None,
+                 random_crop: bool = False, crop_seed: int = 0) -> None:
         self.plan = plan
         self.folders: list[ImageFolderDataset] = []
         self.items: list[tuple[int, int]] = []  # (subset, folder index)
@@ -337,7 +339,8 @@ class KohyaDataset(Dataset):
         lost: list[str] = []
         for k, s in enumerate(plan.subsets):
             f = ImageFolderDataset(s.image_dir, image_size, channels, center_crop=center_crop,
-                                   follow_symlinks=follow_symlinks)
+                                   follow_symlinks=follow_symlinks, buckets=buckets,
+                                   random_crop=random_crop, crop_seed=crop_seed)
             self.folders.append(f)
             for j, p in enumerate(f.paths):
                 cap_file = Path(os.path.splitext(p)[0] + s.caption_extension)
@@ -373,6 +376,13 @@ class KohyaDataset(Dataset):
                                         if kk == k)) for k in range(len(plan.subsets))]
         self.prior_loss_weight = prior_loss_weight
         self._item_of = {kj: i for i, kj in enumerate(self.items)}
+        # data.buckets: every subset's images in the same buckets, one layout over all
+        self.bucket_layout: BucketLayout | None = None
+        if buckets is not None and self.items:
+            lay = [f.bucket_layout for f in self.folders]
+            self.bucket_layout = BucketLayout(lay[0].buckets,
+                                              [lay[k].ids[j] for k, j in self.items],
+                                              [lay[k].crops[j] for k, j in self.items])
         if not self.items:
             raise DataError(f"{plan.source}: no images in its subsets")
 
@@ -456,7 +466,8 @@ class Repeated(Dataset):
         for a in ("channels", "image_size", "item_shape", "context_shape", "null_context",
                   "quarantined", "caption_overflow", "variants"):
             setattr(self, a, getattr(encoded, a, None))
-        self.bucket_layout = None
+        lay = getattr(encoded, "bucket_layout", None)  # each position in its image's bucket
+        self.bucket_layout = lay.subset(pos) if lay is not None else None
 
     def __len__(self) -> int:
         return len(self._pos)
@@ -478,14 +489,19 @@ class Repeated(Dataset):
         return f"{self.encoded.describe()}; {len(self)} samples per epoch with the repeats"
 
 
-def build_kohya(cfg: Any, plan: KohyaPlan) -> KohyaDataset:
+def build_kohya(cfg: Any, plan: KohyaPlan, seed: int = 0) -> KohyaDataset:
     """The :class:`KohyaDataset` of a ``data`` section and its plan (the per-subset
     shuffle/keep_tokens were applied to the config by :func:`resolve_config`)."""
+    buckets = None
+    if cfg.buckets:
+        lo, hi = cfg.bucket_sides()
+        buckets = make_buckets(cfg.image_size, cfg.bucket_step, lo, hi, cfg.bucket_max_ratio)
     return KohyaDataset(plan, image_size=cfg.image_size, channels=cfg.channels,
                         center_crop=cfg.center_crop, follow_symlinks=cfg.follow_symlinks,
                         missing=cfg.missing_caption, trigger=cfg.trigger,
                         separator=cfg.caption_separator,
-                        prior_loss_weight=cfg.prior_loss_weight)
+                        prior_loss_weight=cfg.prior_loss_weight, buckets=buckets,
+                        random_crop=cfg.bucket_crop == "random", crop_seed=seed)
 
 
 def resolve_config(cfg: Any) -> tuple[Any, list[str]]:
