@@ -125,3 +125,28 @@ def test_hypernetwork_run_writes_numbered_files(sd_dir, tmp_path):
     assert main(["export", str(tmp_path / "hn"), "--step", "1"]) == 0
     again = load_file(got[1][0])
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
+
+
+def test_sdxl_kohya_folders_write_numbered_files_equal_to_the_checkpoint(tmp_path):
+    """On the tiny SDXL folder: kohya repeat folders with class images train kohya's epoch,
+    and a step's numbered files (sgm names, both encoders) equal its checkpoint's LoRA."""
+    from steadydiff.integrations.sd.tiny import main as tiny
+
+    from test_kohya import kohya_tree
+
+    xl = tmp_path / "tiny-sdxl"
+    tiny([str(xl), "--family", "sdxl", "--image-size", "32"])
+    train, reg = kohya_tree(tmp_path)
+    cfg = sd_config(xl, train, f"data.reg_path={reg}", "train.epochs=1", "train.batch_size=4",
+                    "train.checkpoint_every=3", "adapter.text_encoder=true", "optim.lr=0.01",
+                    "sample.use_ema=false")
+    res = steadydiff.train(cfg, out_dir=tmp_path / "run")
+    assert res.steps == 6  # (11 instance + 11 class samples) / 4
+    lora = tmp_path / "run" / "lora"
+    assert list(numbered.numbered_files(lora, ["run", "pytorch_lora_weights"])) == [3, 6]
+    c = ckpt.load_checkpoint(tmp_path / "run" / "checkpoints" / "step_00000003", "cpu",
+                             weights_only=True)
+    for f in ("run-step00000003.safetensors", "pytorch_lora_weights-step00000003.safetensors"):
+        ours = _adapter_of(cfg, lora / f)
+        assert ours.keys() == c.model.keys()
+        assert all(torch.equal(ours[k], c.model[k]) for k in ours), f
