@@ -139,7 +139,7 @@ batch_size = 2
      "resolution = \\[512, 768\\]: steadydiff trains square"),
     ("[[datasets]]\n[[datasets.subsets]]\nimage_dir = 'nowhere'\n", "is not a folder"),
     ("[[datasets]]\n[[datasets.subsets]]\nimage_dir = '.'\nnum_repeats = 'ten'\n",
-     "num_repeats = 'ten' must be a int"),
+     "num_repeats = 'ten' must be an integer"),
     ("[datasets\n", "not valid TOML"),
 ])
 def test_bad_dataset_toml_is_refused_naming_the_key(tmp_path, body, needle):

@@ -204,7 +204,7 @@ class DataConfig(Section):
         "tokens when it has no caption file; auto: when data.path holds such folders (and no "
         "images of its own)")
     caption_extension: str = Field(
-        ".txt", pattern=r"^\.[^/\\]+$", description="kohya data: the caption file beside each "
+        ".txt", description="kohya data: the caption file beside each "
         "image (kohya's caption_extension)")
     reg_path: str | None = Field(
         None, description="DreamBooth prior preservation: the regularization (class) images "
@@ -247,6 +247,14 @@ class DataConfig(Section):
 
     _pin_memory = field_validator("pin_memory", mode="before")(_auto_bool)
     _repeat_folders = field_validator("repeat_folders", mode="before")(_auto_bool)
+
+    @field_validator("caption_extension")
+    @classmethod
+    def _caption_extension(cls, v: str) -> str:
+        if not v.startswith(".") or len(v) < 2 or any(c in v for c in "/\\*?"):
+            raise ValueError(f"{v!r} is not a file extension: give one starting with '.', e.g. "
+                             "'.txt' or '.caption'")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":

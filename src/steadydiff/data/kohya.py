@@ -141,12 +141,12 @@ def is_repeat_layout(root: str | os.PathLike[str]) -> bool:
     return any(p.is_dir() and REPEAT_FOLDER.match(p.name) for p in entries)
 
 
-def _typed(where: str, key: str, v: Any, kind: type | tuple[type, ...]) -> Any:
-    if isinstance(v, bool) and kind is not bool:
-        raise DataError(f"{where}: {key} = {v!r} must be a {getattr(kind, '__name__', kind)}")
-    if not isinstance(v, kind):
-        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise DataError(f"{where}: {key} = {v!r} must be a {names}")
+_KIND = {int: "an integer", str: "a string", bool: "true or false"}
+
+
+def _typed(where: str, key: str, v: Any, kind: type) -> Any:
+    if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
+        raise DataError(f"{where}: {key} = {v!r} must be {_KIND[kind]}")
     return v
 
 
