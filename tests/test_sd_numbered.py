@@ -127,6 +127,7 @@ def test_hypernetwork_run_writes_numbered_files(sd_dir, tmp_path):
     assert first.keys() == again.keys() and all(torch.equal(first[k], again[k]) for k in first)
 
 
+@pytest.mark.slow
 def test_sdxl_kohya_folders_write_numbered_files_equal_to_the_checkpoint(tmp_path):
     """On the tiny SDXL folder: kohya repeat folders with class images train kohya's epoch,
     and a step's numbered files (sgm names, both encoders) equal its checkpoint's LoRA."""

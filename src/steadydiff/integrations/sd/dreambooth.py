@@ -93,7 +93,9 @@ def ensure_class_images(cfg: Any, device: torch.device,
                                                           | {p.name for p in new})},
                               indent=1) + "\n")
     tmp.replace(manifest)
-    del pipe
+    del pipe  # the training model is built next: free this one first
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     return new
 
 
