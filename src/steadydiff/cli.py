@@ -67,9 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train from a YAML config. Rerunning the same command "
                                    "resumes from the run's newest intact checkpoint.")
     t.add_argument("config", help="YAML config file (see configs/)")
-    t.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
+    t.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE",
-                   help="override config values: --set a.b=1 c.d=2, or --set repeated")
+                   help="override a config value; repeat for several (--set a.b=1 --set "
+                        "c.d=2; --set a.b=1 c.d=2 also works and never takes the config path)")
     t.add_argument("--out", default=None,
                    help="run directory (default: runs/<config file name>)")
     t.add_argument("--dry-run", action="store_true",
@@ -77,8 +78,10 @@ def _parser() -> argparse.ArgumentParser:
                         "precision, data and its classes, the model built on the meta device "
                         "and run once) without training; print the resolved config and exit")
     t.add_argument("--print-config", action="store_true",
-                   help="print the whole resolved config at start (it is always written to "
-                        "RUN_DIR/config.yaml; the terminal gets a short header)")
+                   help="print the whole resolved config at start, what differs from the "
+                        "defaults first (it is always written to RUN_DIR/config.yaml; the "
+                        "terminal gets a short header; --dry-run alone prints only the keys "
+                        "that differ)")
     t.add_argument("--resume", default=None, metavar="PATH",
                    help="resume from this checkpoint or run directory")
     t.add_argument("--no-resume", action="store_true",
@@ -154,8 +157,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "FD-fashion_mnist: not comparable with Inception FID), with "
                                    "KID, precision/recall and class accuracy; true FID with "
                                    "--inception-weights. See docs/evaluation.md.")
-    from .eval.evaluate import add_arguments
-    add_arguments(e)
+    _eval_arguments(e)
 
     x = sub.add_parser("ema", formatter_class=_Formatter,
                        help="post-hoc EMA: reconstruct the EMA of any length after training",
@@ -295,6 +297,25 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _eval_arguments(p: argparse.ArgumentParser) -> None:
+    """`steadydiff eval`'s options (evaluate.run_cli reads them)."""
+    p.add_argument("checkpoint", help="checkpoint or run directory")
+    p.add_argument("--num", type=int, default=500,
+                   help="samples to draw (compared with as many real images)")
+    p.add_argument("--sampler", default=None, choices=SAMPLER_NAMES,
+                   help="default: the checkpoint config's sample.sampler")
+    p.add_argument("--steps", type=int, default=None, help="default: sample.steps")
+    p.add_argument("--cfg-scale", type=float, default=None, help="default: sample.cfg_scale")
+    p.add_argument("--seed", type=int, default=0, help="sampling and subset seed")
+    p.add_argument("-k", type=int, default=3, help="nearest neighbours for precision/recall")
+    p.add_argument("--inception-weights", default=None, metavar="PATH",
+                   help="also report true FID with the standard FID InceptionV3 weights from "
+                        "this local file (pt_inception-2015-12-05-*.pth; never downloaded)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: auto)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    p.add_argument("--out", default=None, help="also write the figures to this JSON file")
+
+
 def cmd_condition(a: argparse.Namespace) -> int:
     from .data import DataError
     from .data.conditioning import make_conditioning
@@ -348,7 +369,7 @@ def cmd_train(a: argparse.Namespace) -> int:
 
         # what a run checks before its first step: fails the same way
         pre = check(cfg, device=device)
-        print(cfg.to_yaml(), end="")
+        print(_config_text(cfg, whole=a.print_config), end="")
         # stdout stays valid YAML: the summary is a comment
         print("".join(f"# {line}\n" for line in ["dry run: ok", *pre.header(cfg),
                                                    *([speed.describe(chosen, device)]
@@ -360,7 +381,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     resume = a.resume if a.resume else (not a.no_resume)
     say = print if int(os.environ.get("RANK", 0)) == 0 else (lambda *_a, **_k: None)
     if a.print_config:
-        say(cfg.to_yaml(), end="")
+        say(_config_text(cfg, whole=True), end="")
     res = run(cfg, run_dir=out, resume=resume, allow_config_change=a.allow_config_change,
               restart=a.restart, grow_resolution=a.grow_resolution)
     if say is not print:  # torchrun: rank 0 reports for the group
@@ -372,6 +393,19 @@ def cmd_train(a: argparse.Namespace) -> int:
         print(f"  samples:    {res.samples[-1]}")
     print(f"  metrics:    {out / 'metrics.jsonl'}")
     return EXIT_OK
+
+
+def _config_text(cfg, whole: bool) -> str:
+    """The config as YAML, what differs from the defaults first: the changed keys as a
+    config of their own (``whole``: then every key, as comments name the differences)."""
+    diff = cfg.differences()
+    if not whole:
+        return (f"# the {len(diff)} keys that differ from the defaults (a config holding only "
+                f"these is this run's); --print-config shows every key\n"
+                + cfg.changed_yaml())
+    lines = [f"# {key}: {value!r} (default {default!r})" for key, value, default in diff]
+    return ("# differs from the defaults:\n" + "".join(f"{ln}\n" for ln in lines)
+            + "# the whole resolved config:\n" + cfg.to_yaml())
 
 
 def _grown_config(cfg, a: argparse.Namespace):
@@ -505,6 +539,10 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(_one_value_per_set(sys.argv[1:] if argv is None else argv))
+    # imported after parsing: they import torch (seconds), which --help, --version and an
+    # argument error never need
     from .config import ConfigError
     from .data import DataError
     from .distributed import EXIT_DIST_FAILURE, DistributedError
@@ -514,8 +552,6 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer.loop import CheckpointSaveError
     from .trainer.preempt import TrainingInterrupted
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = _parser().parse_args(argv)
     handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "ema": cmd_ema,
                 "condition": cmd_condition,
                 "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge,
@@ -553,6 +589,32 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C outside training (the trainer handles its own)
         print("\ninterrupted", file=sys.stderr)
         return 130
+
+
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
+
+
+def _one_value_per_set(argv: list) -> list[str]:
+    """``--set a=1 b=2 CONFIG`` as ``--set a=1 --set b=2 CONFIG``: the values after one
+    ``--set`` are the KEY=VALUE words that follow it, so a positional (the config path)
+    placed after them is never taken for an override, as argparse's ``nargs="+"`` would."""
+    out: list[str] = []
+    taking = False
+    for word in map(str, argv):
+        if word == "--set":
+            taking = False
+            out.append(word)
+            continue
+        if out and out[-1] == "--set":
+            out.append(word)  # the first value: whatever it is (argparse names a bad one)
+            taking = True
+            continue
+        if taking and _OVERRIDE.match(word):
+            out += ["--set", word]
+            continue
+        taking = False
+        out.append(word)
+    return out
 
 
 def _command_line() -> list[str]:
