@@ -279,6 +279,33 @@ def _parser() -> argparse.ArgumentParser:
                     help="replace the files an earlier `steadydiff condition` wrote in --out "
                          "(never anything else)")
 
+    li = sub.add_parser("lint", formatter_class=_Formatter,
+                        help="warn about dangerous-but-legal settings in a config, quickly",
+                        description="Validate CONFIG (with --set) and print the start-up "
+                                    "lint's warnings (an LR far above the family's, fp16 "
+                                    "attention without QK-norm, an EMA that cannot warm up, "
+                                    "...): what `steadydiff train` prints at start, without "
+                                    "building anything. `train --dry-run` also builds the "
+                                    "model and reads the data. Exit 0 even with warnings "
+                                    "(--strict: 1), 2 for a config that does not load.")
+    li.add_argument("config", help="YAML config file")
+    li.add_argument("--set", dest="overrides", action="append", default=[],
+                    metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+    li.add_argument("--strict", action="store_true", help="exit 1 when there are warnings")
+
+    it = sub.add_parser("init", formatter_class=_Formatter,
+                        help="write a commented starting config for a task",
+                        description="Write the config a task starts from: only the keys its "
+                                    "users set, each commented (the rest keep their "
+                                    "defaults; `steadydiff train FILE --dry-run "
+                                    "--print-config` shows them all). Tasks: "
+                                    + "; ".join(f"{t.name}: {t.what}" for t in _tasks()))
+    it.add_argument("task", choices=[t.name for t in _tasks()], help="what to train")
+    it.add_argument("--out", default=None,
+                    help="the config file to write (default: ./TASK.yaml); an existing "
+                         "file is refused without --force")
+    it.add_argument("--force", action="store_true", help="replace an existing --out file")
+
     d = sub.add_parser("doctor", formatter_class=_Formatter,
                        help="post-mortem: name the likely causes of a run's trouble",
                        description="Examine a run directory or a checkpoint (weights, EMA, a "
@@ -295,6 +322,43 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--verbose", action="store_true", help="also list info findings")
     d.add_argument("--device", default="cpu", help="where the probe forward pass runs")
     return p
+
+
+def _tasks():
+    from .tasks import TASKS
+    return TASKS
+
+
+def cmd_lint(a: argparse.Namespace) -> int:
+    from .config import load_config
+    from .lint import lint
+
+    cfg = load_config(a.config, a.overrides)
+    found = lint(cfg)
+    for msg in found:
+        print(f"warning: {msg}")
+    print(f"lint: {a.config}: {len(found)} warning{'s' * (len(found) != 1)}"
+          + ("" if found else " (the device-dependent checks run at start: train --dry-run)"))
+    return 1 if (found and a.strict) else EXIT_OK
+
+
+def cmd_init(a: argparse.Namespace) -> int:
+    from .tasks import get, template
+
+    out = Path(a.out) if a.out else Path(f"{a.task}.yaml")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; give the config file to write")
+    if out.exists() and not a.force:
+        raise ValueError(f"{out} exists; give another --out, or --force to replace it")
+    text = template(a.task)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(f"# written by `steadydiff init {a.task}`: {get(a.task).what}\n" + text)
+    os.replace(tmp, out)
+    print(f"wrote {out} ({get(a.task).what}); edit the paths, then:\n"
+          f"  steadydiff lint {out}\n  steadydiff train {out} --dry-run\n"
+          f"  steadydiff train {out} --out runs/{out.stem}")
+    return EXIT_OK
 
 
 def _eval_arguments(p: argparse.ArgumentParser) -> None:
@@ -541,10 +605,28 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(_one_value_per_set(sys.argv[1:] if argv is None else argv))
-    # imported after parsing: they import torch (seconds), which --help, --version and an
-    # argument error never need
-    from .config import ConfigError
-    from .data import DataError
+    handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "ema": cmd_ema,
+                "condition": cmd_condition,
+                "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge,
+                "export": cmd_export, "lint": cmd_lint, "init": cmd_init}
+    try:
+        return handlers[args.command](args)
+    except Exception as e:  # noqa: BLE001 (each known kind is an exit code; others re-raise)
+        return _exit_for(e)
+    except KeyboardInterrupt:  # Ctrl-C outside training (the trainer handles its own)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _exit_for(e: Exception) -> int:
+    """The exit code (and message) of an exception a command raised; others re-raise.
+
+    The exception classes are imported here, not at start: they import torch (seconds),
+    which --help, --version, lint and init never need; when one of them was raised, its
+    module is already loaded."""
+    if isinstance(e, (ValueError, FileNotFoundError)):  # ConfigError, DataError: bad input
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     from .distributed import EXIT_DIST_FAILURE, DistributedError
     from .guard import GuardAbort
     from .rundir import RunDirError
@@ -552,17 +634,10 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer.loop import CheckpointSaveError
     from .trainer.preempt import TrainingInterrupted
 
-    handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "ema": cmd_ema,
-                "condition": cmd_condition,
-                "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge,
-                "export": cmd_export}
-    try:
-        return handlers[args.command](args)
-    except (ConfigError, DataError, CheckpointError, RunDirError, ValueError,
-            FileNotFoundError) as e:
+    if isinstance(e, (CheckpointError, RunDirError)):
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except GuardAbort as e:
+    if isinstance(e, GuardAbort):
         print(f"aborted: {e}", file=sys.stderr)
         point = getattr(e, "abort_point", None)  # set by the trainer (rank 0)
         if point:
@@ -571,13 +646,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"to resume {where} with the LR the guard found safe ({point['lr_why']}):"
                   f"\n  {point['resume']}", file=sys.stderr)
         return EXIT_ABORTED
-    except CheckpointSaveError as e:
+    if isinstance(e, CheckpointSaveError):
         print(f"error: {e}", file=sys.stderr)
         return EXIT_SAVE_FAILED
-    except DistributedError as e:
+    if isinstance(e, DistributedError):
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DIST_FAILURE
-    except TrainingInterrupted as e:
+    if isinstance(e, TrainingInterrupted):
         if "LOCAL_RANK" in os.environ:  # torchrun: rank 0 speaks for the group
             if int(os.environ.get("RANK", 0)) == 0:
                 print(f"\n{e}\nto resume, run the same torchrun command again",
@@ -586,9 +661,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{e}\nto resume, run the same command again:\n  "
                   + " ".join(_command_line()), file=sys.stderr)
         return EXIT_INTERRUPTED
-    except KeyboardInterrupt:  # Ctrl-C outside training (the trainer handles its own)
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    raise e
 
 
 _OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
