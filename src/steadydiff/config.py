@@ -1252,6 +1252,42 @@ class Config(Section):
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
+    def differences(self) -> list[tuple[str, Any, Any]]:
+        """The keys whose value differs from the default: ``[(dotted key, value, default)]``,
+        in the config's order. What a run changed, out of ~190 keys (printed first by
+        ``train --dry-run`` and ``--print-config``)."""
+        mine, default = dict(_leaves(self.to_dict())), dict(_leaves(_defaults().to_dict()))
+        return [(k, v, default.get(k)) for k, v in mine.items() if default.get(k, _NO) != v]
+
+    def changed_yaml(self) -> str:
+        """The keys that differ from the defaults, as a (nested, valid) YAML config: a
+        config file holding only them loads to this same config."""
+        tree: dict[str, Any] = {}
+        for key, value, _ in self.differences():
+            *sections, leaf = key.split(".")
+            node = tree
+            for part in sections:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        return yaml.safe_dump(tree, sort_keys=False) if tree else "{}\n"
+
+
+_NO = object()
+
+
+def _leaves(tree: Mapping[str, Any], prefix: str = "") -> Iterable[tuple[str, Any]]:
+    """``("train.steps", 1000)`` for every leaf of a nested config dict (lists are leaves)."""
+    for key, value in tree.items():
+        if isinstance(value, Mapping) and value:
+            yield from _leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+@functools.cache
+def _defaults() -> "Config":
+    return Config()
+
 
 # --------------------------------------------------------------------------- loading
 
