@@ -117,25 +117,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    """The process umask. Linux reports it in /proc; elsewhere reading it means setting it
-    (process-wide, for an instant: other threads could create a file under the stand-in)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _follow_umask(path: Path) -> None:
-    """Give ``path`` the mode a plain ``open()`` would: safetensors writes through a
-    temporary file, which is created 0600 whatever the umask."""
-    os.chmod(path, 0o666 & ~_umask())
+    """Give ``path`` the mode a plain ``open()`` would (files.py owns the rule)."""
+    from ..files import follow_umask
+
+    follow_umask(path)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -147,18 +133,11 @@ def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor],
     """Write ``tensors`` to the safetensors file ``path`` atomically: a temporary file in the
     same folder, fsynced, renamed over ``path``, the folder fsynced. A kill leaves the old file
     or the new one, never half of one. Returns ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
-    try:
+    from ..files import atomic_output
+
+    with atomic_output(path) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
                   metadata=metadata)
-        _follow_umask(tmp)
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
     return path
 
 
@@ -350,6 +329,11 @@ def candidates(root: Path) -> list[Path]:
     return found
 
 
+# what this module's writers name their temporaries (a checkpoint, ``latest``): rotation
+# sweeps these and nothing else a user may have put under checkpoints/
+_TEMPORARY = re.compile(r"^\.(tmp-step_\d{8,}|old-step_\d{8,}|latest)-\d+$")
+
+
 def _rotate(root: Path, keep: int, protect: str) -> None:
     # Only complete (manifest-bearing) checkpoints count toward `keep`; the one just written
     # is always among them, so the last good checkpoint is never deleted first.
@@ -357,8 +341,8 @@ def _rotate(root: Path, keep: int, protect: str) -> None:
     for p in complete[keep:]:
         if p.name != protect:
             shutil.rmtree(p, ignore_errors=True)
-    for p in root.iterdir():  # temporaries left by a killed writer
-        if p.name.startswith((".tmp-", ".old-")) and not p.name.endswith(f"-{os.getpid()}"):
+    for p in root.iterdir():  # temporaries left by a killed writer, named as we name them
+        if _TEMPORARY.match(p.name) and not p.name.endswith(f"-{os.getpid()}"):
             shutil.rmtree(p, ignore_errors=True)
 
 
