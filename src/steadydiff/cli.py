@@ -147,7 +147,10 @@ def _parser() -> argparse.ArgumentParser:
                         "ControlNet run: LoRA and ControlNet together")
     s.add_argument("--out", required=True,
                    help="output: a .png grid, or .npz with 'samples' (N,C,H,W) float32 in "
-                        "[-1,1] (and 'labels' when class-conditional)")
+                        "[-1,1] (and 'labels' when class-conditional); a new file, written "
+                        "atomically")
+    s.add_argument("--force", action="store_true",
+                   help="replace an existing --out file (never a directory or an input)")
 
     e = sub.add_parser("eval", formatter_class=_Formatter,
                        help="measure sample quality: FD, KID, precision/recall (offline)",
@@ -255,6 +258,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="use the raw model weights instead of the EMA")
     xp.add_argument("--half", action="store_true",
                     help="write fp16 tensors (half the size; what most shared files use)")
+    xp.add_argument("--force", action="store_true",
+                    help="replace an existing output file (never a directory or the source)")
 
     cn = sub.add_parser("condition", formatter_class=_Formatter,
                         help="make ControlNet conditioning images (Canny edges, gray, tile) "
@@ -511,9 +516,12 @@ def cmd_sample(a: argparse.Namespace) -> int:
     from .loading import load
     from .eval.grid import grid_nrow, save_grid, save_npz
 
+    from .files import check_output
+
     out = Path(a.out)
     if out.suffix.lower() not in (".png", ".npz"):
         raise ValueError(f"--out must end in .png or .npz, got {out}")
+    check_output(out, force=a.force, inputs=[a.checkpoint, *(a.lora or [])])
     for name, v in (("--steps", a.steps), ("--num", a.num)):
         if v is not None and v < 1:
             raise ValueError(f"{name} must be at least 1, got {v}")
@@ -610,13 +618,15 @@ def cmd_export(a: argparse.Namespace) -> int:
     if a.out:
         from .loading import export_model
 
-        path = export_model(a.source, a.out, use_ema=not a.raw_weights, dtype=dtype)
+        path = export_model(a.source, a.out, use_ema=not a.raw_weights, dtype=dtype,
+                            force=a.force)
         print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, "
               f"{'raw' if a.raw_weights else 'EMA'} weights; steadydiff.load reads it)")
         return EXIT_OK
     from .integrations.sd.export import export
 
-    path = export(a.source, a.single_file, use_ema=not a.raw_weights, dtype=dtype)
+    path = export(a.source, a.single_file, use_ema=not a.raw_weights, dtype=dtype,
+                  force=a.force)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, original single-file "
           "layout)")
     return EXIT_OK
@@ -687,6 +697,14 @@ def _exit_for(e: Exception) -> int:
         return EXIT_ABORTED
     if isinstance(e, CheckpointSaveError):
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_SAVE_FAILED
+    from .files import WriteFailed, describe_failure, write_failure
+
+    if isinstance(e, WriteFailed) or write_failure(e) is not None:
+        # a full disk while writing anything: a sentence, not a traceback
+        where = getattr(e, "filename", None) or "an output"
+        print(f"error: {e if isinstance(e, WriteFailed) else describe_failure(where, e)}",
+              file=sys.stderr)
         return EXIT_SAVE_FAILED
     if isinstance(e, DistributedError):
         print(f"error: {e}", file=sys.stderr)

@@ -208,6 +208,12 @@ class _Store:
             finally:
                 os.close(fd)
             os.replace(tmp, p)
+        except OSError as e:
+            from ..files import WriteFailed, describe_failure, write_failure
+
+            if write_failure(e) is None:
+                raise
+            raise WriteFailed(e.errno, describe_failure(p, e)) from None
         finally:
             if tmp.exists():
                 tmp.unlink()

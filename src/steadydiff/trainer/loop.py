@@ -438,10 +438,18 @@ def _save(state: TrainState, run: RunDir) -> Path | None:
             f"{e}; the model diverged and the guard is "
             f"{'on but could not recover it' if state.guard else 'off (guard.enabled=false)'}"
             f"; the last good checkpoint is {prev or 'none'}") from None
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - only storage failures are handled here
+        from ..files import failure_reason, write_failure
+
+        # a full disk reaches us as OSError, as safetensors' SafetensorError ("IoError")
+        # or as torch's "[enforce fail ...] file write failed" RuntimeError
+        if write_failure(e) is None:
+            raise
         prev = run.latest_good()
-        msg = (f"could not write checkpoint at step {state.step}: {e}; the previous "
-               f"checkpoint ({prev or 'none'}) is intact")
+        msg = (f"could not write checkpoint at step {state.step}: "
+               f"{failure_reason(run.checkpoints, e)} ({type(e).__name__}: "
+               f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); "
+               f"the previous checkpoint ({prev or 'none'}) is intact")
         if state.cfg.train.on_save_error == "stop":
             raise CheckpointSaveError(msg + " (train.on_save_error=stop)") from None
         log.error("%s; training continues and retries at the next checkpoint "
@@ -682,6 +690,7 @@ def _claim(run: RunDir, main: bool):
         try:
             run.check_target()
             lock, outcome = run.lock()
+            run.mark()  # a run from now on: only a marked folder is ever written into
         except RunDirError as e:
             outcome = e
         except OSError as e:  # e.g. a read-only parent: every rank must hear it, not hang

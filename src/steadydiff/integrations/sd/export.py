@@ -15,7 +15,7 @@ __all__ = ["export"]
 
 
 def export(source: str | Path, out: str | Path, *, use_ema: bool = True,
-           dtype: torch.dtype | None = None) -> Path:
+           dtype: torch.dtype | None = None, force: bool = False) -> Path:
     """``steadydiff export SOURCE --single-file OUT``: a full Stable Diffusion fine-tune, or
     a diffusers SD folder, as one original-layout ``.safetensors`` file A1111/ComfyUI read.
 
@@ -23,7 +23,8 @@ def export(source: str | Path, out: str | Path, *, use_ema: bool = True,
         source: a run directory or checkpoint of a full fine-tune (``model.pretrained`` with
             ``adapter.kind: none``; its EMA weights unless ``use_ema`` is false), or a
             diffusers Stable Diffusion folder (e.g. ``RUN/model``).
-        out: the file to write (``.safetensors``); replaced atomically if it exists.
+        out: the file to write (``.safetensors``), atomically; an existing one only with
+            ``force`` (never a directory, the source, or a file inside it).
         dtype: cast the floating-point tensors (torch.float16 halves the file).
 
     Raises:
@@ -34,6 +35,9 @@ def export(source: str | Path, out: str | Path, *, use_ema: bool = True,
     out, src = Path(out).expanduser(), Path(source).expanduser()
     if out.suffix.lower() != ".safetensors":
         raise ValueError(f"--single-file must end in .safetensors, got {out}")
+    from ...files import check_output
+
+    check_output(out, force=force, inputs=[src], what="--single-file")
     if (src / "model_index.json").is_file():  # a diffusers folder
         p = load_folder_parts(src)
         return export_single_file(out, p.denoiser, p.vae, p.text_encoders, dtype=dtype)

@@ -200,10 +200,10 @@ def hypernetwork_file(net: SDHypernetwork, path: Path, *, name: str, step: int,
             "is_layer_norm": "False", "weight_initialization": "Normal",
             "use_dropout": "False", "activate_output": "False",
             "sizes": str(sorted(int(d) for d in net.layers)), "sd_checkpoint_name": base}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(sd, str(tmp), metadata=meta)
-    tmp.replace(path)
+    from ...files import atomic_output
+
+    with atomic_output(path) as tmp:
+        save_file(sd, str(tmp), metadata=meta)
     return path
 
 

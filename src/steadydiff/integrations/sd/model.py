@@ -18,10 +18,8 @@ contract, the text encoders and VAE around it, and LoRA through peft.
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -306,6 +304,8 @@ def save_lora(denoiser: nn.Module, out: str | Path,
         text_encoders = [text_encoders]
     family = of_module(denoiser)
     kohya = None
+    if f"{kohya_name}.safetensors" == LORA_FILE:  # a run named pytorch_lora_weights: the two
+        kohya_name += "_kohya"                    # files would be one, the second one winning
     if format != "diffusers":
         kohya = save_kohya(Path(out) / f"{kohya_name}.safetensors", denoiser,
                            list(text_encoders), metadata)
@@ -327,11 +327,11 @@ def save_lora(denoiser: nn.Module, out: str | Path,
     kw = {f"{part}_lora_layers": sd for part, sd in layers.items()}
     kw.update({f"{part}_lora_adapter_metadata": m for part, m in meta.items()})
     pipeline = getattr(diffusers, family.pipelines[0])
-    with tempfile.TemporaryDirectory(dir=out, prefix=".lora-") as tmp:
-        pipeline.save_lora_weights(tmp, safe_serialization=True, **kw)
-        with open(Path(tmp) / LORA_FILE, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
+    from ...files import atomic_output
+
+    with atomic_output(out / LORA_FILE) as tmp:  # umask's mode, fsynced, renamed, swept
+        pipeline.save_lora_weights(str(tmp.parent), weight_name=tmp.name,
+                                   safe_serialization=True, **kw)
     return out / LORA_FILE
 
 
@@ -339,16 +339,13 @@ def export_pipeline(denoiser: nn.Module, base: Path, out: str | Path) -> Path:
     """A full fine-tune as a diffusers folder ``out`` (``from_pretrained``-loadable): the
     trained denoiser, the base's other parts copied. Written beside and swapped in whole."""
     part = of_module(denoiser).denoiser
+    from ...files import atomic_dir
+
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(part))
-    denoiser.save_pretrained(tmp / part, safe_serialization=True)
-    old = out.with_name(f".{out.name}.old")
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic_dir(out) as tmp:
+        tmp.rmdir()
+        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(part))
+        denoiser.save_pretrained(tmp / part, safe_serialization=True)
     return out
 
 
