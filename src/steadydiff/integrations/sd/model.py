@@ -587,6 +587,7 @@ class TextToImage:
         self.vae = to_device(vae, device, vae_dtype).eval().requires_grad_(False) if vae else None
         self.device, self.text_dtype, self.vae_dtype = device, dtypes[0], vae_dtype
         self.text_device = device  # where the text encoders are (offload: the CPU)
+        self.notes: list[str] = []  # what setup.build did to the model, said at the start
         self.tokens = False  # True: prompts become token ids (the model encodes them)
         self.layout: Layout = family.layout(self.tokenizers, self.text_encoders, force_zeros,
                                             max_sequence_length)

@@ -176,6 +176,15 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         in_step: list[nn.Module | None] = []  # text encoders that run in the step
         if a.kind == "lora":
             to_device(den, device, frozen)
+            if m.quantize_base:  # before peft wraps the layers (it wraps int8 ones too)
+                from ..quantize import quantize_base
+
+                q = quantize_base(den, m.quantize_base, device)
+                media.notes.append(
+                    f"frozen {fam.denoiser_word}: {q['layers']} Linear layers stored in "
+                    f"{m.quantize_base} ({q['kept']} kept in {cfg.train.precision}), "
+                    f"{q['bytes_before'] / 2**20:.1f} MiB -> {q['bytes_after'] / 2**20:.1f} MiB "
+                    "(model.quantize_base)")
             targets = add_lora(den, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                                targets=a.targets)
             if a.text_encoder:  # their LoRA trains too: the model encodes token ids itself
@@ -285,7 +294,9 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
     from ...trainer.checkpoint import CheckpointError
 
     device = device or torch.device("cpu")
+    # the trained LoRA over the base as released (an 8-bit training base: its fp32 weights)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "fp32"}),
+                                 "model": cfg.model.model_copy(update={"quantize_base": None}),
                                  # the checkpoint holds the LoRA (the ControlNet): its start
                                  # file is not read
                                  "adapter": cfg.adapter.model_copy(update={"init_from": None}),
@@ -409,6 +420,8 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                          tokenize=Tokenize(media.tokenizers, media.layout.ids_len),
                          extra=extra, conditioning=conditioning)
     out.caption_overflow = len(over)
+    for note in media.notes:  # what build did to the model that the start should say
+        say(note)
     if cfg.model.offload_text_encoders and not media.tokens:
         media.offload()
         say("text encoders moved to the CPU after caching (model.offload_text_encoders): "
