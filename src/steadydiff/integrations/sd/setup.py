@@ -151,8 +151,14 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
     frozen = _dtype(cfg.train.precision)
     vae_dtype = _dtype(m.vae_precision) if m.vae_precision else frozen
     if m.pretrained:
-        parts = load_parts(m.pretrained, m.single_file_config)
+        # FSDP full fine-tune of a folder: the denoiser is built on the meta device (no
+        # storage) and each rank reads only its shards, after sharding (meta_denoiser)
+        meta = (cfg.train.parallel == "fsdp" and a.kind == "none"
+                and not cfg.controlnet.enabled and not Path(m.pretrained).is_file())
+        parts = load_parts(m.pretrained, m.single_file_config, denoiser=not meta)
         fam = parts.family
+        if meta:
+            parts.denoiser = meta_denoiser(fam, parts.root)
         if fam.vae_force_upcast and not m.vae_precision and vae_dtype == torch.float16 and \
                 getattr(parts.vae.config, "force_upcast", False):
             # this family's VAE overflows in fp16 (SDXL's); its config says so
@@ -227,8 +233,12 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             controlnet = _controlnet(cfg, den, media.down, device, fam)
             weights = ControlNetWeights(parts.root, cfg.controlnet.init_from, fam)
         else:  # a full fine-tune: the denoiser trains in fp32 under autocast
-            to_device(den, device, torch.float32).requires_grad_(True)
+            if not meta:
+                to_device(den, device, torch.float32)
+            den.requires_grad_(True)
             weights = FullUNetWeights(parts.root)
+            if meta:
+                weights.meta_source = (parts.root / fam.denoiser, fam.denoiser)
         if cfg.data.caption_shuffle and not any(te is not None for te in in_step):
             # Shuffled captions differ every epoch: encoded in the step by the frozen text
             # encoder(s) (as kohya does; caching every permutation is not possible), from
@@ -237,7 +247,9 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             media.tokens = True
         model: nn.Module = SDDenoiser(
             den, media.layout, fam, in_step, down=media.down, guidance=m.guidance,
-            shape=fam.latent_shape(den.config, parts.vae.config)).to(device)
+            shape=fam.latent_shape(den.config, parts.vae.config))
+        # (a meta denoiser stays there: sharding.materialize gives it its shards' storage)
+        model._apply(lambda t: t if t.is_meta else t.to(device))
         if a.kind == "hypernetwork":  # registered after the UNet: its own tensor names
             model.hypernetwork = hyper
         if model.encodes:
@@ -262,6 +274,15 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 else media.null_text().to(device))
         model.set_null_context(null[:model.null_context.shape[0]].float())
     return model, weights, media
+
+
+def meta_denoiser(fam: Family, root: Path) -> nn.Module:
+    """The folder's denoiser built from its config on the meta device: its shape, no
+    storage (no rank holds the whole model; FSDP shards it, then each rank reads its
+    shards from the folder's safetensors: ``FullUNetWeights.materialize``)."""
+    conf = read_json(root / fam.denoiser / "config.json", f"the {fam.denoiser}'s config")
+    with torch.device("meta"):
+        return fam.build_denoiser(conf).float()
 
 
 def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device,
