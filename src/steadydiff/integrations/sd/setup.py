@@ -189,7 +189,7 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 media.notes.append(
                     f"frozen {fam.denoiser_word}: {q['layers']} Linear layers stored in "
                     f"{m.quantize_base} ({q['kept']} kept in {cfg.train.precision}), "
-                    f"{q['bytes_before'] / 2**20:.1f} MiB -> {q['bytes_after'] / 2**20:.1f} MiB "
+                    f"{_size(q['bytes_before'])} -> {_size(q['bytes_after'])} "
                     "(model.quantize_base)")
             targets = add_lora(den, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                                targets=a.targets)
@@ -274,6 +274,10 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 else media.null_text().to(device))
         model.set_null_context(null[:model.null_context.shape[0]].float())
     return model, weights, media
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def meta_denoiser(fam: Family, root: Path) -> nn.Module:
