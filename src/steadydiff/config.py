@@ -29,7 +29,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       model_validator)
 
 from .durations import parse_duration
-from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BucketCrop, CaptionSource, Channels, MissingCaption, ClipMode,
+from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BaseQuantization, BucketCrop, CaptionSource, Channels, MissingCaption, ClipMode,
                     ConditioningMatch, ConditioningSource,
                     CompileBackend, CompileMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, HyperActivation,
@@ -414,6 +414,11 @@ class ModelConfig(Section):
         None, ge=0.0, le=100.0, description="model.pretrained guidance-distilled transformer "
         "(FLUX.1 dev): the guidance value embedded in training and sampling; None: 3.5 (the "
         "pipeline's and the trainers' default)")
+    quantize_base: BaseQuantization | None = Field(
+        None, description="model.pretrained with adapter.kind=lora: int8 stores the frozen "
+        "denoiser's Linear weights in 8 bits (torchao weight-only int8, the steadydiff[quant] "
+        "extra) and computes in bf16 (train.precision=bf16); the LoRA trains in fp32 on top. "
+        "None: the base in train.precision")
 
 
 # --------------------------------------------------------------------------- diffusion
@@ -1107,6 +1112,15 @@ class Config(Section):
                              "encoders off the device once the captions are cached; with "
                              "data.caption_shuffle or adapter.text_encoder they encode in "
                              "every step: set model.offload_text_encoders=false")
+        if m.quantize_base and not (m.pretrained and a.kind == "lora"):
+            raise ValueError(f"model.quantize_base={m.quantize_base} stores a pretrained "
+                             "model's frozen base in 8 bits under a LoRA: it needs "
+                             "model.pretrained and adapter.kind=lora (a full fine-tune trains "
+                             "the weights it would quantize)")
+        if m.quantize_base and self.train.precision != "bf16":
+            raise ValueError(f"model.quantize_base={m.quantize_base} computes the 8-bit base "
+                             f"in bf16: set train.precision=bf16 (it is "
+                             f"{self.train.precision})")
         for key in ("max_sequence_length", "guidance"):
             if getattr(m, key) is not None and not m.pretrained:
                 raise ValueError(f"model.{key} configures a pretrained model family's text "

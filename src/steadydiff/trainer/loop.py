@@ -354,7 +354,8 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
     if cfg.train.channels_last:  # conv weights NHWC (4-D tensors only), before EMA copies
         model = model.to(memory_format=torch.channels_last)
     fsdp = cfg.train.parallel == "fsdp"
-    if fsdp and ctx.enabled:  # every rank shards rank 0's weights (DDP broadcasts its own)
+    meta = sharding.on_meta(model)  # built without storage: read shard by shard below
+    if fsdp and ctx.enabled and not meta:  # every rank shards rank 0's weights
         distributed.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
     ema = EMA.from_config(model, cfg.train)
     sharded = None
@@ -365,6 +366,15 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
         sharded = (f"FSDP2 over {ctx.world_size} rank(s), {units} blocks + the root"
                    + (f", {t.precision} gathered weights" if t.precision == "bf16" else "")
                    + (", shards offloaded to CPU memory" if t.fsdp_offload else ""))
+        if meta:  # each rank reads its own shards (no rank held the whole model)
+            whole = sum(p.numel() * 4 for p in model.parameters())
+            read = weights.materialize(model, device)
+            weights.materialize(ema.module, device)
+            sharded += (f", built on the meta device: this rank read {read / 2**20:.2f} of "
+                        f"the {whole / 2**20:.2f} MiB of weights (and as much for the EMA)")
+    elif meta:
+        raise RuntimeError("a model built on the meta device is materialized by FSDP "
+                           "sharding (train.parallel=fsdp)")
     optimizer = build_optimizer(model, cfg.optim)
     return TrainState(
         cfg=cfg, model=model, ema=ema, weights=weights, optimizer=optimizer,

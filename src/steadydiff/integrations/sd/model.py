@@ -469,6 +469,22 @@ class FullUNetWeights(_SDWeights):
 
     def __init__(self, base: Path) -> None:
         self.base = base
+        #: (the denoiser's folder, its name in the model) when the denoiser was built on
+        #: the meta device (FSDP): :meth:`materialize` reads each rank's shards from there
+        self.meta_source: tuple[Path, str] | None = None
+
+    def materialize(self, model: nn.Module, device: torch.device) -> int:
+        """Give a sharded meta-device model (or its EMA) its denoiser's weights: each rank
+        reads its own shards from the base folder's safetensors (never the whole tensor
+        of a sharded parameter). Returns the bytes this rank read."""
+        from ... import sharding
+        from .folder import part_reader
+
+        sub, name = self.meta_source
+        den = getattr(model, name)
+        read = part_reader(sub, {k: tuple(t.shape) for k, t in
+                                 list(den.named_parameters()) + list(den.named_buffers())})
+        return sharding.materialize(den, device, read)
 
     # A full fine-tune never trains the text encoder; with shuffled captions the frozen one
     # sits in the model (it encodes in the step) and stays out of checkpoints (~0.5 GB for
@@ -613,6 +629,7 @@ class TextToImage:
         self.vae = to_device(vae, device, vae_dtype).eval().requires_grad_(False) if vae else None
         self.device, self.text_dtype, self.vae_dtype = device, dtypes[0], vae_dtype
         self.text_device = device  # where the text encoders are (offload: the CPU)
+        self.notes: list[str] = []  # what setup.build did to the model, said at the start
         self.tokens = False  # True: prompts become token ids (the model encodes them)
         self.layout: Layout = family.layout(self.tokenizers, self.text_encoders, force_zeros,
                                             max_sequence_length)

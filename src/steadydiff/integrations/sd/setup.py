@@ -152,8 +152,14 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
     frozen = _dtype(cfg.train.precision)
     vae_dtype = _dtype(m.vae_precision) if m.vae_precision else frozen
     if m.pretrained:
-        parts = load_parts(m.pretrained, m.single_file_config)
+        # FSDP full fine-tune of a folder: the denoiser is built on the meta device (no
+        # storage) and each rank reads only its shards, after sharding (meta_denoiser)
+        meta = (cfg.train.parallel == "fsdp" and a.kind == "none"
+                and not cfg.controlnet.enabled and not Path(m.pretrained).is_file())
+        parts = load_parts(m.pretrained, m.single_file_config, denoiser=not meta)
         fam = parts.family
+        if meta:
+            parts.denoiser = meta_denoiser(fam, parts.root)
         if fam.vae_force_upcast and not m.vae_precision and vae_dtype == torch.float16 and \
                 getattr(parts.vae.config, "force_upcast", False):
             # this family's VAE overflows in fp16 (SDXL's); its config says so
@@ -177,6 +183,15 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         in_step: list[nn.Module | None] = []  # text encoders that run in the step
         if a.kind == "lora":
             to_device(den, device, frozen)
+            if m.quantize_base:  # before peft wraps the layers (it wraps int8 ones too)
+                from ..quantize import quantize_base
+
+                q = quantize_base(den, m.quantize_base, device)
+                media.notes.append(
+                    f"frozen {fam.denoiser_word}: {q['layers']} Linear layers stored in "
+                    f"{m.quantize_base} ({q['kept']} kept in {cfg.train.precision}), "
+                    f"{_size(q['bytes_before'])} -> {_size(q['bytes_after'])} "
+                    "(model.quantize_base)")
             targets = add_lora(den, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                                targets=a.targets)
             if a.text_encoder:  # their LoRA trains too: the model encodes token ids itself
@@ -219,8 +234,12 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             controlnet = _controlnet(cfg, den, media.down, device, fam)
             weights = ControlNetWeights(parts.root, cfg.controlnet.init_from, fam)
         else:  # a full fine-tune: the denoiser trains in fp32 under autocast
-            to_device(den, device, torch.float32).requires_grad_(True)
+            if not meta:
+                to_device(den, device, torch.float32)
+            den.requires_grad_(True)
             weights = FullUNetWeights(parts.root)
+            if meta:
+                weights.meta_source = (parts.root / fam.denoiser, fam.denoiser)
         if cfg.data.caption_shuffle and not any(te is not None for te in in_step):
             # Shuffled captions differ every epoch: encoded in the step by the frozen text
             # encoder(s) (as kohya does; caching every permutation is not possible), from
@@ -229,7 +248,9 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             media.tokens = True
         model: nn.Module = SDDenoiser(
             den, media.layout, fam, in_step, down=media.down, guidance=m.guidance,
-            shape=fam.latent_shape(den.config, parts.vae.config)).to(device)
+            shape=fam.latent_shape(den.config, parts.vae.config))
+        # (a meta denoiser stays there: sharding.materialize gives it its shards' storage)
+        model._apply(lambda t: t if t.is_meta else t.to(device))
         if a.kind == "hypernetwork":  # registered after the UNet: its own tensor names
             model.hypernetwork = hyper
         if model.encodes:
@@ -254,6 +275,19 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 else media.null_text().to(device))
         model.set_null_context(null[:model.null_context.shape[0]].float())
     return model, weights, media
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def meta_denoiser(fam: Family, root: Path) -> nn.Module:
+    """The folder's denoiser built from its config on the meta device: its shape, no
+    storage (no rank holds the whole model; FSDP shards it, then each rank reads its
+    shards from the folder's safetensors: ``FullUNetWeights.materialize``)."""
+    conf = read_json(root / fam.denoiser / "config.json", f"the {fam.denoiser}'s config")
+    with torch.device("meta"):
+        return fam.build_denoiser(conf).float()
 
 
 def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device,
@@ -286,7 +320,9 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
     from ...trainer.checkpoint import CheckpointError
 
     device = device or torch.device("cpu")
+    # the trained LoRA over the base as released (an 8-bit training base: its fp32 weights)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "fp32"}),
+                                 "model": cfg.model.model_copy(update={"quantize_base": None}),
                                  # the checkpoint holds the LoRA (the ControlNet): its start
                                  # file is not read
                                  "adapter": cfg.adapter.model_copy(update={"init_from": None}),
@@ -410,6 +446,8 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                          tokenize=Tokenize(media.tokenizers, media.layout.ids_len),
                          extra=extra, conditioning=conditioning)
     out.caption_overflow = len(over)
+    for note in media.notes:  # what build did to the model that the start should say
+        say(note)
     if cfg.model.offload_text_encoders and not media.tokens:
         media.offload()
         say("text encoders moved to the CPU after caching (model.offload_text_encoders): "
