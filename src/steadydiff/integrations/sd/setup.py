@@ -33,6 +33,7 @@ from ..controlnet import ControlNetDenoiser, ControlNetWeights, build_controlnet
 from .. import families
 from ..families import Family
 from .hypernetwork import HypernetworkWeights, add_hypernetwork
+from .frozen import BaseModelError, check_loaded, check_module
 from .source import family, load_parts, model_root
 from .folder import load_text_parts, load_vae, read_json
 from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
@@ -153,6 +154,10 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
     if m.pretrained:
         parts = load_parts(m.pretrained, m.single_file_config)
         fam = parts.family
+        # every tensor loaded, checked finite once: a broken base is named (tensor, file)
+        # here, before training, not blamed later on the data or the LR (frozen.py)
+        for note in check_loaded(parts, config_root=m.single_file_config):
+            log.warning(note)
         if fam.vae_force_upcast and not m.vae_precision and vae_dtype == torch.float16 and \
                 getattr(parts.vae.config, "force_upcast", False):
             # this family's VAE overflows in fp16 (SDXL's); its config says so
@@ -269,6 +274,12 @@ def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device,
     if have != c.conditioning_channels:
         raise ConfigError(f"controlnet.init_from={c.init_from} reads {have}-channel "
                           f"conditioning images: set controlnet.conditioning_channels={have}")
+    if c.init_from:  # a ControlNet to continue: its file checked finite like the base
+        bad = check_module(net)
+        if bad:
+            raise BaseModelError(f"controlnet.init_from={c.init_from}: controlnet.{bad[0][0]} "
+                                 f"has {bad[0][1]}: the file is damaged; download or copy "
+                                 "it again")
     fam.prepare_attention(net)  # the guard's per-layer fp16 remedy, as in the UNet
     return to_device(net, device, torch.float32).requires_grad_(True)
 
