@@ -67,3 +67,77 @@ def test_a_broken_base_is_named_before_training(clean_sd, tmp_path, part, words)
     assert "base model is broken" in msg and f"{root / part}" in msg and ".safetensors" in msg
     assert "NaN" in msg and "learning-rate" in msg
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# --------------------------------------------------------------------------- a base corrupted mid-run
+
+
+def corrupt_at(monkeypatch, step: int, name: str, also=None):
+    """Wrap the trainer's step: before step ``step`` the test's own code writes a NaN into
+    the frozen parameter ``name`` of the live model (a memory fault, a stray in-place
+    edit), once; ``also()`` runs then too."""
+    from steadydiff.trainer import loop
+
+    real, done = loop.train_step, []
+
+    def step_with_fault(state, batch, *a, **kw):
+        if state.step == step and not done:
+            done.append(True)
+            with torch.no_grad():
+                dict(state.model.named_parameters())[name].view(-1)[3] = float("nan")
+            if also is not None:
+                also()
+        return real(state, batch, *a, **kw)
+
+    monkeypatch.setattr(loop, "train_step", step_with_fault)
+
+
+FROZEN = "unet.conv_in.weight"
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_a_frozen_weight_turned_nan_mid_run_is_restored_from_disk(clean_sd, tmp_path,
+                                                                   monkeypatch, every):
+    """A LoRA run whose frozen UNet weight turns NaN at step 3: named as base corruption
+    (never an LR problem), restored from the folder's file, the step redone; no rollback,
+    no precision fallback; the run ends finite. Same named cause per-step and deferred."""
+    corrupt_at(monkeypatch, 3, FROZEN)
+    data = shapes(tmp_path / "images")
+    cfg = sd_config(clean_sd, data, "train.steps=6", "train.checkpoint_every=0",
+                    f"guard.check_every={every}")
+    res = steadydiff.train(cfg, out_dir=tmp_path / "run")
+    assert res.steps == 6
+    rows = incidents(tmp_path / "run")
+    kinds = [r["kind"] for r in rows]
+    assert "base_corrupt" in kinds, rows
+    inc = next(r for r in rows if r["kind"] == "base_corrupt")
+    assert inc["action"] == "restore_base" and inc["evidence"]["parameter"] == FROZEN
+    assert inc["evidence"]["file"].endswith("unet/diffusion_pytorch_model.safetensors")
+    assert not {"rollback", "precision_fallback", "abort"} & {r["action"] for r in rows}
+    lora = load_file(tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors")
+    assert all(torch.isfinite(v).all() for v in lora.values())
+
+
+def test_a_base_broken_on_disk_too_stops_naming_the_file(clean_sd, tmp_path, monkeypatch):
+    """The same fault, with the folder's file damaged as well: the run stops with the
+    diagnosis and the file to download again; the resume advice keeps optim.lr."""
+    root = tmp_path / "sd"
+    shutil.copytree(clean_sd, root)
+    f = root / "unet" / "diffusion_pytorch_model.safetensors"
+
+    def damage():
+        sd = load_file(f)
+        sd["conv_in.weight"].view(-1)[3] = float("nan")
+        save_file(sd, f)
+
+    corrupt_at(monkeypatch, 2, FROZEN, also=damage)
+    data = shapes(tmp_path / "images")
+    cfg = sd_config(root, data, "train.steps=5", "train.checkpoint_every=0",
+                    "optim.lr=0.001")
+    with pytest.raises(steadydiff.GuardAbort) as e:
+        steadydiff.train(cfg, out_dir=tmp_path / "run")
+    assert "base model is corrupt" in str(e.value) and str(f) in str(e.value)
+    rows = incidents(tmp_path / "run")
+    assert [r["kind"] for r in rows] == ["base_corrupt"] and rows[0]["action"] == "abort"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["abort"]["lr"] == 0.001  # not lowered: the LR is not the cause

@@ -33,7 +33,7 @@ from ..controlnet import ControlNetDenoiser, ControlNetWeights, build_controlnet
 from .. import families
 from ..families import Family
 from .hypernetwork import HypernetworkWeights, add_hypernetwork
-from .frozen import BaseModelError, check_loaded, check_module
+from .frozen import BaseModelError, FrozenWatch, check_loaded, check_module
 from .source import family, load_parts, model_root
 from .folder import load_text_parts, load_vae, read_json
 from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
@@ -241,6 +241,9 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         if cfg.controlnet.enabled:
             model = ControlNetDenoiser(model, controlnet,
                                        controlnet.config.conditioning_channels)
+        # the frozen weights, known by their files: a mid-run corruption is named and
+        # restored from disk by the guard (guard/basewatch.py), not blamed on the LR
+        weights.frozen = FrozenWatch(model, m.pretrained, m.single_file_config, fam)
     else:
         tok, te = load_text_parts(m.text_encoder)
         vae = load_vae(m.vae) if m.vae else None
