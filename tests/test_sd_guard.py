@@ -141,3 +141,31 @@ def test_a_base_broken_on_disk_too_stops_naming_the_file(clean_sd, tmp_path, mon
     assert [r["kind"] for r in rows] == ["base_corrupt"] and rows[0]["action"] == "abort"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["abort"]["lr"] == 0.001  # not lowered: the LR is not the cause
+
+
+# --------------------------------------------------------------------------- precision fallback
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_precision_fallback_moves_every_frozen_part_renders_work(clean_sd, tmp_path, shuffle):
+    """fp16 -> bf16 (the guard's fallback, as a resumed run applies it too): the frozen
+    text encoder (and an fp16 VAE) move with the UNet, so a validation render after it does
+    not fail with mixed dtypes (cached captions: the encoder outside the model; shuffled
+    captions: inside it)."""
+    from steadydiff.trainer import validation
+    from steadydiff.trainer.loop import build_state
+    from steadydiff.trainer.state import set_precision
+
+    data = shapes(tmp_path / "images")
+    cfg = sd_config(clean_sd, data, "train.precision=fp16", "train.allow_slow_precision=true",
+                    *(["data.caption_shuffle=true"] if shuffle else []))
+    state = build_state(cfg, 0, torch.device("cpu"))
+    assert state.media.text_encoder.dtype == torch.float16
+    set_precision(state, "bf16")
+    assert state.media.text_encoder.dtype == torch.bfloat16
+    assert state.media.vae_dtype != torch.float16
+    p = validation.Prompt(index=0, prompt="a red square", negative_prompt="a circle", seed=1,
+                          cfg_scale=3.0, steps=2, width=32, height=32)
+    with validation.sampling_model(state) as model:
+        (x, err), = validation.draw(state, model, [p], [1])
+    assert err is None and x is not None and torch.isfinite(x).all()

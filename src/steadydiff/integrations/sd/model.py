@@ -365,6 +365,9 @@ class _SDWeights(Weights):
             for n, p in m.named_parameters():
                 if n in frozen and p.is_floating_point() and p.dtype != dtype:
                     p.data = p.data.to(dtype)
+        media = getattr(state, "media", None)
+        if isinstance(media, TextToImage):  # what the validation renders encode/decode with
+            media.follow_precision(dtype)
 
     def sampling_context(self, state: Any):
         """Sample grids under the run's autocast: the frozen fp16/bf16 parts need it."""
@@ -609,6 +612,24 @@ class TextToImage:
     @property
     def text_encoder(self) -> nn.Module:
         return self.text_encoders[0]
+
+    def follow_precision(self, dtype: torch.dtype) -> list[str]:
+        """A precision fallback (fp16 -> bf16/fp32): every frozen part that ran in fp16
+        (the text encoders, the VAE) moves to ``dtype`` with the model, so the step and
+        the validation renders never mix dtypes. Parts in another dtype (an fp32 VAE from
+        ``model.vae_precision``, a T5 kept out of fp16) stay. Returns what moved."""
+        moved = []
+        for i, te in enumerate(self.text_encoders):
+            if self.text_dtypes[i] == torch.float16 and dtype != torch.float16:
+                self.text_encoders[i] = te.to(dtype)
+                self.text_dtypes[i] = dtype
+                moved.append(f"text encoder {i + 1}")
+        self.text_dtype = self.text_dtypes[0] if self.text_dtypes else self.text_dtype
+        if self.vae is not None and self.vae_dtype == torch.float16 and dtype != torch.float16:
+            self.vae = self.vae.to(dtype)
+            self.vae_dtype = dtype
+            moved.append("VAE")
+        return moved
 
     # -- text
     def tokenize(self, prompts: list[str]) -> Tensor:
