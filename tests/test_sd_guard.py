@@ -169,3 +169,78 @@ def test_precision_fallback_moves_every_frozen_part_renders_work(clean_sd, tmp_p
     with validation.sampling_model(state) as model:
         (x, err), = validation.draw(state, model, [p], [1])
     assert err is None and x is not None and torch.isfinite(x).all()
+
+
+# --------------------------------------------------------------------------- the text path
+
+Y = 123  # the tiny tokenizer's 'y': only in "a yellow ..." captions (2 of the 8 images)
+
+
+def token_row(value: float):
+    def edit(sd):
+        k = next(k for k in sd if k.endswith("token_embedding.weight"))
+        sd[k][Y] = value
+    return edit
+
+
+def test_a_nan_token_row_quarantines_the_captions_that_use_it(clean_sd, tmp_path):
+    """Cached captions, a NaN token-embedding row: tolerated at load (it matters only where
+    a caption uses it); those captions are non-finite in fp32 too, so their files are
+    quarantined by name with the token to blame; the run trains on the rest."""
+    root = broken(clean_sd, tmp_path, "text_encoder", token_row(float("nan")))
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(sd_config(root, data, "train.checkpoint_every=0"),
+                           out_dir=tmp_path / "run")
+    assert res.steps == 4
+    rows = incidents(tmp_path / "run")
+    fb = [r for r in rows if r["kind"] == "encoder_fallback"]
+    assert len(fb) == 1 and fb[0]["evidence"]["part"] == "text_encoder"
+    assert fb[0]["evidence"]["quarantined"] == 2 and "'y'" in fb[0]["evidence"]["tokens"][0]
+    q = sorted(r["evidence"]["source"] for r in rows if r["kind"] == "sample_quarantined")
+    assert [Path(s).name for s in q] == ["img03.png", "img07.png"]  # the yellow ones
+
+
+@pytest.mark.parametrize("value", [1e5, float("nan")])
+def test_an_fp16_text_encoder_falls_back_to_fp32_from_disk(clean_sd, tmp_path, value):
+    """model.text_encoder_precision=fp16 with a token row of 1e5 (beyond fp16's range: inf
+    when cast): the embedding is non-finite in fp16, finite in fp32 read from the folder,
+    so nothing is quarantined; said aloud and recorded as encoder_fallback naming the key
+    to set. A NaN row stays non-finite in fp32: quarantined."""
+    root = broken(clean_sd, tmp_path, "text_encoder", token_row(value))
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(sd_config(root, data, "train.checkpoint_every=0",
+                                     "model.text_encoder_precision=fp16"),
+                           out_dir=tmp_path / "run")
+    assert res.steps == 4
+    rows = incidents(tmp_path / "run")
+    fb = next(r for r in rows if r["kind"] == "encoder_fallback")
+    assert fb["evidence"]["key"] == "model.text_encoder_precision"
+    assert fb["evidence"]["dtype"] == "float16" and fb["action"] == "reencode"
+    quarantined = [r for r in rows if r["kind"] == "sample_quarantined"]
+    if value == 1e5:
+        assert fb["evidence"]["quarantined"] == 0 and not quarantined
+    else:
+        assert fb["evidence"]["quarantined"] == 2 and len(quarantined) == 2
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_a_nan_token_row_with_in_step_encoding_drops_the_files(clean_sd, tmp_path, every):
+    """Shuffled captions (the frozen encoder runs in the step): the yellow items' loss is
+    non-finite; the guard names their files and drops them; the run ends finite. Same
+    named cause per-step and deferred."""
+    root = broken(clean_sd, tmp_path, "text_encoder", token_row(float("nan")))
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(sd_config(root, data, "train.checkpoint_every=0", "train.steps=4",
+                                     "data.caption_shuffle=true",
+                                     f"guard.check_every={every}"),
+                           out_dir=tmp_path / "run")
+    assert res.steps == 4
+    rows = incidents(tmp_path / "run")
+    named = {Path(s["source"]).name for r in rows
+             for s in r["evidence"].get("samples", []) if s.get("source")}
+    named |= {Path(r["evidence"]["source"]).name for r in rows
+              if r["kind"] == "sample_quarantined"}
+    assert named and named <= {"img03.png", "img07.png"}, rows
+    assert not {"rollback", "precision_fallback", "abort"} & {r["action"] for r in rows}
+    lora = load_file(tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors")
+    assert all(torch.isfinite(v).all() for v in lora.values())

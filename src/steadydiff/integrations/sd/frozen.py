@@ -194,17 +194,25 @@ class FrozenWatch:
             self.params[n] = p
             self.sources[n] = _Source(path[0], key)
         self.repairs = 0
+        # tensors already non-finite at load (a text encoder's broken token rows, tolerated
+        # by check_loaded): their count of bad elements, so only a new fault is one
+        self.known = {n: int((~torch.isfinite(t)).sum()) for n in self.bad(known=False)
+                      for t in [self.params[n]]}
 
-    def bad(self) -> list[str]:
+    def bad(self, known: bool = True) -> list[str]:
         """The frozen parameters with a non-finite element (one reduction; a host read:
-        called only after a failed step)."""
+        called only after a failed step), except those non-finite since the load in as
+        many elements (``known``)."""
         if not self.params:
             return []
         names = list(self.params)
         with torch.no_grad():
             ok = torch.stack([torch.isfinite(self.params[n]).all() for n in names])
-        okl = ok.tolist()
-        return [n for n, v in zip(names, okl) if not v]
+        out = [n for n, v in zip(names, ok.tolist()) if not v]
+        if known:
+            out = [n for n in out if n not in self.known
+                   or int((~torch.isfinite(self.params[n])).sum()) > self.known[n]]
+        return out
 
     def evidence(self, bad: list[str]) -> dict[str, Any]:
         first = self.params[bad[0]]

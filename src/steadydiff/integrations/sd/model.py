@@ -598,6 +598,12 @@ class TextToImage:
         self.context_dim = self.layout.width
         self.latent = vae is not None
         self._other_vaes: dict[torch.dtype, nn.Module] = {}
+        self._other_tes: dict[torch.dtype, list[nn.Module]] = {}
+        # () -> the frozen parts read again from disk, fp32 on the CPU (families ``Parts``;
+        # set by setup.build): the fallbacks' source. None: a cast copy of the loaded ones
+        self.reload: Any = None
+        self._reloaded: Any = None
+        self.fallback_source = "a cast of the loaded weights"
         if vae is not None:
             self.scale = float(getattr(vae.config, "scaling_factor", 0.18215))
             self.shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
@@ -700,14 +706,67 @@ class TextToImage:
         z = vae.encode(x.to(self.device, dtype)).latent_dist.mean
         return ((z.float() - self.shift) * self.scale)
 
+    def _from_disk(self) -> Any:
+        """The frozen parts read again from the files (fp32, CPU), once; None without a
+        ``reload``."""
+        if self._reloaded is None and self.reload is not None:
+            self._reloaded = self.reload()
+        return self._reloaded
+
     def _vae_in(self, dtype: torch.dtype) -> nn.Module:
         """The VAE in another dtype (the fp32 re-encode of a latent fp16 made non-finite),
-        made once, on the first sample that needs it."""
+        made once, on the first sample that needs it: read again from the weights on disk
+        (an fp16 copy cast up keeps fp16's rounding, and a weight beyond fp16's range stays
+        inf), else a copy of the loaded one."""
         import copy
 
         if dtype not in self._other_vaes:
-            self._other_vaes[dtype] = to_device(copy.deepcopy(self.vae), self.device, dtype)
+            parts = self._from_disk()
+            vae = parts.vae if parts is not None else copy.deepcopy(self.vae)
+            self._other_vaes[dtype] = to_device(vae, self.device, dtype).eval() \
+                .requires_grad_(False)
         return self._other_vaes[dtype]
+
+    def _text_encoders_in(self, dtype: torch.dtype) -> list[nn.Module]:
+        """The text encoders in ``dtype`` (the fp32 re-encode of a non-finite caption), read
+        again from disk as :meth:`_vae_in` does, made once."""
+        import copy
+
+        if dtype not in self._other_tes:
+            parts = self._from_disk()
+            tes = list(parts.text_encoders) if parts is not None else \
+                [copy.deepcopy(te) for te in self.text_encoders]
+            self._other_tes[dtype] = [to_device(te, self.text_device, dtype).eval()
+                                      .requires_grad_(False) for te in tes]
+        return self._other_tes[dtype]
+
+    @torch.no_grad()
+    def encode_prompts_in(self, prompts: list[str], dtype: torch.dtype) -> Tensor:
+        """:meth:`encode_prompts`' text part with the text encoders in ``dtype`` (the fp32
+        fallback of the text cache)."""
+        ids = self.tokenize(prompts)
+        per, extra = self.layout.split_ids(ids.to(self.text_device))
+        embeds, pooled = self.family.encode(self._text_encoders_in(dtype), per, self.layout)
+        return self.text_part(self.layout.pack(embeds.float(), None if pooled is None
+                                               else pooled.float(), extra))
+
+    def blame_tokens(self, caption: str) -> str:
+        """The tokens of ``caption`` whose input-embedding row is non-finite in a text
+        encoder as loaded (in its run dtype: a row beyond fp16's range is inf there)."""
+        from .frozen import nonfinite_token_rows
+
+        out = []
+        for i, (te, tok) in enumerate(zip(self.text_encoders, self.tokenizers)):
+            rows = set(nonfinite_token_rows(te))
+            if not rows:
+                continue
+            n = self.layout.ids_len[i] if i < len(self.layout.ids_len) else 77
+            ids = tok([caption], truncation=True, max_length=n)["input_ids"][0]
+            hit = [j for j in dict.fromkeys(ids) if j in rows]
+            out += [f"token {tok.convert_ids_to_tokens(j)!r} (id {j}) of text encoder {i + 1}"
+                    for j in hit]
+        return ("the token(s) to blame: " + ", ".join(out)) if out else \
+            "no token's embedding row is non-finite: the encoder's activations overflow"
 
     @torch.no_grad()
     def decode(self, z: Tensor) -> Tensor:
