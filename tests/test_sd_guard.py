@@ -244,3 +244,55 @@ def test_a_nan_token_row_with_in_step_encoding_drops_the_files(clean_sd, tmp_pat
     assert not {"rollback", "precision_fallback", "abort"} & {r["action"] for r in rows}
     lora = load_file(tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors")
     assert all(torch.isfinite(v).all() for v in lora.values())
+
+
+# --------------------------------------------------------------------------- the VAE's fallback
+
+
+def vae_edit(key_words: tuple[str, ...], value: float, everywhere: bool):
+    def edit(sd):
+        k = next(k for k in sorted(sd) if all(w in k for w in key_words) and k.endswith("weight"))
+        if everywhere:
+            sd[k].fill_(value)
+        else:
+            sd[k].view(-1)[0] = value
+    return edit
+
+
+def test_vae_weights_beyond_fp16_train_through_a_true_fp32_encode(clean_sd, tmp_path):
+    """A VAE weight of 1e6 (beyond fp16's range: inf in an fp16 VAE, so every fp16 latent is
+    NaN): the fallback reads the VAE again from disk in fp32, so every image trains (a cast
+    of the fp16 module would be inf too and quarantine them all); said aloud and recorded as
+    encoder_fallback with the key to set."""
+    root = broken(clean_sd, tmp_path, "vae", vae_edit(("encoder", "conv_in"), 1e6, False))
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(sd_config(root, data, "train.checkpoint_every=0",
+                                     "model.vae_precision=fp16"), out_dir=tmp_path / "run")
+    assert res.steps == 4
+    rows = incidents(tmp_path / "run")
+    fb = [r for r in rows if r["kind"] == "encoder_fallback"]
+    assert len(fb) == 1 and fb[0]["evidence"]["part"] == "vae"
+    assert fb[0]["evidence"]["count"] == 8 and fb[0]["evidence"]["key"] == "model.vae_precision"
+    assert not [r for r in rows if r["kind"] == "sample_quarantined"]
+
+
+def test_vae_fp16_overflow_reencodes_exactly_as_fp32(clean_sd, tmp_path):
+    """A VAE whose fp16 encode overflows (its encoder.conv_out weights 6e4: representable in fp16,
+    the outputs are not): the fallback latents are those of the VAE loaded in fp32 from the
+    folder, bit for bit (not the fp16 weights cast up)."""
+    from diffusers import AutoencoderKL
+
+    from steadydiff.integrations.sd import setup as sd_setup
+
+    root = broken(clean_sd, tmp_path, "vae", vae_edit(("encoder", "conv_out"), 6e4, True))
+    data = shapes(tmp_path / "images")
+    cfg = sd_config(root, data, "model.vae_precision=fp16")
+    model, weights, media = sd_setup.build(cfg, torch.device("cpu"))
+    x = torch.rand(1, 3, 32, 32) * 2 - 1
+    assert not torch.isfinite(media.encode_images(x)).all()  # fp16 overflows
+    z = media.encode_images(x, torch.float32)
+    ref = AutoencoderKL.from_pretrained(root / "vae").eval()
+    with torch.no_grad():
+        want = ref.encode(x).latent_dist.mean * ref.config.scaling_factor
+    assert torch.isfinite(z).all()
+    torch.testing.assert_close(z, want, rtol=0, atol=0)
