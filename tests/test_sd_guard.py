@@ -296,3 +296,54 @@ def test_vae_fp16_overflow_reencodes_exactly_as_fp32(clean_sd, tmp_path):
         want = ref.encode(x).latent_dist.mean * ref.config.scaling_factor
     assert torch.isfinite(z).all()
     torch.testing.assert_close(z, want, rtol=0, atol=0)
+
+
+# --------------------------------------------------------------------------- the LoRA's |dW|/|W|
+
+
+def test_lora_delta_ratio_is_the_true_ratio(clean_sd):
+    """The ratio without forming dW equals ‖scaling · B A‖ / ‖W‖ formed explicitly, for a
+    Linear and a Conv2d LoRA layer."""
+    from diffusers import UNet2DConditionModel
+
+    from steadydiff.integrations.sd.lora_guard import lora_deltas
+    from steadydiff.integrations.sd.model import add_lora
+
+    unet = UNet2DConditionModel.from_pretrained(clean_sd / "unet")
+    add_lora(unet, rank=4, alpha=8, dropout=0.0, targets=("*.to_q", "*conv1"))
+    deltas = lora_deltas(unet)
+    assert any("conv1" in n for n in deltas) and any("to_q" in n for n in deltas)
+    for name, d in deltas.items():
+        layer = d.layer
+        with torch.no_grad():
+            layer.lora_B["default"].weight.normal_()
+            a = layer.lora_A["default"].weight.flatten(1)
+            b = layer.lora_B["default"].weight.flatten(1)
+            want = (layer.scaling["default"] * b @ a).norm() / layer.base_layer.weight.norm()
+        torch.testing.assert_close(d.delta_ratio(), want, rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("lr, every", [(1.0, 1), (10.0, 10), (1e-4, 1)])
+def test_a_lora_at_an_absurd_lr_is_caught(clean_sd, tmp_path, lr, every):
+    """lr 1 and 10: the LoRA's |dW|/|W| passes adapter.max_delta_ratio; the layers are
+    rescaled and named (adapter_delta_clamp), never a silent "healthy run"; the exported
+    LoRA stays within the limit. lr 1e-4 (the documented range): never triggered."""
+    from steadydiff.trainer import checkpoint as ckpt
+
+    data = shapes(tmp_path / "images")
+    # the spike detectors' warm-up past the run: the delta guard alone is under test
+    res = steadydiff.train(sd_config(clean_sd, data, f"optim.lr={lr}", "train.steps=5",
+                                     "train.checkpoint_every=0", f"guard.check_every={every}",
+                                     "guard.warmup_steps=10"),
+                           out_dir=tmp_path / "run")
+    rows = [r for r in incidents(tmp_path / "run") if r["kind"] == "adapter_delta_clamp"]
+    state = json.loads((res.checkpoint / "state.json").read_text())
+    if lr < 1e-3:
+        assert not rows and state["adapter"]["max_delta_ratio_seen"] < 0.1
+        return
+    assert rows and rows[0]["action"] == "rescale_delta" and rows[0]["evidence"]["ratio"] > 1
+    assert state["adapter"]["clamps"] >= 1
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in c.model.values())
+    from steadydiff.integrations.sd.lora_guard import lora_deltas  # noqa: F401
+    assert "adapter_delta_clamp" in (tmp_path / "run" / "summary.json").read_text()

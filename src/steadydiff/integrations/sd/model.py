@@ -379,10 +379,30 @@ class PeftLoraWeights(_SDWeights):
     LoRA (and its EMA) alone, plus the base folder's path; exports write diffusers' LoRA
     file and/or kohya's."""
 
-    def __init__(self, base: Path, targets: list[str], rank: int, alpha: float) -> None:
+    def __init__(self, base: Path, targets: list[str], rank: int, alpha: float,
+                 cfg: Any = None) -> None:
         self.base, self.targets, self.rank, self.alpha = base, targets, rank, alpha
         self._hashes: dict[str, str] | None = None
         self._started = time.time()  # ss_training_started_at (this process's start)
+        # the |dW|/|W| guard (lora_guard.py; adapter.max_delta_ratio, adapter.monitor_every)
+        self.cfg = cfg
+        self.clamps, self.max_ratio, self.max_ratio_module = 0, 0.0, None
+        self.last_ratios: dict[str, float] = {}
+        self._deltas: Any = None
+
+    def reads_at(self, step: int) -> bool:
+        every = self.cfg.monitor_every if self.cfg is not None else 0
+        return bool(every and step % every == 0)
+
+    def after_update(self, state: Any) -> None:
+        """After an applied update: ‖dW‖/‖W‖ of every LoRA layer (one host sync); a layer
+        past ``adapter.max_delta_ratio`` is rescaled to it, with an incident."""
+        if self.reads_at(state.step):
+            from ...adapters.core import clamp_deltas
+            from .lora_guard import watched
+
+            model, ema = watched(self, state.model, state.ema.module)
+            clamp_deltas(self, state, model, ema)
 
     def tensors(self, state: Any) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         names = _trainable(state.model)
@@ -405,10 +425,16 @@ class PeftLoraWeights(_SDWeights):
             for n, p in own.items():
                 p.copy_(c.model[n])
                 ema[n].copy_(c.ema[n])
+        saved = c.state.get("adapter") or {}
+        self.clamps = int(saved.get("clamps", 0))
+        self.max_ratio = float(saved.get("max_delta_ratio_seen", 0.0))
+        self.max_ratio_module = saved.get("max_delta_ratio_module")
 
     def info(self) -> dict[str, Any]:
         return {"kind": "lora", "via": "peft", "base": str(self.base), "rank": self.rank,
-                "alpha": self.alpha, "targets": len(self.targets)}
+                "alpha": self.alpha, "targets": len(self.targets), "clamps": self.clamps,
+                "max_delta_ratio_seen": self.max_ratio,
+                "max_delta_ratio_module": self.max_ratio_module}
 
     def export(self, state: Any, root: Path, final: bool) -> Path | None:
         model = state.ema.module if state.cfg.sample.use_ema else state.model

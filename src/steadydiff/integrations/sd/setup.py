@@ -213,7 +213,7 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                                     for te in in_step], rank=a.rank, alpha=a.alpha or a.rank)
                 except LoraFileError as e:
                     raise ConfigError(f"adapter.init_from: {e}") from None
-            weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank)
+            weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank, a)
         elif a.kind == "hypernetwork":  # A1111-style, on the cross-attention context
             to_device(den, device, frozen)
             try:
