@@ -347,3 +347,42 @@ def test_a_lora_at_an_absurd_lr_is_caught(clean_sd, tmp_path, lr, every):
     assert all(torch.isfinite(v).all() for v in c.model.values())
     from steadydiff.integrations.sd.lora_guard import lora_deltas  # noqa: F401
     assert "adapter_delta_clamp" in (tmp_path / "run" / "summary.json").read_text()
+
+
+# --------------------------------------------------------------------------- the hypernetwork's clamp
+
+
+def test_hypernetwork_clamp_measures_the_real_change_at_a1111_init():
+    """At A1111's initialisation (every Linear N(0, 0.01), 768 wide, 1-2-1) the old bound
+    (a product of Frobenius norms) was ~10.9 against a limit of 1; the change the MLP
+    really makes to the keys' and values' input, ‖mlp(c)‖/‖c‖, is ~0.08."""
+    from steadydiff.integrations.sd.hypernetwork import HypernetworkModule
+
+    torch.manual_seed(0)
+    m = HypernetworkModule(768, (1.0, 2.0, 1.0), "linear")
+    torch.nn.init.normal_(m.linears()[-1].weight, std=0.01)  # A1111's last layer
+    assert float(m.gain_bound()) > 10
+    c = torch.randn(2, 77, 768) * 5  # CLIP-like scale
+    r = float(m.change_ratio(c))
+    with torch.no_grad():
+        want = float(m(c).norm() / c.norm())
+    assert r == pytest.approx(want, rel=1e-5) and 0.03 < r < 0.2
+    m.train()
+    with torch.no_grad():
+        m(c)
+    assert float(m.delta_ratio()) == pytest.approx(float(m.change_ratio(c[:1])), rel=1e-5)
+
+
+def test_hypernetwork_at_the_documented_lr_never_triggers_the_clamp(clean_sd, tmp_path):
+    """A healthy hypernetwork run at lr 1e-3 (the tests' and docs' LR; A1111's are lower):
+    no adapter_delta_clamp (the old bound rescaled both MLPs at steps 1 and 2)."""
+    from test_sd_hypernetwork import HYPER
+
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(sd_config(clean_sd, data, *HYPER, "optim.lr=0.001", "train.steps=6",
+                                     "train.checkpoint_every=0", "guard.warmup_steps=10"),
+                           out_dir=tmp_path / "run")
+    assert res.steps == 6
+    assert not [r for r in incidents(tmp_path / "run") if r["kind"] == "adapter_delta_clamp"]
+    state = json.loads((res.checkpoint / "state.json").read_text())
+    assert 0 < state["adapter"]["max_delta_ratio_seen"] < 0.5
