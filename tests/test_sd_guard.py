@@ -386,3 +386,24 @@ def test_hypernetwork_at_the_documented_lr_never_triggers_the_clamp(clean_sd, tm
     assert not [r for r in incidents(tmp_path / "run") if r["kind"] == "adapter_delta_clamp"]
     state = json.loads((res.checkpoint / "state.json").read_text())
     assert 0 < state["adapter"]["max_delta_ratio_seen"] < 0.5
+
+
+# --------------------------------------------------------------------------- doctor
+
+
+@pytest.mark.parametrize("family", ["sd", "sdxl"])
+def test_doctor_probes_an_sd_run_through_its_vae(tmp_path, family):
+    """doctor on an SD / SDXL LoRA run: the probe encodes the run's images through its VAE
+    and its captions through its text encoders (4-channel latents and a text condition),
+    instead of failing on 3-channel pixels; the activation checks run."""
+    from steadydiff.inspect.diagnose import diagnose
+    from steadydiff.integrations.sd.tiny import make_tiny
+
+    root = make_tiny(tmp_path / family, family, image_size=32)
+    data = shapes(tmp_path / "images")
+    steadydiff.train(sd_config(root, data, "train.steps=2"), out_dir=tmp_path / "run")
+    d = diagnose(tmp_path / "run")
+    assert not [n for n in d.notes if "probe forward pass failed" in n], d.notes
+    assert any("encoded by the run's VAE" in n for n in d.notes), d.notes
+    assert "fp16_overflow" in d.checks and d.measurements["probe"]["activation_max_abs"]
+    assert not [c for c in d.causes if c.check == "data_range"]  # latents are not pixels
