@@ -407,3 +407,23 @@ def test_doctor_probes_an_sd_run_through_its_vae(tmp_path, family):
     assert any("encoded by the run's VAE" in n for n in d.notes), d.notes
     assert "fp16_overflow" in d.checks and d.measurements["probe"]["activation_max_abs"]
     assert not [c for c in d.causes if c.check == "data_range"]  # latents are not pixels
+
+
+# --------------------------------------------------------------------------- rollbacks and checkpoints
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_a_rollback_never_goes_behind_a_verified_checkpoint(clean_sd, tmp_path, every):
+    """Checkpoints every 2 steps, snapshots every 50: a trainable LoRA weight NaN after the
+    update at step 5 rolls back to the step-4 checkpoint's state (the guard learns which
+    checkpoints were written), not to step 0."""
+    data = shapes(tmp_path / "images")
+    lora = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora_B.default.weight"
+    fault = {"kind": "param_nan", "step": 5, "target": lora}
+    res = steadydiff.train(sd_config(clean_sd, data, "train.steps=7", "guard.snapshot_every=50",
+                                     f"guard.check_every={every}", "guard.warmup_steps=10",
+                                     f"faults={json.dumps([fault])}"),
+                           out_dir=tmp_path / "run")
+    assert res.steps == 7
+    rows = [r for r in incidents(tmp_path / "run") if r["action"] == "rollback"]
+    assert rows and all(r["cost"]["restored_step"] >= 4 for r in rows), rows

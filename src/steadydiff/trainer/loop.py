@@ -409,7 +409,7 @@ def save(state: TrainState, run: RunDir | Path) -> Path | None:
     rank writes its own shards and the outcome is agreed in the writer."""
     run = run if isinstance(run, RunDir) else RunDir(run)
     if state.world_size == 1 or state.sharded:  # FSDP: every rank writes its shards, and
-        return _save(state, run)                # every rank gets the same outcome
+        return _guard_knows(state, _save(state, run))  # every rank gets the same outcome
     outcome: tuple[str, Any] | None = None
     if state.rank == 0:
         try:
@@ -419,7 +419,19 @@ def save(state: TrainState, run: RunDir | Path) -> Path | None:
     kind, value = distributed.broadcast_object(outcome)
     if kind == "error":
         raise value
-    return value
+    return _guard_knows(state, value)
+
+
+def _guard_knows(state: TrainState, path: Path | None) -> Path | None:
+    """A verified checkpoint was written at this step (every rank calls this): the guard's
+    ring gets a snapshot of it, so a later rollback restores this state, or a newer one,
+    and never throws away the checkpoint's progress for an older snapshot."""
+    guard = state.guard
+    if path is not None and guard is not None:
+        newest = guard.ring.newest()
+        if newest is None or newest.step < state.step:
+            guard.snapshot()
+    return path
 
 
 def _save(state: TrainState, run: RunDir) -> Path | None:
