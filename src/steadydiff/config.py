@@ -400,6 +400,10 @@ class ModelConfig(Section):
     vae_precision: Precision | None = Field(
         None, description="dtype of the frozen VAE (fp32 avoids the fp16 VAE's NaN latents); "
         "None: train.precision")
+    text_encoder_precision: Precision | None = Field(
+        None, description="model.pretrained: dtype of the frozen text encoders; None: what the "
+        "family's trainers use (train.precision; a T5 never fp16: bf16, or fp32 without it). A "
+        "caption whose embedding is non-finite in it is encoded again in fp32")
     max_sequence_length: Int | None = Field(
         None, ge=1, le=4096, description="model.pretrained with a T5 text encoder (SD3, "
         "FLUX.1): the captions' T5 token length; None: the family's pipeline's (SD3: 256; "

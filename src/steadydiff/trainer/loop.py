@@ -405,6 +405,7 @@ def attach_guard(state: TrainState, run_dir: Path | None,
                         device=state.device, update=state.update,
                         sample_source=(lambda i: source_of(data, i)) if data is not None
                         else None, defer=defer)
+    state.guard.frozen = getattr(state.weights, "frozen", None)  # a frozen base, watched
     return state.guard
 
 
@@ -421,7 +422,7 @@ def save(state: TrainState, run: RunDir | Path) -> Path | None:
     rank writes its own shards and the outcome is agreed in the writer."""
     run = run if isinstance(run, RunDir) else RunDir(run)
     if state.world_size == 1 or state.sharded:  # FSDP: every rank writes its shards, and
-        return _save(state, run)                # every rank gets the same outcome
+        return _guard_knows(state, _save(state, run))  # every rank gets the same outcome
     outcome: tuple[str, Any] | None = None
     if state.rank == 0:
         try:
@@ -431,7 +432,19 @@ def save(state: TrainState, run: RunDir | Path) -> Path | None:
     kind, value = distributed.broadcast_object(outcome)
     if kind == "error":
         raise value
-    return value
+    return _guard_knows(state, value)
+
+
+def _guard_knows(state: TrainState, path: Path | None) -> Path | None:
+    """A verified checkpoint was written at this step (every rank calls this): the guard's
+    ring gets a snapshot of it, so a later rollback restores this state, or a newer one,
+    and never throws away the checkpoint's progress for an older snapshot."""
+    guard = state.guard
+    if path is not None and guard is not None:
+        newest = guard.ring.newest()
+        if newest is None or newest.step < state.step:
+            guard.snapshot()
+    return path
 
 
 def _save(state: TrainState, run: RunDir) -> Path | None:
@@ -468,8 +481,16 @@ def _save(state: TrainState, run: RunDir) -> Path | None:
         return None
 
 
+def _cause_not_lr(inc: Any) -> bool:
+    """An abort whose cause the guard named and that no LR change fixes (a corrupt or
+    modified frozen base): its resume advice keeps optim.lr."""
+    return inc is not None and (inc.kind in ("base_corrupt", "adapter_base_modified")
+                                or (inc.diagnosis or {}).get("cause") == "base")
+
+
 def abort_point(state: TrainState, run: RunDir, reason: str,
-                say: Callable[[str], None] = print, write: bool = True) -> dict[str, Any]:
+                say: Callable[[str], None] = print, write: bool = True,
+                lr_cause: bool = True) -> dict[str, Any]:
     """What an aborted run leaves to resume from (rank 0; the run is over).
 
     The guard's newest verified snapshot (weights and EMA checked finite when it was taken)
@@ -487,6 +508,8 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
 
     Args:
         write: False only suggests (the weights' own check refused the state).
+        lr_cause: False when the guard named a cause that is not the LR (a corrupt base):
+            the suggestion keeps ``optim.lr``.
 
     Returns:
         ``{step, reason, checkpoint (None when none was written), checkpoint_step,
@@ -502,6 +525,8 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
                               "was not backing the LR off: half)")
     if cap is not None and cap < lr:  # lr_too_high capped the LR for good
         lr, factor, why = cap, cap / base, f"the guard's LR cap {cap:.3g} (lr_too_high)"
+    if not lr_cause:  # the guard named a cause no LR change fixes: keep optim.lr
+        lr, factor, why = base, 1.0, "optim.lr unchanged: the cause is not the LR"
     lr = float(f"{lr:.3g}")
     info: dict[str, Any] = {
         "step": state.step, "reason": reason, "checkpoint": None, "checkpoint_step": None,
@@ -948,7 +973,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         if main or state.sharded:  # FSDP: the abort point's checkpoint is every rank's
             # a changed adapter base is refused by every save: no abort point to write
             keep = e.incident is None or e.incident.kind != "adapter_base_modified"
-            e.abort_point = abort_point(state, run, str(e), say, write=keep)
+            e.abort_point = abort_point(state, run, str(e), say, write=keep,
+                                        lr_cause=not _cause_not_lr(e.incident))
         if main:
             _finish(state, run, "aborted", reason=str(e), tb=out.tb, abort=e.abort_point)
         # torchrun ends the group as soon as one worker exits non-zero: every rank waits

@@ -363,6 +363,9 @@ class _SDWeights(Weights):
             for n, p in m.named_parameters():
                 if n in frozen and p.is_floating_point() and p.dtype != dtype:
                     p.data = p.data.to(dtype)
+        media = getattr(state, "media", None)
+        if isinstance(media, TextToImage):  # what the validation renders encode/decode with
+            media.follow_precision(dtype)
 
     def sampling_context(self, state: Any):
         """Sample grids under the run's autocast: the frozen fp16/bf16 parts need it."""
@@ -374,10 +377,30 @@ class PeftLoraWeights(_SDWeights):
     LoRA (and its EMA) alone, plus the base folder's path; exports write diffusers' LoRA
     file and/or kohya's."""
 
-    def __init__(self, base: Path, targets: list[str], rank: int, alpha: float) -> None:
+    def __init__(self, base: Path, targets: list[str], rank: int, alpha: float,
+                 cfg: Any = None) -> None:
         self.base, self.targets, self.rank, self.alpha = base, targets, rank, alpha
         self._hashes: dict[str, str] | None = None
         self._started = time.time()  # ss_training_started_at (this process's start)
+        # the |dW|/|W| guard (lora_guard.py; adapter.max_delta_ratio, adapter.monitor_every)
+        self.cfg = cfg
+        self.clamps, self.max_ratio, self.max_ratio_module = 0, 0.0, None
+        self.last_ratios: dict[str, float] = {}
+        self._deltas: Any = None
+
+    def reads_at(self, step: int) -> bool:
+        every = self.cfg.monitor_every if self.cfg is not None else 0
+        return bool(every and step % every == 0)
+
+    def after_update(self, state: Any) -> None:
+        """After an applied update: ‖dW‖/‖W‖ of every LoRA layer (one host sync); a layer
+        past ``adapter.max_delta_ratio`` is rescaled to it, with an incident."""
+        if self.reads_at(state.step):
+            from ...adapters.core import clamp_deltas
+            from .lora_guard import watched
+
+            model, ema = watched(self, state.model, state.ema.module)
+            clamp_deltas(self, state, model, ema)
 
     def tensors(self, state: Any) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         names = _trainable(state.model)
@@ -400,10 +423,16 @@ class PeftLoraWeights(_SDWeights):
             for n, p in own.items():
                 p.copy_(c.model[n])
                 ema[n].copy_(c.ema[n])
+        saved = c.state.get("adapter") or {}
+        self.clamps = int(saved.get("clamps", 0))
+        self.max_ratio = float(saved.get("max_delta_ratio_seen", 0.0))
+        self.max_ratio_module = saved.get("max_delta_ratio_module")
 
     def info(self) -> dict[str, Any]:
         return {"kind": "lora", "via": "peft", "base": str(self.base), "rank": self.rank,
-                "alpha": self.alpha, "targets": len(self.targets)}
+                "alpha": self.alpha, "targets": len(self.targets), "clamps": self.clamps,
+                "max_delta_ratio_seen": self.max_ratio,
+                "max_delta_ratio_module": self.max_ratio_module}
 
     def export(self, state: Any, root: Path, final: bool) -> Path | None:
         model = state.ema.module if state.cfg.sample.use_ema else state.model
@@ -638,6 +667,12 @@ class TextToImage:
         self.context_dim = self.layout.width
         self.latent = vae is not None
         self._other_vaes: dict[torch.dtype, nn.Module] = {}
+        self._other_tes: dict[torch.dtype, list[nn.Module]] = {}
+        # () -> the frozen parts read again from disk, fp32 on the CPU (families ``Parts``;
+        # set by setup.build): the fallbacks' source. None: a cast copy of the loaded ones
+        self.reload: Any = None
+        self._reloaded: Any = None
+        self.fallback_source = "a cast of the loaded weights"
         if vae is not None:
             self.scale = float(getattr(vae.config, "scaling_factor", 0.18215))
             self.shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
@@ -652,6 +687,24 @@ class TextToImage:
     @property
     def text_encoder(self) -> nn.Module:
         return self.text_encoders[0]
+
+    def follow_precision(self, dtype: torch.dtype) -> list[str]:
+        """A precision fallback (fp16 -> bf16/fp32): every frozen part that ran in fp16
+        (the text encoders, the VAE) moves to ``dtype`` with the model, so the step and
+        the validation renders never mix dtypes. Parts in another dtype (an fp32 VAE from
+        ``model.vae_precision``, a T5 kept out of fp16) stay. Returns what moved."""
+        moved = []
+        for i, te in enumerate(self.text_encoders):
+            if self.text_dtypes[i] == torch.float16 and dtype != torch.float16:
+                self.text_encoders[i] = te.to(dtype)
+                self.text_dtypes[i] = dtype
+                moved.append(f"text encoder {i + 1}")
+        self.text_dtype = self.text_dtypes[0] if self.text_dtypes else self.text_dtype
+        if self.vae is not None and self.vae_dtype == torch.float16 and dtype != torch.float16:
+            self.vae = self.vae.to(dtype)
+            self.vae_dtype = dtype
+            moved.append("VAE")
+        return moved
 
     # -- text
     def tokenize(self, prompts: list[str]) -> Tensor:
@@ -722,14 +775,67 @@ class TextToImage:
         z = vae.encode(x.to(self.device, dtype)).latent_dist.mean
         return ((z.float() - self.shift) * self.scale)
 
+    def _from_disk(self) -> Any:
+        """The frozen parts read again from the files (fp32, CPU), once; None without a
+        ``reload``."""
+        if self._reloaded is None and self.reload is not None:
+            self._reloaded = self.reload()
+        return self._reloaded
+
     def _vae_in(self, dtype: torch.dtype) -> nn.Module:
         """The VAE in another dtype (the fp32 re-encode of a latent fp16 made non-finite),
-        made once, on the first sample that needs it."""
+        made once, on the first sample that needs it: read again from the weights on disk
+        (an fp16 copy cast up keeps fp16's rounding, and a weight beyond fp16's range stays
+        inf), else a copy of the loaded one."""
         import copy
 
         if dtype not in self._other_vaes:
-            self._other_vaes[dtype] = to_device(copy.deepcopy(self.vae), self.device, dtype)
+            parts = self._from_disk()
+            vae = parts.vae if parts is not None else copy.deepcopy(self.vae)
+            self._other_vaes[dtype] = to_device(vae, self.device, dtype).eval() \
+                .requires_grad_(False)
         return self._other_vaes[dtype]
+
+    def _text_encoders_in(self, dtype: torch.dtype) -> list[nn.Module]:
+        """The text encoders in ``dtype`` (the fp32 re-encode of a non-finite caption), read
+        again from disk as :meth:`_vae_in` does, made once."""
+        import copy
+
+        if dtype not in self._other_tes:
+            parts = self._from_disk()
+            tes = list(parts.text_encoders) if parts is not None else \
+                [copy.deepcopy(te) for te in self.text_encoders]
+            self._other_tes[dtype] = [to_device(te, self.text_device, dtype).eval()
+                                      .requires_grad_(False) for te in tes]
+        return self._other_tes[dtype]
+
+    @torch.no_grad()
+    def encode_prompts_in(self, prompts: list[str], dtype: torch.dtype) -> Tensor:
+        """:meth:`encode_prompts`' text part with the text encoders in ``dtype`` (the fp32
+        fallback of the text cache)."""
+        ids = self.tokenize(prompts)
+        per, extra = self.layout.split_ids(ids.to(self.text_device))
+        embeds, pooled = self.family.encode(self._text_encoders_in(dtype), per, self.layout)
+        return self.text_part(self.layout.pack(embeds.float(), None if pooled is None
+                                               else pooled.float(), extra))
+
+    def blame_tokens(self, caption: str) -> str:
+        """The tokens of ``caption`` whose input-embedding row is non-finite in a text
+        encoder as loaded (in its run dtype: a row beyond fp16's range is inf there)."""
+        from .frozen import nonfinite_token_rows
+
+        out = []
+        for i, (te, tok) in enumerate(zip(self.text_encoders, self.tokenizers)):
+            rows = set(nonfinite_token_rows(te))
+            if not rows:
+                continue
+            n = self.layout.ids_len[i] if i < len(self.layout.ids_len) else 77
+            ids = tok([caption], truncation=True, max_length=n)["input_ids"][0]
+            hit = [j for j in dict.fromkeys(ids) if j in rows]
+            out += [f"token {tok.convert_ids_to_tokens(j)!r} (id {j}) of text encoder {i + 1}"
+                    for j in hit]
+        return ("the token(s) to blame: " + ", ".join(out)) if out else \
+            "no token's embedding row is non-finite: the encoder's activations overflow"
 
     @torch.no_grad()
     def decode(self, z: Tensor) -> Tensor:
