@@ -166,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     res: dict = {"bench": "flow_learns", "load_at_start": load_avg()}
-    data, _ = write_data(out / "data", a.fashion_path, a.n_train, "train", True, a.image_size)
+    data = out / "data"
+    if not (data / f"{a.n_train - 1:05d}.txt").is_file() or (data / f"{a.n_train:05d}.txt"
+                                                            ).is_file():
+        write_data(data, a.fashion_path, a.n_train, "train", True, a.image_size)
     res["data"] = {"train": a.n_train, "image_size": a.image_size}
     with Clock() as c:
         res["vae"] = train_vae(out / "vae", a.fashion_path, a.image_size, steps=a.vae_steps,
