@@ -323,3 +323,77 @@ def test_twenty_randomly_timed_signals_each_rerun_is_exact(tmp_path, images, str
         _rerun_is_exact(d, images, run, straight, resumed_at=stop)
     print("\n".join(map(str, seen)))
     assert sum(1 for s in seen if s[2] == EXIT_INTERRUPTED) >= 15
+
+
+# --------------------------------------------------------------------------- process group
+# What SLURM's scancel, Kubernetes and most launchers do: the signal goes to every process of
+# the job, data-loader workers included (issue 28, item 10). torch's worker loop installs its
+# own SIGTERM handler (die unless the parent sent it); the workers must ignore the stop
+# signals and leave the stop to the main process.
+
+
+def _start_group(cfg: Path, out: Path, log: Path) -> subprocess.Popen:
+    """:func:`_start` as the leader of its own process group (a job under a launcher)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", "steadydiff.cli", "train", str(cfg),
+                                 "--out", str(out)], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, cwd=out.parent, start_new_session=True)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.parametrize("sig,workers", [
+    (signal.SIGTERM, ["data.num_workers=2"]),  # persistent workers (always, when > 0)
+    (signal.SIGINT, ["data.num_workers=1", "data.pin_memory=true"]),  # pinned batches
+    (signal.SIGUSR1, ["data.num_workers=2"]),
+], ids=["SIGTERM-2workers", "SIGINT-pinned", "SIGUSR1-2workers"])
+def test_signal_to_the_process_group_checkpoints_the_step(tmp_path, images, sig, workers):
+    cfg, run, logf = tmp_path / "tiny.yaml", tmp_path / "run", tmp_path / "log.txt"
+    _write_cfg(cfg, images, [*CLI, *workers],
+               faults=[{"kind": "hang", "step": 2, "where": "before_step", "factor": 2}])
+    proc = _start_group(cfg, run, logf)
+    _wait_for(_has(run / "checkpoints" / ckpt.checkpoint_name(2)), proc)
+    assert _children(proc.pid), "the data-loader workers should be running"
+    os.killpg(proc.pid, sig)  # the main process and every worker
+    rc = proc.wait(timeout=120)
+    log = logf.read_text()
+    assert rc == EXIT_INTERRUPTED, log[-3000:]
+    assert "killed by signal" not in log and "Traceback" not in log, log[-3000:]
+    _assert_no_half_checkpoint(run)
+    assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step_00000003"]
+    assert ckpt.verify_checkpoint(run / "checkpoints" / "step_00000003") == []
+    s = _summary(run)
+    assert (s["status"], s["steps"], s["signal"]) == ("interrupted", 3, sig.name)
+
+
+def test_signal_to_the_torchrun_process_group_with_workers(tmp_path):
+    # torchrun, 2 gloo ranks, each with 2 data-loader workers, all in one process group;
+    # SIGTERM to the group (scancel): torchrun, both ranks and the four workers get it. Both
+    # ranks stop at step 3 with a verified checkpoint; no worker death is reported.
+    hang = json.dumps([{"kind": "hang", "step": 2, "where": "before_step", "factor": 2}])
+    out = tmp_path / "run"
+    out.mkdir()
+    logf = tmp_path / "log.txt"
+    with open(logf, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc_per_node=2", str(WORKER), str(DDP_CONFIG), str(out), *DDP_BASE,
+             "data.num_workers=2", f"faults={hang}"], stdout=f, stderr=subprocess.STDOUT,
+            env=_env(), start_new_session=True)
+    _wait_for(_has(out / "checkpoints" / ckpt.checkpoint_name(2)), proc, timeout=240)
+    pids = _rank_pids(proc)
+    assert sorted(pids) == [0, 1] and all(_children(p) for p in pids.values()), pids
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=240)
+    log = logf.read_text()
+    assert "killed by signal" not in log, log[-3000:]
+    (r0, r1), (s0, s1) = ranks(out)
+    assert s0["step"] == s1["step"] == 3
+    assert same(r0, r1)
+    assert ckpt.verify_checkpoint(out / "checkpoints" / "step_00000003") == []
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["status"], s["steps"], s["signal"]) == ("interrupted", 3, "SIGTERM")
+    assert log.count("interrupted by SIGTERM at step 3") == 1
