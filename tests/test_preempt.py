@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from steadydiff.doctor import diagnose
 from steadydiff.trainer import checkpoint as ckpt
@@ -397,3 +398,58 @@ def test_signal_to_the_torchrun_process_group_with_workers(tmp_path):
     s = json.loads((out / "summary.json").read_text())
     assert (s["status"], s["steps"], s["signal"]) == ("interrupted", 3, "SIGTERM")
     assert log.count("interrupted by SIGTERM at step 3") == 1
+
+
+# --------------------------------------------------------------------------- while caching
+
+
+def test_a_signal_while_caching_latents_stops_promptly_and_keeps_the_cache(tmp_path):
+    # Encoding the latents of a large folder takes minutes; a stop signal must not wait for
+    # the last image (issue 28: it did, 111 s). 400 images on the tiny SD model: SIGTERM to
+    # the process group as soon as the first latent is cached.
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    import numpy as np
+    from PIL import Image
+
+    from steadydiff.integrations.sd.tiny import make_tiny_sd
+
+    sd = make_tiny_sd(tmp_path / "tiny-sd", image_size=32)
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(400):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
+            data / f"im{i:03d}.png")
+        (data / f"im{i:03d}.txt").write_text(f"noise {i % 7}")
+    run = tmp_path / "run"
+    sets = [f"model.pretrained={sd}", f"data.path={data}", "data.image_size=32",
+            "train.steps=2", "train.batch_size=2", "train.precision=fp32",
+            "train.device=cpu", "train.sample_every=0", "data.num_workers=0",
+            "adapter.rank=4", "adapter.alpha=4", "logging.progress=false"]
+    logf = tmp_path / "log.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(logf, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "steadydiff.cli", "train",
+             str(Path(__file__).resolve().parents[1] / "configs" / "sd_lora.yaml"),
+             "--out", str(run), *[x for s in sets for x in ("--set", s)]],
+            stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    latents = run / "cache" / "latents"
+    _wait_for(lambda: latents.is_dir() and any(latents.rglob("*.safetensors")), proc,
+              timeout=240)
+    os.killpg(proc.pid, signal.SIGTERM)
+    t0 = time.monotonic()
+    rc = proc.wait(timeout=120)
+    took = time.monotonic() - t0
+    log = logf.read_text()
+    assert rc == EXIT_INTERRUPTED, log[-3000:]
+    assert took < 15, took  # the next image, not the 399 others
+    assert "stopped while caching latents" in log and "Traceback" not in log, log[-3000:]
+    assert "interrupted by SIGTERM at step 0; no checkpoint was written" in log
+    cached = list(latents.rglob("*.safetensors"))
+    assert 1 <= len(cached) <= 40, len(cached)  # stopped at the next image (not at 400)
+    assert not list(latents.rglob(".*.tmp"))
+    from safetensors.torch import load_file
+    for p in cached:  # every entry complete
+        assert torch.isfinite(load_file(p)["latent"]).all()

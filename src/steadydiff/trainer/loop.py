@@ -58,6 +58,7 @@ from .compilation import compile_failure, compile_forward, training_module
 from .ema import EMA
 from .hooks import FULL_WEIGHTS, PIXELS
 from .optim import build_optimizer, lr_at, set_lr
+from ..data.cache import CachingStopped
 from .preempt import StopSignals, TrainingInterrupted, signal_name
 from .resolution import GROW_KEYS, Growth, apply_growth, grow_from_checkpoint
 from .state import StepOutput, TrainState
@@ -814,7 +815,13 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
             state.weights.recipe = getattr(data, "recipe", None)  # state.json records it
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir \
             else run.root / "cache"
-        data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say)
+        try:  # a stop signal ends the caching at the next item (the cache stays valid)
+            data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say,
+                                                  stop=lambda: signals.requested is not None)
+        except CachingStopped as e:
+            say(str(e))
+            raise TrainingInterrupted(signal_name(signals.requested or 15), state.step,
+                                      None) from None
     # data.buckets: the histogram (printed in the header above) for the report
     layout = bucket_layout(data)
 

@@ -353,11 +353,14 @@ def _prep(cfg: Config) -> str:
 
 
 def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
-                say: Callable[[str], None] = print) -> EncodedDataset:
+                say: Callable[[str], None] = print,
+                stop: Callable[[], bool] | None = None) -> EncodedDataset:
     """Latents (latent-space runs) and text contexts of every item of the captioned
     ``data``, from the cache or encoded now (and cached). A latent non-finite in the VAE's
     dtype is encoded again in fp32; still non-finite, the sample is left out (the returned
-    dataset's ``quarantined`` names it; :func:`record_quarantine` puts it in incidents)."""
+    dataset's ``quarantined`` names it; :func:`record_quarantine` puts it in incidents).
+    ``stop`` is asked before each item is encoded: True raises
+    :class:`~steadydiff.data.cache.CachingStopped` (a stop signal; what is cached stays)."""
     captions = list(data.captions)
     over = caption_overflow(media, data, captions)
     if over:
@@ -369,7 +372,8 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     else:
         # the text rows (hidden states + pooled); per-item ids (SDXL's) are added per item
         texts = encode_texts(captions, lambda p: media.text_part(media.encode_prompts(p)),
-                             encoder_id=media.text_identity(), cache_dir=cache_dir)
+                             encoder_id=media.text_identity(), cache_dir=cache_dir,
+                             stop=stop)
         if media.force_zeros:  # caption dropout trains the null condition guidance uses
             texts.null = torch.zeros_like(texts.null)
     latents = None
@@ -381,7 +385,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                                  prep=_prep(cfg),
                                  cache_dir=cache_dir if cfg.data.cache_latents else None,
                                  fallback=fallback,
-                                 device=media.device)
+                                 device=media.device, stop=stop)
         say(f"latents: {latents.hits} from the cache, {latents.misses} encoded"
             + (f", {len(latents.reencoded)} re-encoded in fp32" if latents.reencoded else "")
             + (f", {len(latents.quarantined)} left out (non-finite)"
@@ -397,7 +401,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     if cfg.controlnet.enabled:  # pixels, not latents: uint8, cached (data/cache.py)
         conditioning = encode_conditioning(
             data, prep=f"{_prep(cfg)},conditioning={cfg.controlnet.conditioning_channels}",
-            cache_dir=cache_dir if cfg.data.cache_latents else None)
+            cache_dir=cache_dir if cfg.data.cache_latents else None, stop=stop)
         if conditioning.keys is not None:
             say(f"conditioning images: {conditioning.hits} from the cache, "
                 f"{conditioning.misses} prepared"
