@@ -126,7 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="adapter checkpoint: apply the adapter at this scale (0: the base "
                         "model; default 1)")
     s.add_argument("--base", default=None,
-                   help="adapter checkpoint: its base weights, if they moved since training")
+                   help="adapter checkpoint: its base weights; a Stable Diffusion run: its "
+                        "model.pretrained; if they moved since training (the identity the "
+                        "run recorded is checked)")
     s.add_argument("--control-image", default=None, metavar="FILE",
                    help="ControlNet run: the conditioning image (resized to data.image_size)")
     s.add_argument("--control-scale", type=float, default=None,
@@ -240,6 +242,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="a Stable Diffusion fine-tune as one original-layout file")
     xp.add_argument("--raw-weights", action="store_true",
                     help="use the raw model weights instead of the EMA")
+    xp.add_argument("--base", default=None, metavar="PATH",
+                    help="--single-file: the run's base model (model.pretrained), if it "
+                         "moved since training (the identity the run recorded is checked)")
     xp.add_argument("--half", action="store_true",
                     help="write fp16 tensors (half the size; what most shared files use)")
 
@@ -479,7 +484,8 @@ def cmd_export(a: argparse.Namespace) -> int:
         return EXIT_OK
     from .integrations.sd.export import export
 
-    path = export(a.source, a.single_file, use_ema=not a.raw_weights, dtype=dtype)
+    path = export(a.source, a.single_file, use_ema=not a.raw_weights, dtype=dtype,
+                  base=a.base)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, original single-file "
           "layout)")
     return EXIT_OK

@@ -59,6 +59,7 @@ from .ema import EMA
 from .hooks import FULL_WEIGHTS, PIXELS
 from .optim import build_optimizer, lr_at, set_lr
 from ..data.cache import CachingStopped
+from ..integrations.sd import identity as sd_identity
 from .preempt import StopSignals, TrainingInterrupted, signal_name
 from .resolution import GROW_KEYS, Growth, apply_growth, grow_from_checkpoint
 from .state import StepOutput, TrainState
@@ -73,6 +74,9 @@ __all__ = ["RunResult", "StepOutput", "TrainState", "attach_guard", "build_state
 RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
                "data.path", "data.cache_dir", "train.on_save_error", "train.max_time",
+               # where the base lies: its identity (the files' sha256) is what is checked
+               # (integrations/sd/identity.py); a moved base is the same base
+               "model.pretrained", "model.single_file_config",
                "sample.", "logging.",
                "faults", "eval.",
                "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every",
@@ -763,6 +767,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     run = RunDir(run_dir)
+    if cfg.model.pretrained:  # recorded absolute: a later command from elsewhere finds it
+        cfg = sd_identity.absolute(cfg)
     cfg, notes = preflight.resolve(cfg)  # a model family's folder decides its recipe
     for note in notes:
         say(f"model: {note}")
@@ -788,6 +794,13 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         elif saved.data.image_size != cfg.data.image_size:
             check_resume_config(saved, cfg, allow_config_change
                                 or int(state_json["step"]) >= cfg.train.steps)
+    base_id = None
+    if cfg.model.pretrained:  # the base's identity: recorded at the first start, then checked
+        recorded = state_json.get("base") if source is not None else None
+        base_id = sd_identity.check_base(recorded, cfg, f"the checkpoint {source}")
+        say(f"base model {base_id['path']}: identity sha256 {base_id['sha256'][:16]}... "
+            f"({len(base_id['files'])} files)"
+            + (", the one the checkpoint was trained on" if recorded else ""))
     for warning in lint(cfg, device):  # dangerous but legal settings: say why, at start
         say(f"warning: {warning}")
     configure_runtime(cfg, device, ctx)
@@ -800,6 +813,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         say(line)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, pre.num_classes_in_data, device, ctx)
+    state.base = base_id
     if state.checkpointing:
         say(f"gradient checkpointing: {state.checkpointing}")
     state.evaluator = make_evaluator(cfg, run_dir)

@@ -62,6 +62,8 @@ class TrainState:
     control: list[Any] | None = None  # a ControlNet run: each prompt's conditioning image
     # train.gradient_checkpointing: what is recomputed in the backward (for the log); None off
     checkpointing: str | None = None
+    # model.pretrained's identity (integrations/sd/identity.py), recorded in state.json
+    base: dict[str, Any] | None = None
 
 
 @dataclass

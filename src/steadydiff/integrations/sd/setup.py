@@ -32,6 +32,7 @@ from ...trainer.hooks import FULL_WEIGHTS, Weights
 from ..controlnet import ControlNetDenoiser, ControlNetWeights, build_controlnet
 from .. import families
 from ..families import Family
+from .identity import check_base
 from .hypernetwork import HypernetworkWeights, add_hypernetwork
 from .source import family, load_parts, model_root
 from .folder import load_text_parts, load_vae, read_json
@@ -284,6 +285,8 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
     """
     from ...trainer.checkpoint import CheckpointError
 
+    if cfg.model.pretrained:  # the base it was trained on, or a refusal naming both
+        check_base(c.state.get("base"), cfg, f"the checkpoint {c.path}")
     device = device or torch.device("cpu")
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "fp32"}),
                                  # the checkpoint holds the LoRA (the ControlNet): its start
