@@ -105,3 +105,41 @@ def test_train_refuses_a_huge_caption(sd_dir, tmp_path, capsys):
     (data / "img03.txt").write_bytes(b"tag, " * 2_000_000)  # 10 MB
     r = cli(train_args(sd_dir, data, tmp_path / "run"), capsys)
     bad_input(r, "img03.txt", "10,000,000 bytes", "8,192")
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def test_cache_dir_naming_a_file_is_exit_2(sd_dir, tmp_path, capsys):
+    data = shapes(tmp_path / "data")
+    f = tmp_path / "notes.txt"
+    f.write_text("mine")
+    for cache in (f, f / "sub"):
+        r = cli(train_args(sd_dir, data, tmp_path / f"run-{cache.name}",
+                           f"data.cache_dir={cache}"), capsys)
+        bad_input(r, "data.cache_dir", str(f), "is a file, not a folder")
+    assert f.read_text() == "mine"
+
+
+def test_a_non_utf8_file_name_is_named(sd_dir, tmp_path, capsys):
+    data = shapes(tmp_path / "data")
+    raw = os.fsencode(str(data)) + b"/caf\xe9.png"  # Latin-1, as an old Windows share
+    (data / "img00.png").rename(os.fsdecode(raw))
+    (data / "img00.txt").rename(os.fsdecode(raw[:-4] + b".txt"))
+    r = cli(train_args(sd_dir, data, tmp_path / "run"), capsys)
+    bad_input(r, "caf\\xe9.png", "not valid UTF-8", "rename it")
+
+
+def test_out_inside_the_data_folder_is_refused(sd_dir, tmp_path, capsys):
+    data = shapes(tmp_path / "data")
+    before = sorted(p.name for p in data.iterdir())
+    for out in (data / "runs" / "lora", data):
+        r = cli(train_args(sd_dir, data, out), capsys)
+        bad_input(r, "is inside data.path", "sample images would become training data")
+    assert sorted(p.name for p in data.iterdir()) == before  # nothing written there
+    # a hidden folder inside it is skipped by the folder's scan: allowed
+    from steadydiff.config import load_config
+    from steadydiff.trainer.loop import check_out_outside_data
+    cfg = load_config(ROOT / "configs/sd_lora.yaml", [f"data.path={data}"])
+    check_out_outside_data(cfg, data / ".runs" / "lora")
+    check_out_outside_data(cfg, tmp_path / "elsewhere")

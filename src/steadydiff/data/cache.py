@@ -59,7 +59,7 @@ from steadydiff.data import DataError, source_of
 from steadydiff.data.buckets import BucketLayout, bucket_layout
 from steadydiff.data.pairs import conditioning_of, pair_name
 
-__all__ = ["CachingStopped", "module_identity", "file_digest", "encode_latents", "encode_texts",
+__all__ = ["CachingStopped", "check_cache_dir", "module_identity", "file_digest", "encode_latents", "encode_texts",
            "encode_conditioning", "append_rows", "LatentResult", "TextResult",
            "ConditioningResult", "EncodedDataset"]
 
@@ -284,6 +284,44 @@ def _gone(pid: int) -> bool:
     return False
 
 
+def check_cache_dir(path: str | os.PathLike[str], key: str = "data.cache_dir") -> Path:
+    """``path`` as the cache root, refused (a DataError naming it) when it, or a folder
+    above it, is a file: the first write would fail with a bare ``NotADirectoryError``."""
+    p = Path(path).expanduser()
+    if not str(path).strip():
+        raise DataError(f"{key} is empty; give a folder (or null for RUN/cache)")
+    for q in (p, *p.parents):
+        if q.exists() or q.is_symlink():
+            if not q.is_dir():
+                what = "is" if q == p else f"lies under {q}, which is"
+                raise DataError(f"{key} {str(p)!r} {what} a file, not a folder; give a "
+                                f"folder for the cache (it is created if missing), or null "
+                                f"for RUN/cache")
+            break
+    return p
+
+
+def _printable(name: str) -> str:
+    """A file name as UTF-8 text: bytes that are not UTF-8 (kept by Python as surrogates)
+    shown as ``\\xNN``."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _check_names(names: Sequence[str | None]) -> None:
+    """Refuse a file name that is not valid UTF-8: each cache entry records its source's
+    name in its (UTF-8, JSON) metadata, which cannot hold it."""
+    for s in names:
+        if s is None:
+            continue
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DataError(f"{_printable(s)}: the file name is not valid UTF-8 (the bytes "
+                            f"shown as \\xNN); the cache records each file's name as UTF-8 "
+                            f"text: rename it (e.g. `convmv -f latin1 -t utf-8 --notest "
+                            f"FILE`)") from None
+
+
 def _nonfinite(t: torch.Tensor) -> str:
     """``3 NaN, 0 Inf of 256 elements``."""
     nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
@@ -422,10 +460,13 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
     """
     t0 = time.perf_counter()
     n = len(dataset)
-    store = _Store(Path(cache_dir) / "latents", "latent") if cache_dir is not None else None
+    store = (_Store(check_cache_dir(cache_dir) / "latents", "latent")
+             if cache_dir is not None else None)
     if store is not None:
         store.sweep()
     sources = [source_of(dataset, i) for i in range(n)]
+    if store is not None:
+        _check_names(sources)
     # Bucketed data: images of one bucket share a shape (and are encoded together); the key
     # holds the bucket and the crop, so another bucket set or crop is another entry.
     layout = bucket_layout(dataset)
@@ -604,7 +645,8 @@ def encode_texts(captions: Sequence[str],
         index[i] = row.setdefault(c, len(row))
     unique = list(row)
     todo = unique + ([""] if "" not in row else [])  # the null caption rides along
-    store = _Store(Path(cache_dir) / "text", "context") if cache_dir is not None else None
+    store = (_Store(check_cache_dir(cache_dir) / "text", "context")
+             if cache_dir is not None else None)
     if store is not None:
         store.sweep()
     keys = {c: _sha("text", c, encoder_id) for c in todo}
@@ -732,9 +774,10 @@ def encode_conditioning(dataset: Dataset, *, prep: str, cache_dir: Path | str | 
     if not callable(pixels) or cache_dir is None:
         return res
     n = len(dataset)
-    store = _Store(Path(cache_dir) / "conditioning", "conditioning")
+    store = _Store(check_cache_dir(cache_dir) / "conditioning", "conditioning")
     store.sweep()
     paths = [str(dataset.conditioning_path_of(i)) for i in range(n)]
+    _check_names(paths)
     layout = bucket_layout(dataset)
     item_prep = ([f"{prep},bucket={c.target_size[1]}x{c.target_size[0]},"
                   f"crop={c.crop_top_left[0]},{c.crop_top_left[1]}" for c in layout.crops]

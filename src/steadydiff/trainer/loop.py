@@ -639,6 +639,8 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     if grow_resolution and (restart or resume is False):
         raise ConfigError("--grow-resolution continues a checkpoint at a larger size; "
                           f"{'--restart' if restart else '--no-resume'} starts over: choose one")
+    if dataset is None:  # the folder of data.path is what is read
+        check_out_outside_data(cfg, run_dir)
     owned = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     ctx, device = distributed.setup(cfg.train.device, cfg.train.dist_timeout,
                                     group_of_one=cfg.train.parallel == "fsdp")
@@ -667,6 +669,29 @@ def _is_collective_failure(e: RuntimeError) -> bool:
     text = str(e).lower()
     return any(k in text for k in ("gloo", "nccl", "connection closed by peer",
                                    "timed out", "connection reset"))
+
+
+def check_out_outside_data(cfg: Config, run_dir: str | Path) -> None:
+    """Refuse a run directory inside the image folder it trains on: its sample grids and
+    report images would be read as training data by the next run (or a rescan). A hidden
+    folder inside it (``DATA/.runs/x``) is fine: the folder's scan skips hidden entries.
+
+    Raises:
+        ConfigError: naming both paths and what would be valid.
+    """
+    if cfg.data.dataset != "folder" or not cfg.data.path:
+        return
+    data = os.path.realpath(Path(cfg.data.path).expanduser())
+    out = os.path.realpath(Path(run_dir).expanduser())
+    if out != data and not out.startswith(data.rstrip(os.sep) + os.sep):
+        return
+    rel = Path(os.path.relpath(out, data)).parts
+    if any(part.startswith(".") and part not in (".", "..") for part in rel):
+        return
+    raise ConfigError(f"--out {run_dir} is inside data.path {cfg.data.path} (the image "
+                      f"folder trained on): the run's sample images would become training "
+                      f"data. Choose an --out outside {data} (or a hidden folder in it, "
+                      f"e.g. {Path(data) / '.runs' / Path(out).name})")
 
 
 @contextlib.contextmanager
