@@ -129,7 +129,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="adapter checkpoint: apply the adapter at this scale (0: the base "
                         "model; default 1)")
     s.add_argument("--base", default=None,
-                   help="adapter checkpoint: its base weights, if they moved since training")
+                   help="adapter checkpoint: its base weights; a Stable Diffusion run: its "
+                        "model.pretrained; if they moved since training (the identity the "
+                        "run recorded is checked)")
     s.add_argument("--control-image", default=None, metavar="FILE",
                    help="ControlNet run: the conditioning image (resized to data.image_size)")
     s.add_argument("--control-scale", type=float, default=None,
@@ -256,6 +258,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="a Stable Diffusion fine-tune as one original-layout file")
     xp.add_argument("--raw-weights", action="store_true",
                     help="use the raw model weights instead of the EMA")
+    xp.add_argument("--base", default=None, metavar="PATH",
+                    help="--single-file: the run's base model (model.pretrained), if it "
+                         "moved since training (the identity the run recorded is checked)")
     xp.add_argument("--half", action="store_true",
                     help="write fp16 tensors (half the size; what most shared files use)")
     xp.add_argument("--force", action="store_true",
@@ -626,7 +631,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     from .integrations.sd.export import export
 
     path = export(a.source, a.single_file, use_ema=not a.raw_weights, dtype=dtype,
-                  force=a.force)
+                  force=a.force, base=a.base)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, original single-file "
           "layout)")
     return EXIT_OK

@@ -52,8 +52,9 @@ def build_from_checkpoint(c: ckpt.Checkpoint, cfg: Config, *, use_ema: bool = Tr
     """
     if cfg.model.pretrained or cfg.model.text_encoder:  # text-to-image (docs/sd.md)
         from .integrations.sd import setup as sd_setup  # the [sd] extra
+        from .integrations.sd.identity import with_base
 
-        return sd_setup.load_trained(c, cfg, use_ema=use_ema)[0]
+        return sd_setup.load_trained(c, with_base(cfg, base), use_ema=use_ema)[0]
     if cfg.adapter.kind != "none":  # base weights + adapter (docs/adapters.md)
         return build_adapted(c, cfg, use_ema=use_ema, base=base)
     model = build_model(cfg.model, image_size=cfg.data.image_size, channels=cfg.data.channels)
@@ -304,8 +305,9 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
         use_ema: load the EMA weights (default) instead of the raw model weights.
         adapter_scale: an adapter checkpoint's adapter is applied at this scale (default
             1; 0 gives the base model). Refused for checkpoints without an adapter.
-        base: an adapter checkpoint's base weights, when they moved since training (their
-            sha256 must match the one the checkpoint records).
+        base: an adapter checkpoint's base weights, or a Stable Diffusion run's base model
+            (``model.pretrained``), when they moved since training (their sha256 must match
+            the one the checkpoint records: integrations/sd/identity.py).
         allow_nonfinite: load weights holding NaN/Inf (a diverged model, to look at what it
             produces; ``Pipeline.nonfinite`` names them) instead of refusing them.
 
@@ -321,7 +323,9 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
     media = None
     if cfg.model.pretrained or cfg.model.text_encoder:  # text-to-image (docs/sd.md)
         from .integrations.sd import setup as sd_setup  # the [sd] extra
+        from .integrations.sd.identity import with_base
 
+        cfg = with_base(cfg, base)  # --base: the moved original (its identity is checked)
         model, media = sd_setup.load_trained(c, cfg, use_ema=use_ema, device=dev)
     else:
         model = build_from_checkpoint(c, cfg, use_ema=use_ema, base=base).to(dev)

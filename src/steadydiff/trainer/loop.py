@@ -58,6 +58,8 @@ from .compilation import compile_failure, compile_forward, training_module
 from .ema import EMA
 from .hooks import FULL_WEIGHTS, PIXELS
 from .optim import build_optimizer, lr_at, set_lr
+from ..data.cache import CachingStopped
+from ..integrations.sd import identity as sd_identity
 from .preempt import StopSignals, TrainingInterrupted, signal_name
 from .resolution import GROW_KEYS, Growth, apply_growth, grow_from_checkpoint
 from .state import StepOutput, TrainState
@@ -73,6 +75,9 @@ RESUME_SAFE = ("train.steps", "train.epochs", "train.checkpoint_every",
                "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
                "data.path", "data.cache_dir", "train.on_save_error", "train.max_time",
+               # where the base lies: its identity (the files' sha256) is what is checked
+               # (integrations/sd/identity.py); a moved base is the same base
+               "model.pretrained", "model.single_file_config",
                "sample.", "logging.",
                "faults", "eval.",
                "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every",
@@ -685,6 +690,8 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     if grow_resolution and (restart or resume is False):
         raise ConfigError("--grow-resolution continues a checkpoint at a larger size; "
                           f"{'--restart' if restart else '--no-resume'} starts over: choose one")
+    if dataset is None:  # the folder of data.path is what is read
+        check_out_outside_data(cfg, run_dir)
     owned = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     ctx, device = distributed.setup(cfg.train.device, cfg.train.dist_timeout,
                                     group_of_one=cfg.train.parallel == "fsdp")
@@ -713,6 +720,29 @@ def _is_collective_failure(e: RuntimeError) -> bool:
     text = str(e).lower()
     return any(k in text for k in ("gloo", "nccl", "connection closed by peer",
                                    "timed out", "connection reset"))
+
+
+def check_out_outside_data(cfg: Config, run_dir: str | Path) -> None:
+    """Refuse a run directory inside the image folder it trains on: its sample grids and
+    report images would be read as training data by the next run (or a rescan). A hidden
+    folder inside it (``DATA/.runs/x``) is fine: the folder's scan skips hidden entries.
+
+    Raises:
+        ConfigError: naming both paths and what would be valid.
+    """
+    if cfg.data.dataset != "folder" or not cfg.data.path:
+        return
+    data = os.path.realpath(Path(cfg.data.path).expanduser())
+    out = os.path.realpath(Path(run_dir).expanduser())
+    if out != data and not out.startswith(data.rstrip(os.sep) + os.sep):
+        return
+    rel = Path(os.path.relpath(out, data)).parts
+    if any(part.startswith(".") and part not in (".", "..") for part in rel):
+        return
+    raise ConfigError(f"--out {run_dir} is inside data.path {cfg.data.path} (the image "
+                      f"folder trained on): the run's sample images would become training "
+                      f"data. Choose an --out outside {data} (or a hidden folder in it, "
+                      f"e.g. {Path(data) / '.runs' / Path(out).name})")
 
 
 @contextlib.contextmanager
@@ -814,6 +844,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     run = RunDir(run_dir)
+    if cfg.model.pretrained:  # recorded absolute: a later command from elsewhere finds it
+        cfg = sd_identity.absolute(cfg)
     cfg, notes = preflight.resolve(cfg)  # a model family's folder decides its recipe
     for note in notes:
         say(f"model: {note}")
@@ -842,6 +874,13 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         elif saved.data.image_size != cfg.data.image_size:
             check_resume_config(saved, cfg, allow_config_change
                                 or int(state_json["step"]) >= cfg.train.steps)
+    base_id = None
+    if cfg.model.pretrained:  # the base's identity: recorded at the first start, then checked
+        recorded = state_json.get("base") if source is not None else None
+        base_id = sd_identity.check_base(recorded, cfg, f"the checkpoint {source}")
+        say(f"base model {base_id['path']}: identity sha256 {base_id['sha256'][:16]}... "
+            f"({len(base_id['files'])} files)"
+            + (", the one the checkpoint was trained on" if recorded else ""))
     for warning in lint(cfg, device):  # dangerous but legal settings: say why, at start
         say(f"warning: {warning}")
     configure_runtime(cfg, device, ctx)
@@ -864,6 +903,7 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         say(line)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, pre.num_classes_in_data, device, ctx)
+    state.base = base_id
     if state.checkpointing:
         say(f"gradient checkpointing: {state.checkpointing}")
     state.evaluator = make_evaluator(cfg, run_dir)
@@ -879,7 +919,13 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
             state.weights.recipe = getattr(data, "recipe", None)  # state.json records it
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir \
             else run.root / "cache"
-        data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say)
+        try:  # a stop signal ends the caching at the next item (the cache stays valid)
+            data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say,
+                                                  stop=lambda: signals.requested is not None)
+        except CachingStopped as e:
+            say(str(e))
+            raise TrainingInterrupted(signal_name(signals.requested or 15), state.step,
+                                      None) from None
         state.sample_weights = getattr(data, "loss_weights", None)  # kohya's is_reg images
     # data.buckets: the histogram (printed in the header above) for the report
     layout = bucket_layout(data)

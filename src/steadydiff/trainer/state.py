@@ -65,6 +65,8 @@ class TrainState:
     sample_weights: torch.Tensor | None = None
     # train.gradient_checkpointing: what is recomputed in the backward (for the log); None off
     checkpointing: str | None = None
+    # model.pretrained's identity (integrations/sd/identity.py), recorded in state.json
+    base: dict[str, Any] | None = None
 
 
 @dataclass

@@ -15,7 +15,8 @@ __all__ = ["export"]
 
 
 def export(source: str | Path, out: str | Path, *, use_ema: bool = True,
-           dtype: torch.dtype | None = None, force: bool = False) -> Path:
+           dtype: torch.dtype | None = None, force: bool = False,
+           base: str | Path | None = None) -> Path:
     """``steadydiff export SOURCE --single-file OUT``: a full Stable Diffusion fine-tune, or
     a diffusers SD folder, as one original-layout ``.safetensors`` file A1111/ComfyUI read.
 
@@ -26,11 +27,14 @@ def export(source: str | Path, out: str | Path, *, use_ema: bool = True,
         out: the file to write (``.safetensors``), atomically; an existing one only with
             ``force`` (never a directory, the source, or a file inside it).
         dtype: cast the floating-point tensors (torch.float16 halves the file).
+        base: the run's base model (``model.pretrained``) when it moved since training; its
+            identity must be the one the run recorded (integrations/sd/identity.py).
 
     Raises:
         ValueError: ``out`` is not a .safetensors path, or the run is not a full SD
             fine-tune (a LoRA run exports ``RUN/lora/pytorch_lora_weights.safetensors``).
         CheckpointError: non-finite weights (nothing written).
+        BaseMismatchError: the base found is not the one the run was trained on.
     """
     out, src = Path(out).expanduser(), Path(source).expanduser()
     if out.suffix.lower() != ".safetensors":
@@ -43,7 +47,7 @@ def export(source: str | Path, out: str | Path, *, use_ema: bool = True,
         return export_single_file(out, p.denoiser, p.vae, p.text_encoders, dtype=dtype)
     from ...loading import load  # loading builds through setup: above this module
 
-    pipe = load(src, device="cpu", use_ema=use_ema)
+    pipe = load(src, device="cpu", use_ema=use_ema, base=base)
     cfg = pipe.config
     if not cfg.model.pretrained:
         raise ValueError(f"{pipe.checkpoint} is not a Stable Diffusion fine-tune "

@@ -34,6 +34,7 @@ from ...trainer.hooks import FULL_WEIGHTS, Weights
 from ..controlnet import ControlNetDenoiser, ControlNetWeights, build_controlnet
 from .. import families
 from ..families import Family
+from .identity import check_base
 from .hypernetwork import HypernetworkWeights, add_hypernetwork
 from .frozen import BaseModelError, FrozenWatch, check_loaded, check_module
 from .source import family, load_parts, model_root
@@ -350,6 +351,8 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
     """
     from ...trainer.checkpoint import CheckpointError
 
+    if cfg.model.pretrained:  # the base it was trained on, or a refusal naming both
+        check_base(c.state.get("base"), cfg, f"the checkpoint {c.path}")
     device = device or torch.device("cpu")
     # the trained LoRA over the base as released (an 8-bit training base: its fp32 weights)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "fp32"}),
@@ -421,11 +424,14 @@ def _prep(cfg: Config) -> str:
 
 
 def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
-                say: Callable[[str], None] = print) -> EncodedDataset:
+                say: Callable[[str], None] = print,
+                stop: Callable[[], bool] | None = None) -> EncodedDataset:
     """Latents (latent-space runs) and text contexts of every item of the captioned
     ``data``, from the cache or encoded now (and cached). A latent non-finite in the VAE's
     dtype is encoded again in fp32; still non-finite, the sample is left out (the returned
-    dataset's ``quarantined`` names it; :func:`record_quarantine` puts it in incidents)."""
+    dataset's ``quarantined`` names it; :func:`record_quarantine` puts it in incidents).
+    ``stop`` is asked before each item is encoded: True raises
+    :class:`~steadydiff.data.cache.CachingStopped` (a stop signal; what is cached stays)."""
     captions = list(data.captions)
     fallbacks: list[Any] = []  # encoder_fallback findings, recorded by record_quarantine
     over = caption_overflow(media, data, captions)
@@ -442,7 +448,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                              encoder_id=media.text_identity(), cache_dir=cache_dir,
                              fallback=((lambda p: media.encode_prompts_in(p, fp32))
                                        if any(d != fp32 for d in media.text_dtypes) else None),
-                             blame=media.blame_tokens)
+                             blame=media.blame_tokens, stop=stop)
         fallbacks.append(_text_fallback(media, data, captions, texts, say))
         if media.force_zeros:  # caption dropout trains the null condition guidance uses
             texts.null = torch.zeros_like(texts.null)
@@ -460,7 +466,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                                  prep=_prep(cfg),
                                  cache_dir=cache_dir if cfg.data.cache_latents else None,
                                  fallback=fallback,
-                                 device=media.device)
+                                 device=media.device, stop=stop)
         if texts is not None and getattr(texts, "bad", None):
             latents = latents.without(_text_quarantine(data, captions, texts))
         if latents.reencoded:
@@ -480,7 +486,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     if cfg.controlnet.enabled:  # pixels, not latents: uint8, cached (data/cache.py)
         conditioning = encode_conditioning(
             data, prep=f"{_prep(cfg)},conditioning={cfg.controlnet.conditioning_channels}",
-            cache_dir=cache_dir if cfg.data.cache_latents else None)
+            cache_dir=cache_dir if cfg.data.cache_latents else None, stop=stop)
         if conditioning.keys is not None:
             say(f"conditioning images: {conditioning.hits} from the cache, "
                 f"{conditioning.misses} prepared"
