@@ -107,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="default: the checkpoint config's sample.sampler")
     s.add_argument("--steps", type=int, default=None, help="sampling steps (default: sample.steps)")
     s.add_argument("--num", type=int, default=None, help="number of samples (default: sample.num)")
+    s.add_argument("--width", type=int, default=None,
+                   help="text-to-image model: the image width in pixels (a multiple of the "
+                        "VAE's x the denoiser's downsampling; default: the model's native "
+                        "size)")
+    s.add_argument("--height", type=int, default=None,
+                   help="text-to-image model: the image height in pixels (default: the "
+                        "model's native size)")
     s.add_argument("--class-label", type=int, default=None,
                    help="class for a class-conditional model (default: cycle through all)")
     s.add_argument("--prompt", action="append", default=None,
@@ -482,6 +489,11 @@ def cmd_train(a: argparse.Namespace) -> int:
     if res.samples:
         print(f"  samples:    {res.samples[-1]}")
     print(f"  metrics:    {out / 'metrics.jsonl'}")
+    if cfg.model.pretrained:  # what to load where: the LoRA files, the base, the rank
+        from .integrations.sd.advice import load_hints
+
+        for line in load_hints(cfg, out):
+            print(f"  {line}")
     return EXIT_OK
 
 
@@ -541,7 +553,7 @@ def cmd_sample(a: argparse.Namespace) -> int:
                        cfg_scale=a.cfg_scale, eta=a.eta, seed=a.seed, prompt=prompt,
                        negative_prompt=a.negative_prompt, control_image=a.control_image,
                        control_scale=a.control_scale, control_start=a.control_start,
-                       control_end=a.control_end)
+                       control_end=a.control_end, width=a.width, height=a.height)
     if out.suffix.lower() == ".npz":
         save_npz(x, out, y)
     else:
@@ -659,6 +671,9 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(_one_value_per_set(sys.argv[1:] if argv is None else argv))
+    from . import quiet
+
+    quiet.install()  # third-party notices off the console (kept in RUN/third_party.log)
     handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "ema": cmd_ema,
                 "condition": cmd_condition,
                 "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge,

@@ -582,7 +582,14 @@ class OptimConfig(Section):
         "adamw", description="adamw: torch's AdamW; adamw8bit: bitsandbytes' 8-bit AdamW "
         "(block-wise quantised moments: about a quarter of AdamW's state memory; CUDA and "
         "`pip install bitsandbytes` only; docs/speed.md)")
-    lr: float = Field(2e-4, gt=0.0, le=10.0)
+    lr: float = Field(2e-4, gt=0.0, le=10.0, description="the learning rate (of the "
+                      "denoiser, the UNet or transformer, where the text encoders have their "
+                      "own: optim.lr_text_encoder)")
+    lr_text_encoder: float | list[float] | None = Field(
+        None, description="model.pretrained with trained text encoders (adapter.text_encoder"
+        "): their learning rate (kohya's --text_encoder_lr), one for all or a list with one "
+        "per text encoder in the family's order (SDXL: [CLIP-L, CLIP-G]); null: optim.lr. "
+        "Warmup and decay scale it with optim.lr (docs/sd.md#learning-rates-per-part)")
     weight_decay: float = Field(0.0, ge=0.0, le=10.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0, le=1.0)
@@ -609,6 +616,13 @@ class OptimConfig(Section):
         for b in self.betas:
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"optim.betas must both be in [0, 1), got {list(self.betas)}")
+        te = self.lr_text_encoder
+        for x in (te if isinstance(te, list) else [] if te is None else [te]):
+            if not 0.0 < x <= 10.0:
+                raise ValueError(f"optim.lr_text_encoder must be in (0, 10], got {te}")
+        if isinstance(te, list) and not te:
+            raise ValueError("optim.lr_text_encoder is an empty list: give one learning "
+                             "rate, one per text encoder, or null (optim.lr)")
         if self.optimizer == "adamw8bit" and self.fused is True:
             raise ValueError("optim.fused=true picks torch's fused AdamW kernel, but optim."
                              "optimizer=adamw8bit is bitsandbytes' own kernel: set optim.fused"

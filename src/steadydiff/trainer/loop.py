@@ -31,7 +31,7 @@ from typing import Any, Callable, Literal
 import torch
 from tqdm import tqdm
 
-from .. import distributed, preflight, seeding, sharding
+from .. import distributed, preflight, quiet, seeding, sharding
 from ..adapters import AdapterRun
 from ..config import Config, ConfigError, config_diff, validate
 from ..data import make_loader, source_of
@@ -57,7 +57,7 @@ from .checkpoint_io import CheckpointIO
 from .compilation import compile_failure, compile_forward, training_module
 from .ema import EMA
 from .hooks import FULL_WEIGHTS, PIXELS
-from .optim import build_optimizer, lr_at, set_lr
+from .optim import build_optimizer, describe_lrs, lr_at, set_lr
 from ..data.cache import CachingStopped
 from ..integrations.sd import identity as sd_identity
 from .preempt import StopSignals, TrainingInterrupted, signal_name
@@ -844,6 +844,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     run = RunDir(run_dir)
+    if main:  # the third-party lines kept off the console go to RUN/third_party.log
+        quiet.log_to(run.root)
     if cfg.model.pretrained:  # recorded absolute: a later command from elsewhere finds it
         cfg = sd_identity.absolute(cfg)
     cfg, notes = preflight.resolve(cfg)  # a model family's folder decides its recipe
@@ -852,6 +854,11 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     cfg, notes = preflight.resolve_data(cfg)  # a kohya dataset TOML's resolution, batch
     for note in notes:
         say(f"data: {note}")
+    if cfg.model.pretrained:  # once: defaults unlike kohya's, a size below the native one
+        from ..integrations.sd.advice import start_notes
+
+        for note in start_notes(cfg):
+            say(note)
     cfg, chosen = speed.resolve(cfg, device)  # every `auto` speed setting, once, for device
     if chosen:
         say(speed.describe(chosen, device))
@@ -906,6 +913,9 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     state.base = base_id
     if state.checkpointing:
         say(f"gradient checkpointing: {state.checkpointing}")
+    lrs = describe_lrs(state.model, cfg.optim)  # optim.lr_text_encoder: each part's LR
+    if lrs:
+        say(f"optim: {lrs}")
     state.evaluator = make_evaluator(cfg, run_dir)
     encoded = None
     if state.media.text:  # latents and text contexts, cached and checked finite

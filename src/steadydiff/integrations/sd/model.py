@@ -31,6 +31,7 @@ from ...trainer import precision as prec
 from ...trainer.hooks import Weights
 from ...trainer.checkpoint import Checkpoint, CheckpointError
 from ..families import Family, Layout, of_module
+from .ldm import clip_path
 from .lora_files import LORA_FILE, base_model_hashes, save_kohya
 from .numbered import mark_best, numbered_files, prune, publish
 
@@ -108,6 +109,19 @@ class SDDenoiser(nn.Module):
     def text_encoders(self) -> list[nn.Module | None]:
         """The text encoders that run in the step (None where one does not), in order."""
         return [getattr(self, spec.part) for spec in self.family.text]
+
+    @property
+    def text_encoder_count(self) -> int:
+        """How many text encoders the family has (trained or not)."""
+        return len(self.family.text)
+
+    def text_encoder_of(self, name: str) -> int | None:
+        """The index of the text encoder (the family's order) a parameter ``name`` of this
+        module belongs to, or None (the denoiser's): ``optim.lr_text_encoder``'s groups."""
+        for i, spec in enumerate(self.family.text):
+            if name.startswith(spec.part + "."):
+                return i
+        return None
 
     @property
     def encodes(self) -> bool:
@@ -258,25 +272,41 @@ def add_lora(unet: nn.Module, *, rank: int, alpha: float | None, dropout: float,
     return names
 
 
-def lora_state_dict(module: nn.Module, keys: str = "diffusers") -> dict[str, Tensor]:
+def lora_state_dict(module: nn.Module, keys: str = "diffusers", *,
+                    fold_alpha: bool = False) -> dict[str, Tensor]:
     """A denoiser's (or text encoder's) LoRA as diffusers' loaders read it: peft's keys
     (``lora_A``/``lora_B``, ``keys="peft"``: the transformer families' loaders), or renamed
-    to diffusers' (``keys="diffusers"``: the UNet loaders' ``lora.down``/``lora.up``)."""
+    to diffusers' (``keys="diffusers"``: the UNet loaders' ``lora.down``/``lora.up``).
+
+    ``fold_alpha``: each up (``lora_B``) weight multiplied by alpha / rank, so that the
+    delta is the trained one at alpha = rank, which every diffusers version assumes when a
+    file carries no alpha (diffusers reads the alpha in the file's metadata only from 0.34
+    on; 0.32 and 0.33 load an unfolded alpha != rank LoRA at the wrong strength)."""
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
     sd = get_peft_model_state_dict(module)
+    conf = getattr(module, "peft_config", {}).get("default")
+    if fold_alpha and conf is not None and conf.lora_alpha != conf.r:
+        scale = conf.lora_alpha / conf.r
+        sd = {k: v * scale if ".lora_B." in k else v for k, v in sd.items()}
     if keys == "diffusers":
         sd = convert_state_dict_to_diffusers(sd)
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
 
 
-def _adapter_metadata(module: nn.Module) -> dict[str, Any] | None:
-    """The LoraConfig diffusers records beside the tensors, so that its loader scales by
-    our alpha / rank (without it, it assumes alpha = rank)."""
+def _adapter_metadata(module: nn.Module, fold_alpha: bool = False) -> dict[str, Any] | None:
+    """The LoraConfig diffusers records beside the tensors (read from 0.34 on), so that its
+    loader scales by alpha / rank: alpha = rank where :func:`lora_state_dict` folded it."""
     conf = getattr(module, "peft_config", {}).get("default")
-    return {"r": conf.r, "lora_alpha": conf.lora_alpha,
-            "target_modules": sorted(conf.target_modules)} if conf is not None else None
+    if conf is None:
+        return None
+    return {"r": conf.r, "lora_alpha": conf.r if fold_alpha else conf.lora_alpha,
+            "target_modules": sorted(conf.target_modules)}
+
+
+def _is_clip(module: nn.Module) -> bool:
+    return type(module).__name__.startswith("CLIPText")
 
 
 def save_lora(denoiser: nn.Module, out: str | Path,
@@ -314,12 +344,17 @@ def save_lora(denoiser: nn.Module, out: str | Path,
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    layers = {family.denoiser: lora_state_dict(denoiser, family.diffusers_lora_keys)}
-    meta = {family.denoiser: _adapter_metadata(denoiser)}
+    # written so that diffusers >= 0.32 loads it at the trained strength: alpha folded into
+    # the up weights (metadata alpha = rank), CLIP paths with their ``text_model.`` level
+    # (transformers < 5 has it; 0.32's loader fails without it; later ones strip it)
+    keys = family.diffusers_lora_keys
+    layers = {family.denoiser: lora_state_dict(denoiser, keys, fold_alpha=True)}
+    meta = {family.denoiser: _adapter_metadata(denoiser, fold_alpha=True)}
     for spec, te in zip(family.text, text_encoders):
         if te is not None:
-            layers[spec.part] = lora_state_dict(te, family.diffusers_lora_keys)
-            meta[spec.part] = _adapter_metadata(te)
+            sd = lora_state_dict(te, keys, fold_alpha=True)
+            layers[spec.part] = {clip_path(k): v for k, v in sd.items()} if _is_clip(te) else sd
+            meta[spec.part] = _adapter_metadata(te, fold_alpha=True)
     bad = [k for sd in layers.values() for k, v in sd.items() if not torch.isfinite(v).all()]
     if bad:
         raise CheckpointError(f"the LoRA has non-finite weights ({bad[0]} and {len(bad) - 1} "
@@ -480,7 +515,7 @@ class PeftLoraWeights(_SDWeights):
         return {**self._hashes, "ss_sd_model_name": self.base.name, "ss_output_name": name,
                 "ss_steps": step, "ss_max_train_steps": cfg.train.steps,
                 "ss_learning_rate": cfg.optim.lr, "ss_unet_lr": cfg.optim.lr,
-                "ss_text_encoder_lr": cfg.optim.lr if cfg.adapter.text_encoder else None,
+                "ss_text_encoder_lr": _text_encoder_lr(cfg),
                 "ss_train_batch_size": cfg.train.batch_size,
                 "ss_resolution": f"({cfg.data.image_size}, {cfg.data.image_size})",
                 "ss_enable_bucket": cfg.data.buckets,
@@ -488,6 +523,15 @@ class PeftLoraWeights(_SDWeights):
                 "ss_network_dropout": cfg.adapter.dropout,
                 "ss_training_started_at": self._started,
                 "ss_training_comment": "trained with steadydiff"}
+
+
+def _text_encoder_lr(cfg: Any) -> Any:
+    """``ss_text_encoder_lr``: the text encoders' LR (kohya writes one, or a list for
+    SDXL's two), None where they are not trained."""
+    if not cfg.adapter.text_encoder:
+        return None
+    te = cfg.optim.lr_text_encoder
+    return cfg.optim.lr if te is None else te
 
 
 class FullUNetWeights(_SDWeights):
