@@ -52,8 +52,9 @@ def build_from_checkpoint(c: ckpt.Checkpoint, cfg: Config, *, use_ema: bool = Tr
     """
     if cfg.model.pretrained or cfg.model.text_encoder:  # text-to-image (docs/sd.md)
         from .integrations.sd import setup as sd_setup  # the [sd] extra
+        from .integrations.sd.identity import with_base
 
-        return sd_setup.load_trained(c, cfg, use_ema=use_ema)[0]
+        return sd_setup.load_trained(c, with_base(cfg, base), use_ema=use_ema)[0]
     if cfg.adapter.kind != "none":  # base weights + adapter (docs/adapters.md)
         return build_adapted(c, cfg, use_ema=use_ema, base=base)
     model = build_model(cfg.model, image_size=cfg.data.image_size, channels=cfg.data.channels)
@@ -329,8 +330,9 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
         use_ema: load the EMA weights (default) instead of the raw model weights.
         adapter_scale: an adapter checkpoint's adapter is applied at this scale (default
             1; 0 gives the base model). Refused for checkpoints without an adapter.
-        base: an adapter checkpoint's base weights, when they moved since training (their
-            sha256 must match the one the checkpoint records).
+        base: an adapter checkpoint's base weights, or a Stable Diffusion run's base model
+            (``model.pretrained``), when they moved since training (their sha256 must match
+            the one the checkpoint records: integrations/sd/identity.py).
         allow_nonfinite: load weights holding NaN/Inf (a diverged model, to look at what it
             produces; ``Pipeline.nonfinite`` names them) instead of refusing them.
 
@@ -346,7 +348,9 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
     media = None
     if cfg.model.pretrained or cfg.model.text_encoder:  # text-to-image (docs/sd.md)
         from .integrations.sd import setup as sd_setup  # the [sd] extra
+        from .integrations.sd.identity import with_base
 
+        cfg = with_base(cfg, base)  # --base: the moved original (its identity is checked)
         model, media = sd_setup.load_trained(c, cfg, use_ema=use_ema, device=dev)
     else:
         model = build_from_checkpoint(c, cfg, use_ema=use_ema, base=base).to(dev)
@@ -365,14 +369,15 @@ EXPORT_FORMAT = "steadydiff.model.v1"  # an exported model file's metadata "form
 
 
 def export_model(source: str | Path, out: str | Path, *, use_ema: bool = True,
-                 dtype: torch.dtype | None = None) -> Path:
+                 dtype: torch.dtype | None = None, force: bool = False) -> Path:
     """``steadydiff export RUN --out model.safetensors``: the model of a run or checkpoint
     (any layout, a sharded FSDP one consolidated here) as one safetensors file for
     inference, with the config in its metadata; :func:`load` reads it.
 
     Args:
         source: a run directory or checkpoint of steadydiff's own UNet/DiT.
-        out: the ``.safetensors`` file to write (replaced atomically if it exists).
+        out: the ``.safetensors`` file to write, atomically; an existing one only with
+            ``force`` (never a directory, the source, or a file inside it).
         use_ema: the EMA weights (default) or the raw ones.
         dtype: cast the floating-point tensors (torch.float16/bfloat16 halve the file).
 
@@ -382,9 +387,12 @@ def export_model(source: str | Path, out: str | Path, *, use_ema: bool = True,
             merge`` first).
         CheckpointError: no intact checkpoint, or non-finite weights (nothing written).
     """
+    from .files import check_output
+
     out = Path(out).expanduser()
     if out.suffix.lower() != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {out}")
+    check_output(out, force=force, inputs=[source])
     path = sampling_checkpoint(source)
     c = ckpt.load_checkpoint(path, "cpu", weights_only=True)
     cfg = checkpoint_config(c)
@@ -424,7 +432,15 @@ def _load_exported(path: Path, dev: torch.device, use_ema: bool,
     if adapter_scale is not None:
         raise ValueError(f"{path} holds no adapter; --adapter-scale applies to adapter "
                          "checkpoints only")
-    cfg = validate(json.loads(meta["config"]), source=f"{path} metadata config")
+    if "config" not in meta:
+        raise ckpt.CheckpointError(
+            f"{path} has steadydiff's export format but no 'config' in its metadata, so the "
+            "model it holds cannot be built; export it again with `steadydiff export RUN "
+            "--out FILE`")
+    try:
+        cfg = validate(json.loads(meta["config"]), source=f"{path} metadata config")
+    except json.JSONDecodeError as e:
+        raise ckpt.CheckpointError(f"{path}: its metadata config is not JSON ({e})") from None
     model = build_model(cfg.model, image_size=cfg.data.image_size, channels=cfg.data.channels)
     weights = {k: v.float() if v.is_floating_point() else v
                for k, v in load_file(str(path)).items()}

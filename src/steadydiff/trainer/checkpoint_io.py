@@ -46,6 +46,7 @@ class CheckpointIO:
             "guard": s.guard.state_dict() if s.guard else None,
             "eval": s.evaluator.state_dict(),
             "adapter": s.weights.info(),
+            "base": s.base,  # model.pretrained's identity (integrations/sd/identity.py)
             "config": s.cfg.to_dict(), "torch": torch.__version__,
             "world_size": s.world_size,
         }

@@ -34,7 +34,7 @@ from ..families import Family, Parts, SDFolderError, expected, of_index, read_js
 from ..families.base import load_part
 
 __all__ = ["SDFolderError", "check_folder", "read_json", "diffusion_settings", "family_of",
-           "load_folder_parts", "load_text_parts", "load_vae"]
+           "load_folder_parts", "load_text_parts", "load_vae", "part_reader"]
 
 
 def family_of(path: str | Path) -> Family:
@@ -216,8 +216,53 @@ def load_text_parts(path: str | Path):
     return tok, te
 
 
-def load_folder_parts(path: str | Path) -> Parts:
+def load_folder_parts(path: str | Path, denoiser: bool = True) -> Parts:
     """Every part of the diffusers folder at ``path`` (checked first), fp32 on the CPU;
-    the caller moves them and sets their dtypes."""
+    the caller moves them and sets their dtypes. ``denoiser`` false: all but the denoiser
+    (``Parts.denoiser`` None; FSDP's meta-device init reads it shard by shard)."""
     root = check_folder(path)
-    return family_of(root).load(root)
+    return family_of(root).load(root, denoiser=denoiser)
+
+
+def part_reader(sub: Path, shapes: dict[str, tuple[int, ...]]):
+    """``read(name, start, stop) -> rows [start, stop) of dim 0`` (None, None: the whole
+    tensor), fp32, of a part folder's safetensors weights (one file, or the shards an
+    ``*.safetensors.index.json`` lists), reading only those rows' bytes from the file (the
+    FSDP meta-device init's source: :func:`steadydiff.sharding.materialize`). Checked first
+    against ``shapes`` (name -> the model's shape).
+
+    Raises:
+        SDFolderError: no weights, a tensor the model has that the files lack, or of
+            another shape (named).
+    """
+    from safetensors import safe_open
+
+    index = sorted(sub.glob("*.safetensors.index.json"))
+    if index:
+        where = {k: sub / f for k, f in read_json(index[0], "the weights' index")
+                 .get("weight_map", {}).items()}
+    else:
+        files = sorted(sub.glob("*.safetensors"))
+        if not files:
+            raise SDFolderError(f"{sub}/ has no .safetensors weights")
+        where = {}
+        for f in files:
+            with safe_open(str(f), "pt") as h:
+                where.update({k: f for k in h.keys()})
+    for name, shape in shapes.items():
+        if name not in where:
+            raise SDFolderError(f"{sub}: the weights have no {name} (the config describes "
+                                "another model?)")
+        with safe_open(str(where[name]), "pt") as h:
+            have = tuple(h.get_slice(name).get_shape())
+        if have != tuple(shape):
+            raise SDFolderError(f"{sub}: {name} has shape {have}; the config's model takes "
+                                f"{tuple(shape)}")
+
+    def read(name: str, start: int | None, stop: int | None):
+        with safe_open(str(where[name]), "pt") as h:
+            sl = h.get_slice(name)
+            t = sl[:] if start is None else sl[start:stop]
+        return t.float()
+
+    return read

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -295,18 +293,11 @@ def save_kohya(path: str | Path, unet: nn.Module, text_encoders: list[nn.Module 
     meta.update({k: str(v) for k, v in (metadata or {}).items() if v is not None})
     meta["sshs_model_hash"] = _tensor_hash(save(sd))
     blob = save(sd, metadata=meta)
+    from ...files import atomic_output
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_output(path) as tmp:
+        tmp.write_bytes(blob)
     return path
 
 
