@@ -711,6 +711,7 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
             raise failed from e
         raise
     finally:
+        quiet.close()  # this run's third_party.log: a later run in the process opens its own
         if owned:
             distributed.teardown()
 

@@ -394,6 +394,12 @@ def _kohya_layers(f: Path, sd: dict[str, Tensor]) -> dict[str, tuple[Tensor, Ten
         parts = {k.split(".", 1)[1] for k in sd if k.split(".", 1)[0] == n}
         missing = {"lora_down.weight", "lora_up.weight", "alpha"} - parts
         extra = parts - {"lora_down.weight", "lora_up.weight", "alpha"}
+        lyco = sorted(p for p in extra if p.startswith(("hada_", "lokr_")))
+        if lyco:
+            raise LoraFileError(f"{f}: layer {n} has {lyco}: a LyCORIS "
+                                f"{'LoHa' if lyco[0].startswith('hada_') else 'LoKr'}, which "
+                                "steadydiff does not read or train yet (adapter.variant: lora, "
+                                "dora or locon)")
         if missing:
             raise LoraFileError(f"{f}: layer {n} has no {sorted(missing)} (a kohya LoRA layer "
                                 "has lora_down.weight, lora_up.weight and alpha)")
