@@ -215,3 +215,94 @@ def test_adam_state_corrupted_between_steps_is_a_large_update(tmp_path, monkeypa
     deferred = next(r for r in rows[10] if r["kind"] == "large_update")
     assert deferred["evidence"].get("reproduced") is (None if at == WINDOW[0] else False)
 
+
+
+# --------------------------------------------------------------------------- fp16 gradients
+
+
+class FusedStyleAttention(torch.nn.Module):
+    """An attention whose forward accumulates q kᵀ and the softmax in float32, as a fused
+    kernel does (the logits never overflow fp16), while q and k come from fp16
+    projections, so their gradients are cast back to fp16 in the backward. Its
+    ``upcast_attention`` (the attribute diffusers' and steadydiff's attention layers have)
+    runs the q and k projections, the logits and the softmax in float32."""
+
+    def __init__(self, dim=16):
+        super().__init__()
+        self.scale = dim ** -0.5
+        self.to_q, self.to_k, self.to_v = (torch.nn.Linear(dim, dim, bias=False)
+                                           for _ in range(3))
+        self.to_out = torch.nn.Linear(dim, dim)
+        self.upcast_attention = False
+
+    def forward(self, x):  # (N, L, D) -> (N, L, D)
+        if self.upcast_attention:  # projections, logits and softmax in fp32
+            with torch.autocast(x.device.type, enabled=False):
+                xf = x.float()
+                scores = torch.bmm(self.to_q(xf), self.to_k(xf).transpose(1, 2)) * self.scale
+                probs = scores.softmax(-1)
+        else:  # fp16 projections; the kernel accumulates the logits in fp32
+            q, k = self.to_q(x), self.to_k(x)
+            probs = (torch.bmm(q.float(), k.float().transpose(1, 2)) * self.scale).softmax(-1)
+        return self.to_out(torch.bmm(probs.to(x.dtype), self.to_v(x)))
+
+
+class AttnNet(torch.nn.Module):
+    """A conv -> self-attention over the 64 positions -> conv denoiser (no timestep)."""
+
+    def __init__(self, ch=16):
+        super().__init__()
+        self.inp = torch.nn.Conv2d(1, ch, 3, padding=1)
+        self.attn = FusedStyleAttention(ch)
+        self.out = torch.nn.Conv2d(ch, 1, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.nn.functional.silu(self.inp(x))
+        n, c, hh, ww = h.shape
+        tokens = h.reshape(n, c, hh * ww).transpose(1, 2)       # (N, HW, C)
+        h = h + self.attn(tokens).transpose(1, 2).reshape(n, c, hh, ww)
+        return self.out(h)
+
+
+def test_fp16_gradient_overflow_is_located_and_upcast_before_any_fallback(tmp_path):
+    """q scaled by 1/3e4 and k by 3e4 from the start (the same logits: the forward stays
+    finite and unsaturated), in fp16 with a GradScaler at 2^17 (a scale a long run grows
+    to): only the gradient of q overflows, in the backward; every other gradient fits. With
+    guard.overflow_limit=1 the first overflow would fall back to bf16 at once; instead the
+    guard replays the step with gradient hooks, finds the first non-finite gradient in the
+    attention's q projection, and upcasts that attention layer; the loop then trains on in
+    fp16 at the same scale, finite."""
+    torch.manual_seed(0)
+    model = AttnNet()
+    model.attn.to_q.register_forward_hook(lambda _m, _i, out: out / 3e4)
+    model.attn.to_k.register_forward_hook(lambda _m, _i, out: out * 3e4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # a loss scale a long run has grown to (GradScaler doubles it every 2000 clean steps)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 17)
+    guard = steadydiff.Guard(model, opt, scaler=scaler, run_dir=tmp_path,
+                             config={"warmup_steps": 5, "snapshot_every": 5,
+                                     "overflow_limit": 1})
+    data = UserData(n=32).x
+    actions = []
+    for i in range(14):
+        x0 = data[(i * 8) % 32:(i * 8) % 32 + 8]
+        noise = torch.randn_like(x0)
+
+        def loss_of(_i=0):
+            with torch.autocast("cpu", dtype=torch.float16):
+                return torch.nn.functional.mse_loss(model(x0 + noise).float(), noise)
+
+        loss = loss_of()
+        scaler.scale(loss).backward()
+        d = guard.step(loss, replay=lambda _i: scaler.scale(loss_of()))
+        actions.append((d.action, d.incident.kind if d.incident else None))
+    rows = incidents(tmp_path)
+    assert [(r["kind"], r["action"]) for r in rows] == [("attention_upcast",
+                                                         "attention_upcast")]
+    prov = rows[0]["evidence"]["provenance"]
+    assert rows[0]["evidence"]["module"] == "attn"
+    assert prov["first_nonfinite_grad"] == "attn.to_q.weight"
+    assert model.attn.upcast_attention and guard.upcast == ["attn"]
+    assert guard.precision == "fp16"  # no global fallback
+    assert actions[-3:] == [("step", None)] * 3  # training on, finite
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
