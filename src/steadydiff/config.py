@@ -920,6 +920,10 @@ class GuardConfig(Section):
                            "largest applied so far is a schedule/config bug: skip the step")
     weight_jump: float = Field(10.0, gt=1.0, description="a parameter whose norm grows this "
                                "x in one step (RMS floor 0.05) is corrupt: roll back")
+    update_ratio: float = Field(10.0, ge=0.0, description="an applied update whose "
+                                "|update|/|weight| per unit LR is this x its parameter's own "
+                                "running mean and this x the step's median over parameters is "
+                                "a large_update: the step is undone; 0 disables the check")
     provenance: Bool = Field(True, description="replay a non-finite step to name the module")
     rerun_nonfinite: Bool = Field(True, description="run a non-finite step once more with the "
                                   "same data, timesteps and noise: finite the second time is a "

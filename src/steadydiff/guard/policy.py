@@ -17,7 +17,8 @@ The rules (docs/guard.md):
 - a forward overflow that began in an attention layer is first that layer's: upcast its
   attention to fp32 (skip the step); if an upcast layer overflows again, the upcast did not
   help: fall back in precision at once;
-- the weights themselves went bad (``nonfinite_params``, ``weight_jump``): roll back at once,
+- the weights themselves went bad (``nonfinite_params``, ``weight_jump``, or an update far
+  above its parameter's usual size: ``large_update``): roll back at once,
   the state is unusable. Found *before* the forward pass (the weights changed between two
   steps) no data is to blame and none is skipped; found right after an update, the batch
   that made the update is;
@@ -50,7 +51,7 @@ ActionKind = Literal["skip", "rollback", "abort"]
 SkipData = Literal["implicated", "none"]
 
 # kinds whose finding means the weights after the update are unusable
-STATE_UNUSABLE = frozenset({"nonfinite_params", "weight_jump"})
+STATE_UNUSABLE = frozenset({"nonfinite_params", "weight_jump", "large_update"})
 # precisions to try, in order, when one overflows or goes non-finite
 FALLBACK_CHAIN: dict[Precision, tuple[Precision, ...]] = {"fp16": ("bf16", "fp32"), "bf16": ("fp32",)}
 
@@ -198,7 +199,8 @@ def decide(f: Finding, h: History, c: GuardConfig) -> Action:
         return _skip(h, c, reason="corrupt batch")
     if f.kind in STATE_UNUSABLE:
         # changed between two steps: the batch of this step is innocent
-        between = f.evidence.get("when") == "before_forward"
+        # (an update far above its usual size: the optimizer state, not the batch)
+        between = f.evidence.get("when") == "before_forward" or f.kind == "large_update"
         return _rollback(f, h, c, "state unusable",
                          skip_data="none" if between else "implicated")
     if f.kind == "lr_too_high":
