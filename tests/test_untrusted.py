@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -345,3 +346,53 @@ def test_a_full_disk_while_checkpointing_retries_then_exits_4(tmp_path, images, 
     assert ckpt.latest_good(run / "checkpoints").name == "step_00000002"
     assert ckpt.verify_checkpoint(run / "checkpoints" / "step_00000002") == []
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+# --------------------------------------------------------------------------- config values
+
+
+def _float_fields():
+    """Every float-valued key of the config tree (plain, optional, or in a tuple)."""
+    from steadydiff.config import _section_paths
+
+    for cls, path in _section_paths().items():
+        for name, f in cls.model_fields.items():
+            if "float" in str(f.annotation) and "Literal" not in str(f.annotation):
+                yield f"{path}.{name}" if path else name, f
+
+
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
+def test_no_config_number_may_be_infinite_or_nan(bad):
+    """Generic: every float field of the tree, not a list of examples."""
+    from steadydiff.config import ConfigError, load_config
+
+    checked = 0
+    for key, f in _float_fields():
+        ann = str(f.annotation)
+        value = (f"[{bad}, {bad}]" if "tuple[float, float]" in ann else
+                 f"[[0.0, {bad}], [1.0, 1.0]]" if "tuple[tuple" in ann else
+                 f"[{bad}]" if "tuple" in ann else bad)
+        with pytest.raises(ConfigError, match=rf"(?s){re.escape(key)}"):
+            load_config(None, [f"{key}={value}"])
+        checked += 1
+    assert checked > 60  # the whole tree was walked
+
+
+def test_the_issues_values_are_refused_with_a_sentence(tmp_path):
+    from steadydiff.config import ConfigError, load_config
+
+    for item in ["adapter.alpha=inf", "optim.grad_clip=inf", "adapter.max_delta_ratio=inf",
+                 "guard.grad_z=inf", "guard.attn_logit_limit=inf",
+                 "train.watchdog_timeout=inf", "eval.min_delta=inf",
+                 "diffusion.piecewise=[[0.0,nan],[1.0,-10.0]]"]:
+        with pytest.raises(ConfigError, match="not a finite number"):
+            load_config(None, [item])
+    for item in ["data.cache_dir=''", "data.path='  '", "adapter.init_from=''",
+                 "model.pretrained=''", "data.conditioning_dir=''"]:
+        with pytest.raises(ConfigError, match="empty path|at least 1 character"):
+            load_config(None, [item])
+    # through the CLI, from a YAML file: exit 2 naming the key
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data:\n  cache_dir: ''\noptim:\n  grad_clip: .inf\n")
+    r = _cli("train", str(cfg), "--dry-run", cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and "data.cache_dir" in r.stderr and "optim.grad_clip" in r.stderr
