@@ -396,3 +396,113 @@ def test_the_issues_values_are_refused_with_a_sentence(tmp_path):
     cfg.write_text("data:\n  cache_dir: ''\noptim:\n  grad_clip: .inf\n")
     r = _cli("train", str(cfg), "--dry-run", cwd=tmp_path, timeout=60)
     assert r.returncode == 2 and "data.cache_dir" in r.stderr and "optim.grad_clip" in r.stderr
+
+
+# --------------------------------------------------------------------------- foreign code
+
+
+@pytest.fixture(scope="module")
+def tiny_sd(tmp_path_factory) -> Path:
+    from steadydiff.integrations.sd.tiny import make_tiny_sd
+
+    return make_tiny_sd(tmp_path_factory.mktemp("sd") / "tiny-sd", image_size=32)
+
+
+_MARKER_CODE = "open({marker!r}, 'w').write('ran')\n"
+
+
+def _load_in_child(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``code`` in a child whose stdin is an open pipe holding "y": a prompt that asked
+    whether to run the folder's code would read it and say yes."""
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=ENV, input="y\ny\n",
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_library_named_in_model_index_is_never_imported(tmp_path, tiny_sd):
+    folder = tmp_path / "sd"
+    shutil.copytree(tiny_sd, folder)
+    marker = tmp_path / "IMPORTED"
+    (tmp_path / "my_module.py").write_text(_MARKER_CODE.format(marker=str(marker)) +
+                                           "class MyScheduler: pass\n")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["scheduler"] = ["my_module", "MyScheduler"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    code = ("import sys; sys.path.insert(0, '.')\n"  # as `python -m` puts the cwd first
+            "from steadydiff.integrations.sd.folder import load_folder_parts\n"
+            "from steadydiff.integrations.families import SDFolderError\n"
+            f"try:\n    load_folder_parts({str(folder)!r})\n"
+            "except SDFolderError as e:\n    print('REFUSED', e); sys.exit(2)\n")
+    r = _load_in_child(code, tmp_path)
+    assert not marker.exists()
+    assert r.returncode == 2 and "my_module" in r.stdout and "diffusers or transformers" \
+        in r.stdout, r.stdout + r.stderr[-2000:]
+    # the single-file path reads the same folder as its config: refused the same way
+    from steadydiff.integrations.families import SDFolderError
+    from steadydiff.integrations.sd.folder import check_folder
+    with pytest.raises(SDFolderError, match="my_module"):
+        check_folder(folder, weights=False)
+
+
+def test_a_tokenizer_with_auto_map_never_runs_its_code_and_nothing_asks(tmp_path, tiny_sd):
+    folder = tmp_path / "sd"
+    shutil.copytree(tiny_sd, folder)
+    marker = tmp_path / "TOKENIZER_CODE_RAN"
+    tok = folder / "tokenizer"
+    (tok / "my_tok.py").write_text(_MARKER_CODE.format(marker=str(marker)) +
+                                   "from transformers import CLIPTokenizer\n"
+                                   "class MyTok(CLIPTokenizer): pass\n")
+    conf = json.loads((tok / "tokenizer_config.json").read_text())
+    conf["auto_map"] = {"AutoTokenizer": ["my_tok.MyTok", None]}
+    conf["tokenizer_class"] = "MyTok"
+    (tok / "tokenizer_config.json").write_text(json.dumps(conf))
+    code = ("import sys\n"
+            "from steadydiff.integrations.sd.folder import load_folder_parts\n"
+            "from steadydiff.integrations.families import SDFolderError\n"
+            f"try:\n    load_folder_parts({str(folder)!r}); print('LOADED')\n"
+            "except SDFolderError as e:\n    print('REFUSED', e); sys.exit(2)\n")
+    r = _load_in_child(code, tmp_path)
+    assert not marker.exists(), r.stdout + r.stderr[-2000:]
+    assert "trust_remote_code" not in r.stderr or r.returncode == 2
+    assert "[y/N]" not in r.stdout + r.stderr  # never asked
+    assert r.returncode in (0, 2), r.stderr[-2000:]
+
+
+def test_pickled_text_encoder_shards_and_a_corrupt_part_are_refused(tmp_path, tiny_sd):
+    from steadydiff.integrations.families import SDFolderError
+    from steadydiff.integrations.sd.folder import load_folder_parts
+
+    folder = tmp_path / "sd"
+    shutil.copytree(tiny_sd, folder)
+    te = folder / "text_encoder"
+    marker = tmp_path / "SHARD_UNPICKLED"
+    torch.save({"x": _Payload(marker)}, te / "pytorch_model-00001-of-00001.bin")
+    weights = next(te.glob("*.safetensors"))
+    weights.unlink()
+    (te / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"text_model.embeddings.token_embedding.weight":
+                                        "pytorch_model-00001-of-00001.bin"}}))
+    with pytest.raises(SDFolderError, match=r"(?s)pytorch_model-00001-of-00001\.bin.*"
+                                            r"\.safetensors"):
+        load_folder_parts(folder)
+    assert not marker.exists()
+    # a damaged text encoder's safetensors: a sentence naming the folder, not a traceback
+    folder2 = tmp_path / "sd2"
+    shutil.copytree(tiny_sd, folder2)
+    w = next((folder2 / "text_encoder").glob("*.safetensors"))
+    w.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + b"\0" * 64)
+    with pytest.raises(SDFolderError, match="text encoder does not load"):
+        load_folder_parts(folder2)
+
+
+def test_an_exported_file_without_its_config_is_a_sentence(tmp_path, finished):
+    from safetensors.torch import load_file, save_file
+
+    from steadydiff.loading import EXPORT_FORMAT
+
+    src = tmp_path / "m.safetensors"
+    assert _cli("export", str(finished), "--out", str(src), cwd=tmp_path).returncode == 0
+    bad = tmp_path / "noconfig.safetensors"
+    save_file(load_file(str(src)), str(bad), metadata={"format": EXPORT_FORMAT})
+    r = _cli("sample", str(bad), "--num", "1", "--steps", "2", "--out",
+             str(tmp_path / "s.png"), cwd=tmp_path)
+    assert r.returncode == 2 and "no 'config'" in r.stderr and "Traceback" not in r.stderr
