@@ -506,3 +506,42 @@ def test_an_exported_file_without_its_config_is_a_sentence(tmp_path, finished):
     r = _cli("sample", str(bad), "--num", "1", "--steps", "2", "--out",
              str(tmp_path / "s.png"), cwd=tmp_path)
     assert r.returncode == 2 and "no 'config'" in r.stderr and "Traceback" not in r.stderr
+
+
+# A child that exports with the write slowed down (the tensors written, then a pause before
+# the rename), so the test can signal it mid-write from outside.
+_SLOW_EXPORT = """
+import sys, time
+import steadydiff.trainer.checkpoint as ck
+real = ck.save_file
+def slow(*a, **k):
+    real(*a, **k)
+    print("WRITING", flush=True)
+    time.sleep(60)
+ck.save_file = slow
+from steadydiff.cli import main
+sys.exit(main(["export", sys.argv[1], "--out", sys.argv[2], "--force"]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_a_kill_during_export_leaves_the_old_file_and_no_temporary(tmp_path, finished, sig):
+    import signal
+
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"previous export")
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_EXPORT, str(finished), str(out)],
+                         cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "WRITING"
+    assert [n for n in _files(tmp_path) if ".tmp-" in n]  # mid-write: the temporary exists
+    p.send_signal(getattr(signal, sig))
+    p.wait(timeout=60)
+    assert out.read_bytes() == b"previous export"
+    left = [n for n in _files(tmp_path) if ".tmp-" in n]
+    if sig == "SIGTERM":  # unwound: the temporary removed, the process ends as SIGTERM would
+        assert p.returncode == 128 + signal.SIGTERM and not left, (p.returncode, left)
+    else:  # nothing can run on SIGKILL: the next write of that target sweeps it
+        assert left
+        r = _cli("export", str(finished), "--out", str(out), "--force", cwd=tmp_path)
+        assert r.returncode == 0 and _files(tmp_path) == {"model.safetensors"}
