@@ -545,3 +545,24 @@ def test_a_kill_during_export_leaves_the_old_file_and_no_temporary(tmp_path, fin
         assert left
         r = _cli("export", str(finished), "--out", str(out), "--force", cwd=tmp_path)
         assert r.returncode == 0 and _files(tmp_path) == {"model.safetensors"}
+
+
+def test_a_run_named_pytorch_lora_weights_keeps_both_lora_files(tmp_path):
+    """--out .../pytorch_lora_weights: the kohya file is named after the run, which here is
+    diffusers' own file name; the two no longer collide. Both get the umask's mode."""
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.sd.model import save_lora
+    from test_sd_lora_files import lora_pair
+
+    unet, te = lora_pair()
+    out = tmp_path / "pytorch_lora_weights"
+    f = save_lora(unet, out, te, format="both", kohya_name=out.name)
+    kohya = out / "pytorch_lora_weights_kohya.safetensors"
+    assert f == out / "pytorch_lora_weights.safetensors" and kohya.is_file()
+    assert all(k.startswith(("unet.", "text_encoder.")) for k in load_file(f))
+    assert all(k.startswith(("lora_unet_", "lora_te")) for k in load_file(kohya))
+    old = os.umask(0)
+    os.umask(old)
+    assert {p.stat().st_mode & 0o777 for p in (f, kohya)} == {0o666 & ~old}
+    assert sorted(p.name for p in out.iterdir()) == [f.name, kohya.name]  # no temporary
