@@ -500,6 +500,16 @@ def merge_checkpoint(checkpoint: str | Path, out: str | Path, *, scale: float = 
     path = ckpt.resolve_checkpoint(checkpoint)
     c = ckpt.load_checkpoint(path, "cpu", weights_only=True)
     cfg = validate(c.state["config"], f"{path}/state.json config")
+    if cfg.model.pretrained and cfg.adapter.kind == "lora":
+        # peft's LoRA over a diffusers model: already in the ecosystem's format, which the
+        # ecosystem's own tools fuse; a steadydiff checkpoint holds no SD base to bake into
+        raise AdapterError(
+            f"{path} is a Stable Diffusion LoRA run (model.pretrained="
+            f"{cfg.model.pretrained}); `steadydiff merge` bakes steadydiff's own UNet/DiT "
+            f"adapters. This run's LoRA is already written for the ecosystem: "
+            f"RUN/lora/pytorch_lora_weights.safetensors. To bake it into the base, load it "
+            f"with diffusers (pipe.load_lora_weights('RUN/lora'); pipe.fuse_lora(); "
+            f"pipe.save_pretrained(NEW)); `steadydiff sample RUN` applies it as it is")
     if cfg.adapter.kind == "hypernetwork":
         raise AdapterError(f"{path}: {HYPER_NO_MERGE}")
     if cfg.adapter.kind == "none":

@@ -428,8 +428,10 @@ def load_lora_file(path: str | Path, unet: nn.Module,
         ``{"loaded": layers set from the file, "fresh": our layers the file does not have}``.
 
     Raises:
-        LoraFileError: a key naming no LoRA layer of the model (a few are listed), a rank or
-            alpha other than the run's, or a shape that does not fit the layer.
+        LoraFileError: a key naming no LoRA layer of the model (a few are listed), a rank
+            other than the run's, a kohya file's alpha other than the run's (a diffusers
+            file's is rescaled to the run's: the same delta), or a shape that does not fit
+            the layer.
     """
     lf = read_lora_file(path)
     family = _family(unet)
@@ -477,6 +479,13 @@ def load_lora_file(path: str | Path, unet: nn.Module,
         raise LoraFileError(f"{lf.path}: its LoRA has rank {sorted(ranks)} "
                             f"(ss_network_dim={lf.metadata.get('ss_network_dim')}); the run's "
                             f"adapter.rank is {rank}: set adapter.rank={max(ranks)}")
+    if lf.format == "diffusers":
+        # a diffusers file's alpha is its metadata's (ours: rank, alpha folded into the up
+        # weights), else diffusers' default, the rank: the same delta at the run's alpha
+        # is the up weights times file alpha / run alpha (exact: not a bit-exact copy)
+        fills = [(n, m, d, u if (a if a is not None else rank) == alpha
+                  else u * ((a if a is not None else rank) / alpha), alpha)
+                 for n, m, d, u, a in fills]
     alphas = {a for *_, a in fills if a is not None}
     bad_alpha = {a for a in alphas if abs(a - alpha) > 1e-6 * max(1.0, alpha)}
     if bad_alpha:
