@@ -75,11 +75,11 @@ PATH_FIELD = re.compile(r"^(path|base|pretrained|vae|text_encoder)$"
                         r"|_(dir|path|file|from|config|images)$")
 
 
-def _leaves(v: Any):
+def _scalars_in(v: Any):
     """The scalars inside a field's value (tuples of tuples included)."""
     if isinstance(v, (tuple, list)):
         for x in v:
-            yield from _leaves(x)
+            yield from _scalars_in(x)
     elif not isinstance(v, BaseModel):
         yield v
 
@@ -103,12 +103,12 @@ class Section(BaseModel):
         # in any number (alpha=inf makes every step NaN; grad_clip=inf is no clipping; a
         # NaN threshold never fires), and an empty or blank path (data.cache_dir='' is the
         # current directory). A disabled feature is null or 0, as each field documents.
-        for x in _leaves(v):
+        for x in _scalars_in(v):
             if isinstance(x, float) and not math.isfinite(x):
                 raise ValueError(f"{x} is not a finite number; give a finite value (or null / "
                                  "0 where the field documents it as off)")
         if PATH_FIELD.search(info.field_name):
-            for x in _leaves(v):
+            for x in _scalars_in(v):
                 if isinstance(x, str) and not x.strip():
                     raise ValueError(f"{x!r} is an empty path; name a file or folder, or "
                                      "leave the key out (null) for none")
