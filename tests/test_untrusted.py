@@ -121,7 +121,8 @@ def _doctored_metadata(tmp_path: Path, sharded: Path) -> tuple[Path, Path]:
     return run, marker
 
 
-@pytest.mark.parametrize("command", ["sample", "export", "doctor", "train"])
+@pytest.mark.parametrize("command", ["sample", "export", "doctor",
+                                     pytest.param("train", marks=pytest.mark.slow)])
 def test_doctored_sharded_metadata_never_runs(tmp_path, sharded, images, command):
     run, marker = _doctored_metadata(tmp_path, sharded)
     args = {"sample": ["sample", str(run), "--out", str(tmp_path / "s.png"), "--num", "1",
@@ -327,7 +328,8 @@ def test_a_full_disk_during_export_and_sample_is_a_sentence_and_the_old_file_sta
     assert not npz.exists() and _files(tmp_path) == {"model.safetensors"}
 
 
-@pytest.mark.parametrize("limit,library", [(100_000, "safetensors"), (300_000, "torch")])
+@pytest.mark.parametrize("limit,library", [
+    (100_000, "safetensors"), pytest.param(300_000, "torch", marks=pytest.mark.slow)])
 def test_a_full_disk_while_checkpointing_retries_then_exits_4(tmp_path, images, finished,
                                                               limit, library):
     """safetensors' SafetensorError (the weights) and torch's "enforce fail" RuntimeError
@@ -497,10 +499,9 @@ def test_pickled_text_encoder_shards_and_a_corrupt_part_are_refused(tmp_path, ti
 def test_an_exported_file_without_its_config_is_a_sentence(tmp_path, finished):
     from safetensors.torch import load_file, save_file
 
-    from steadydiff.loading import EXPORT_FORMAT
+    from steadydiff.loading import EXPORT_FORMAT, export_model
 
-    src = tmp_path / "m.safetensors"
-    assert _cli("export", str(finished), "--out", str(src), cwd=tmp_path).returncode == 0
+    src = export_model(finished, tmp_path / "m.safetensors")
     bad = tmp_path / "noconfig.safetensors"
     save_file(load_file(str(src)), str(bad), metadata={"format": EXPORT_FORMAT})
     r = _cli("sample", str(bad), "--num", "1", "--steps", "2", "--out",
@@ -524,7 +525,7 @@ sys.exit(main(["export", sys.argv[1], "--out", sys.argv[2], "--force"]))
 """
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGKILL", marks=pytest.mark.slow)])
 def test_a_kill_during_export_leaves_the_old_file_and_no_temporary(tmp_path, finished, sig):
     import signal
 
