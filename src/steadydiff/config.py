@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 import re
 import types
 import typing
@@ -69,6 +70,20 @@ class FrozenConfigError(AttributeError):
     """An assignment to a field of a validated config, which is read-only (see :func:`replace`)."""
 
 
+# the fields that name a file or folder (checked non-empty): one rule, not a list to forget
+PATH_FIELD = re.compile(r"^(path|base|pretrained|vae|text_encoder)$"
+                        r"|_(dir|path|file|from|config|images)$")
+
+
+def _scalars_in(v: Any):
+    """The scalars inside a field's value (tuples of tuples included)."""
+    if isinstance(v, (tuple, list)):
+        for x in v:
+            yield from _scalars_in(x)
+    elif not isinstance(v, BaseModel):
+        yield v
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -80,6 +95,25 @@ class Section(BaseModel):
         if isinstance(v, bool) and ann in (float, float | None):
             raise ValueError(f"expected a number, got {str(v).lower()}")
         return v
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _only_meant_values(cls, v: Any, info: ValidationInfo) -> Any:
+        # values no one can mean, in every section, whatever the field: an infinity or NaN
+        # in any number (alpha=inf makes every step NaN; grad_clip=inf is no clipping; a
+        # NaN threshold never fires), and an empty or blank path (data.cache_dir='' is the
+        # current directory). A disabled feature is null or 0, as each field documents.
+        for x in _scalars_in(v):
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ValueError(f"{x} is not a finite number; give a finite value (or null / "
+                                 "0 where the field documents it as off)")
+        if PATH_FIELD.search(info.field_name):
+            for x in _scalars_in(v):
+                if isinstance(x, str) and not x.strip():
+                    raise ValueError(f"{x!r} is an empty path; name a file or folder, or "
+                                     "leave the key out (null) for none")
+        return v
+
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Pydantic's own frozen error says only "Instance is frozen"; this one names the key

@@ -118,8 +118,13 @@ def load_controlnet(path: str | Path) -> nn.Module:
     if not (p.parent / "config.json").is_file():
         raise ValueError(f"{p}: a single-file ControlNet needs its config: a config.json "
                          f"of the same architecture beside it ({p.parent / 'config.json'})")
-    return ControlNetModel.from_single_file(str(p), config=str(p.parent),
-                                            local_files_only=True)
+    try:
+        return ControlNetModel.from_single_file(str(p), config=str(p.parent),
+                                                local_files_only=True)
+    except Exception as e:  # a damaged file (SafetensorError), a config of another model
+        raise ValueError(f"{p}: cannot be loaded as a ControlNet ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+                         ) from None
 
 
 # --------------------------------------------------------------------------- the denoiser

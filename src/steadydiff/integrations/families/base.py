@@ -40,6 +40,35 @@ class SDFolderError(ConfigError):
     """A model folder or file that cannot be used as it is (exit code 2)."""
 
 
+# the only libraries a model_index.json may name: diffusers imports whatever module an entry
+# names (a my_module.py in the working directory ran), so anything else is refused first
+INDEX_LIBRARIES = ("diffusers", "transformers")
+
+
+def check_index_libraries(root: Path, index: dict[str, Any]) -> None:
+    """Every ``[library, class]`` entry of ``root/model_index.json`` names diffusers or
+    transformers and a class that library has (null entries are fine), checked before
+    diffusers sees the folder; nothing is imported but those two libraries.
+
+    Raises:
+        SDFolderError: naming the entry and what would be valid.
+    """
+    import importlib
+
+    for part, entry in index.items():
+        if part.startswith("_") or not isinstance(entry, (list, tuple)):
+            continue
+        lib, cls = (list(entry) + [None, None])[:2]
+        if lib is None and cls is None:
+            continue
+        if lib not in INDEX_LIBRARIES or not isinstance(cls, str) or \
+                not isinstance(getattr(importlib.import_module(lib), cls, None), type):
+            raise SDFolderError(
+                f"{root}/model_index.json: {part!r} is {entry!r}; a component must be a class "
+                f"of {' or '.join(INDEX_LIBRARIES)} (steadydiff never imports another module "
+                "a model folder names: that would run its code)")
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """A JSON object from ``path``; a missing, unreadable or non-object file is an
     :class:`SDFolderError` that says what the file is for (``what``)."""
@@ -62,10 +91,16 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 def load_part(what: str, fn: Callable[..., Any], sub: Path, **kw: Any) -> Any:
     """``fn(sub, local_files_only=True, **kw)`` (a ``from_pretrained``): nothing is
-    downloaded; a failure is an :class:`SDFolderError` naming the folder and the part."""
+    downloaded; a transformers class gets ``trust_remote_code=False`` (a folder's
+    ``auto_map`` Python is never run, and transformers never asks on stdin whether to); a
+    failure (a damaged safetensors file included) is an :class:`SDFolderError` naming the
+    folder and the part."""
+    if getattr(fn, "__module__", "").startswith("transformers") or \
+            getattr(getattr(fn, "__self__", None), "__module__", "").startswith("transformers"):
+        kw.setdefault("trust_remote_code", False)
     try:
         return fn(sub, local_files_only=True, **kw)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, SafetensorError, ...
         raise SDFolderError(f"{sub}: the {what} does not load: {type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
