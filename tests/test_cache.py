@@ -342,16 +342,27 @@ def test_text_cache_encodes_each_distinct_caption_once(tmp_path):
     assert other.hits == 0
 
 
-def test_a_nonfinite_text_embedding_raises_naming_the_caption():
+def test_a_nonfinite_text_embedding_is_reencoded_then_left_out_by_caption():
+    """A caption's embedding non-finite: encoded again with the fallback (fp32); finite, it
+    is kept; still non-finite (or no fallback), the caption is in ``bad`` (its items are the
+    caller's to leave out) with ``blame``'s words. The empty caption must be finite."""
     base = _text_encoder()
 
-    def broken(texts):
+    def broken(texts, what=("a coat",)):
         e = base(texts)
-        e[[t == "a coat" for t in texts]] = float("nan")
+        e[[t in what for t in texts]] = float("nan")
         return e
 
-    with pytest.raises(DataError, match="'a coat'.*non-finite"):
-        encode_texts(CAPTIONS, broken, encoder_id="x", cache_dir=None)
+    r = encode_texts(CAPTIONS, broken, encoder_id="x", cache_dir=None,
+                     blame=lambda c: "token 'coat'")
+    assert list(r.bad) == ["a coat"] and "non-finite" in r.bad["a coat"]
+    assert "token 'coat'" in r.bad["a coat"] and torch.isfinite(r.contexts).all()
+    r = encode_texts(CAPTIONS, broken, encoder_id="x", cache_dir=None, fallback=base)
+    assert r.reencoded == ["a coat"] and not r.bad
+    row = r.captions.index("a coat")
+    torch.testing.assert_close(r.contexts[row], base(["a coat"])[0].float())
+    with pytest.raises(DataError, match="empty caption"):
+        encode_texts(CAPTIONS, lambda t: broken(t, ("",)), encoder_id="x", cache_dir=None)
 
 
 # --------------------------------------------------------------------------- the dataset

@@ -530,10 +530,17 @@ def merge_checkpoint(checkpoint: str | Path, out: str | Path, *, scale: float = 
              "merged_from": {"adapter_checkpoint": str(path.resolve()), "scale": scale,
                              "base_path": rec.get("base_path"),
                              "base_sha256": rec.get("base_sha256")}}
-    written = ckpt.save_checkpoint(out / "checkpoints", c.step, model=merged["model"],
-                                   ema=merged["ema"],
-                                   optimizer=build_optimizer(merged["model"].requires_grad_(True),
-                                                             cfg.optim),
-                                   state=state, keep=1)
-    (out / "config.yaml").write_text(plain.to_yaml())
-    return written
+    from ..files import atomic_dir
+    from ..rundir import RunDir
+
+    # the whole run folder is written beside --out and renamed into place: a full disk or a
+    # kill leaves no half run (and no temporary: see files.atomic_output)
+    with atomic_dir(out) as tmp:
+        written = ckpt.save_checkpoint(tmp / "checkpoints", c.step, model=merged["model"],
+                                       ema=merged["ema"],
+                                       optimizer=build_optimizer(
+                                           merged["model"].requires_grad_(True), cfg.optim),
+                                       state=state, keep=1)
+        (tmp / "config.yaml").write_text(plain.to_yaml())
+        RunDir(tmp).mark()
+    return out / written.relative_to(tmp)

@@ -231,6 +231,12 @@ class _Store:
             finally:
                 os.close(fd)
             os.replace(tmp, p)
+        except OSError as e:
+            from ..files import WriteFailed, describe_failure, write_failure
+
+            if write_failure(e) is None:
+                raise
+            raise WriteFailed(e.errno, describe_failure(p, e)) from None
         finally:
             if tmp.exists():
                 tmp.unlink()
@@ -591,6 +597,11 @@ class TextResult:
             classifier-free guidance), always computed.
         hits, misses: cache entries read / encoded (the null caption included).
         seconds: the wall time of the call.
+        reencoded: the captions whose embedding was non-finite from ``encode_text`` and
+            finite from ``fallback`` (kept, and cached).
+        bad: ``{caption: why}``, embeddings non-finite from the fallback too (or with no
+            fallback): their rows are zeros, and the items that use them are to be left out
+            (the caller quarantines them, naming their files).
     """
 
     contexts: torch.Tensor
@@ -600,11 +611,15 @@ class TextResult:
     hits: int = 0
     misses: int = 0
     seconds: float = 0.0
+    reencoded: list[str] = field(default_factory=list)
+    bad: dict[str, str] = field(default_factory=dict)
 
 
 def encode_texts(captions: Sequence[str],
                  encode_text: Callable[[list[str]], torch.Tensor], *,
                  encoder_id: str, cache_dir: Path | str | None,
+                 fallback: Callable[[list[str]], torch.Tensor] | None = None,
+                 blame: Callable[[str], str] | None = None,
                  stop: Callable[[], bool] | None = None) -> TextResult:
     """Every distinct caption's embedding, encoded once (and cached), plus the null one.
 
@@ -615,9 +630,12 @@ def encode_texts(captions: Sequence[str],
     Fashion-MNIST with class-name captions has 60,000 items but a few dozen distinct
     captions: those are what is encoded (or read).
 
-    A non-finite embedding is not a bad sample but a broken text encoder (one caption's
-    embedding goes NaN only when the encoder does), so it raises, naming the caption, rather
-    than quarantining the items that use it.
+    A non-finite embedding comes from the text encoder, not the image: it overflows its
+    dtype (fp16), or a token's embedding row is broken. It is encoded again with
+    ``fallback`` (the encoder in fp32, read from disk); finite, it is kept (and cached);
+    still non-finite, the caption is in ``bad`` (with ``blame``'s words: the tokens to
+    blame) and the caller leaves its items out. The empty caption (the null condition) must
+    be finite: without it nothing trains.
 
     Args:
         captions: one caption per dataset item.
@@ -626,11 +644,15 @@ def encode_texts(captions: Sequence[str],
         encoder_id: names ``encode_text`` (:func:`module_identity` of the text encoder, with
             the tokenizer's identity and max length in ``extra``).
         cache_dir: the cache root (embeddings go under ``text/``); None: nothing on disk.
+        fallback: ``list[str] -> (B, L, D)`` in a higher precision, for the captions whose
+            embedding is non-finite; None: they go to ``bad`` directly.
+        blame: ``caption -> str``, what in the caption is to blame (its tokens whose
+            embedding rows are broken), for ``bad``'s message.
         stop: asked before each caption; True ends the call with :class:`CachingStopped`.
 
     Raises:
-        DataError: a caption that is not a string, or a non-finite embedding (naming the
-            caption).
+        DataError: a caption that is not a string, or a non-finite embedding of the empty
+            caption (naming the encoder's tokens to blame).
         ValueError: ``encode_text`` broke its contract (not a ``(B, L, D)`` tensor, or
             embeddings of different shapes).
         CachingStopped: ``stop()`` said so.
@@ -652,6 +674,8 @@ def encode_texts(captions: Sequence[str],
     keys = {c: _sha("text", c, encoder_id) for c in todo}
 
     got: dict[str, torch.Tensor] = {}
+    reencoded: list[str] = []
+    bad: dict[str, str] = {}
     if store is not None:
         for c in todo:
             t = store.load(keys[c], ndim=2)
@@ -690,10 +714,27 @@ def encode_texts(captions: Sequence[str],
         misses += len(batch)
         for j, c in enumerate(batch):
             if not bool(torch.isfinite(e[j]).all()):
-                raise DataError(f"the text encoder's embedding of caption {c!r:.80} is "
-                                f"non-finite ({_nonfinite(e[j])}); the text encoder "
-                                f"({encoder_id[:12]}) is broken or runs in too low a "
-                                f"precision: load it in fp32")
+                first = _nonfinite(e[j])
+                z = None
+                if fallback is not None:
+                    with torch.no_grad():
+                        z = fallback([c]).detach().to("cpu", torch.float32)[0]
+                if z is not None and tuple(z.shape) == shape and bool(torch.isfinite(z).all()):
+                    reencoded.append(c)
+                    log.warning("text cache: the embedding of caption %r was non-finite (%s); "
+                                "finite when encoded again in fp32", c[:80], first)
+                    e[j] = z
+                else:
+                    why = (f"its embedding is non-finite ({first})"
+                           + (" and again in fp32" if fallback is not None else "")
+                           + (f"; {blame(c)}" if blame is not None else ""))
+                    if c == "":
+                        raise DataError(f"the text encoder's embedding of the empty caption "
+                                        f"(the null condition) is {why}: the text encoder "
+                                        f"({encoder_id[:12]}) is broken; download it again")
+                    bad[c] = why
+                    got[c] = torch.zeros(shape)
+                    continue  # never cached
             got[c] = e[j].clone()
             if store is not None:
                 store.save(keys[c], got[c], {"encoder_id": encoder_id, "caption": c})
@@ -701,7 +742,8 @@ def encode_texts(captions: Sequence[str],
     contexts = (torch.stack([got[c] for c in unique]) if unique
                 else torch.empty((0, *got[""].shape)))
     return TextResult(contexts=contexts, captions=unique, caption_index=index, null=got[""],
-                      hits=hits, misses=misses, seconds=time.perf_counter() - t0)
+                      hits=hits, misses=misses, seconds=time.perf_counter() - t0,
+                      reencoded=reencoded, bad=bad)
 
 
 # --------------------------------------------------------------------------- conditioning

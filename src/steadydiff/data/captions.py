@@ -337,8 +337,8 @@ def _read_all(root: str | os.PathLike[str], paths: Sequence[str | os.PathLike[st
             fixes.append(f"write NAME.txt beside each image NAME.png "
                          f"(e.g. {os.path.splitext(first)[0]}.txt)")
         if source != "txt":
-            fixes.append(f"add a line {{\"file_name\": {first.rsplit('/', 1)[-1]!r}, "
-                         f"\"text\": \"...\"}} to a {METADATA_FILE} in its folder"
+            line = json.dumps({"file_name": first.rsplit('/', 1)[-1], "text": "..."})
+            fixes.append(f"add a line {line} to a {METADATA_FILE} in its folder"
                          + ("" if n_meta else f" (none found under {str(root)!r})"))
         fixes.append("set data.missing_caption=empty to train them with the empty caption")
         more = f" (and {len(lost) - _LIST} more)" if len(lost) > _LIST else ""
