@@ -48,12 +48,13 @@ class BaseMismatchError(ValueError):
 
 def absolute(cfg: Config) -> Config:
     """``cfg`` with ``model.pretrained`` and ``model.single_file_config`` absolute (``~``
-    expanded), as the run records them; unchanged when they already are or are unset."""
+    expanded), as the run records them; unchanged when they already are, are unset, or name
+    nothing on disk (a typo or a hub id keeps its own words for the error that follows)."""
     m = cfg.model
     changes: dict[str, Any] = {}
     for key in ("pretrained", "single_file_config"):
         v = getattr(m, key, None)
-        if v:
+        if v and Path(v).expanduser().exists():
             a = str(Path(v).expanduser().absolute())
             if a != v:
                 changes[f"model.{key}"] = a
