@@ -149,11 +149,12 @@ def test_sample_command_takes_control_and_lora(trained, tmp_path, capsys):
                  "--control-end", "0.9", "--num", "2", "--steps", "2", "--out", str(out),
                  "--device", "cpu"]) == 0
     assert out.is_file()
+    new = tmp_path / "t.png"  # a new target: an existing one is refused first (--force)
     assert main(["sample", str(trained), "--prompt", "x", "--num", "1", "--out",
-                 str(out), "--device", "cpu"]) == 2
+                 str(new), "--device", "cpu"]) == 2
     assert "--control-image" in capsys.readouterr().err
     assert main(["sample", str(trained), "--prompt", "x", "--control-image", str(img),
-                 "--lora", str(tmp_path / "nope.safetensors"), "--out", str(out),
+                 "--lora", str(tmp_path / "nope.safetensors"), "--out", str(new),
                  "--device", "cpu"]) == 2
     assert "nope.safetensors" in capsys.readouterr().err
 
