@@ -258,3 +258,24 @@ def test_repeat_folders_with_buckets_keep_each_batch_in_one_bucket(sd_dir, tmp_p
     assert res.steps == 6  # (2 x 2 + 2 x 1) x 2 epochs / 2
     assert batches and all(len(set(b)) == 1 for b in batches)
     assert len({b[0] for b in batches}) == 2  # both buckets trained
+
+
+def test_a_quarantined_sample_leaves_with_all_its_repeats():
+    """The guard quarantines a dataset index; with repeats, every position of that image is
+    excluded from the stream, and an epoch is the rest."""
+    from steadydiff.data import StreamBatchSampler
+    from steadydiff.data.kohya import Repeated
+
+    class Encoded(torch.utils.data.Dataset):  # 3 images, as EncodedDataset indexes them
+        def __len__(self):
+            return 3
+
+        def source_index(self, p):
+            return p
+
+    r = Repeated(Encoded(), [3, 1, 2], torch.tensor([1.0, 1.0, 0.5]))
+    assert len(r) == 6 and r.loss_weights.tolist() == [1, 1, 1, 1, 0.5, 0.5]
+    gone = r.copies({1})  # position 1: image 0's second copy
+    assert gone == {0, 1, 2}
+    s = StreamBatchSampler(len(r), 3, seed=0, exclude=gone)
+    assert s.epoch_len == 3 and set(s.permutation(0).tolist()) == {3, 4, 5}
