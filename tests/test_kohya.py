@@ -216,13 +216,15 @@ def test_dry_run_prints_what_it_understood(sd_dir, tmp_path, capsys):
     train, reg = kohya_tree(tmp_path)
     sets = [f"model.pretrained={sd_dir}", f"data.path={train}", f"data.reg_path={reg}",
             "data.image_size=32", "train.batch_size=4", "train.epochs=3", "train.device=cpu",
-            "train.precision=fp32"]
+            "train.precision=fp32", "train.checkpoint_every_epochs=2"]
     assert main(["train", "configs/sd_lora.yaml", "--dry-run",
                  *[x for s in sets for x in ("--set", s)]]) == 0
     out = capsys.readouterr()
     assert "epoch: 22 samples = 6 steps of batch 4" in out.err
     assert "train.epochs=3: 3 x 22 samples / batch 4 = 17 steps" in out.err
     assert "steps: 17" in out.out
+    assert "train.checkpoint_every_epochs=2: a checkpoint (and its numbered LoRA files) every " \
+        "11 steps" in out.err and "checkpoint_every: 11" in out.out
 
 
 def test_repeat_folders_with_buckets_keep_each_batch_in_one_bucket(sd_dir, tmp_path):

@@ -70,7 +70,7 @@ __all__ = ["RunResult", "StepOutput", "TrainState", "attach_guard", "build_state
 
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
 RESUME_SAFE = ("train.steps", "train.epochs", "train.checkpoint_every",
-               "train.keep_checkpoints",
+               "train.checkpoint_every_epochs", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
                "data.path", "data.cache_dir", "train.on_save_error", "train.max_time",
                "sample.", "logging.",
