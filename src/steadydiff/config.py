@@ -674,6 +674,10 @@ class TrainConfig(Section):
         "ceil(epochs x samples per epoch / batch_size), samples per epoch = the images (x "
         "their repeats, + the balanced regularization samples, for kohya data), printed at "
         "start; None: train.steps")
+    checkpoint_every_epochs: Int | None = Field(
+        None, ge=1, le=1000000, description="save every N epochs instead (kohya's "
+        "save_every_n_epochs): train.checkpoint_every = round(N x samples per epoch / "
+        "batch_size) steps, printed at start; None: train.checkpoint_every")
     batch_size: Int = Field(64, ge=1, le=65536, description="global batch per optimizer step")
     grad_accum: Int = Field(1, ge=1, le=1024, description="micro-batches per optimizer step")
     seed: Int = Field(0, ge=0, le=2**63 - 1)

@@ -200,6 +200,12 @@ def resolve_epochs(cfg: Config, data: Dataset) -> tuple[Config, list[str]]:
 
     lines = epoch_lines(data, cfg.train.batch_size)
     n = int(getattr(data, "epoch_length", 0) or len(data))
+    every = cfg.train.checkpoint_every_epochs
+    if every is not None:  # kohya's save_every_n_epochs, in steps
+        steps_every = max(1, round(every * n / cfg.train.batch_size))
+        lines.append(f"train.checkpoint_every_epochs={every}: a checkpoint (and its numbered "
+                     f"LoRA files) every {steps_every} steps")
+        cfg = replace(cfg, {"train.checkpoint_every": steps_every})
     e = cfg.train.epochs
     if e is None:
         if lines:

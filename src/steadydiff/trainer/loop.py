@@ -72,7 +72,7 @@ __all__ = ["RunResult", "StepOutput", "TrainState", "attach_guard", "build_state
 
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
 RESUME_SAFE = ("train.steps", "train.epochs", "train.checkpoint_every",
-               "train.keep_checkpoints",
+               "train.checkpoint_every_epochs", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
                "data.path", "data.cache_dir", "train.on_save_error", "train.max_time",
                # where the base lies: its identity (the files' sha256) is what is checked
@@ -977,13 +977,16 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         apply_growth(state, growth, say)
 
     def batches_from(position: int):
-        """The data stream from batch ``position`` on, without the quarantined samples."""
+        """The data stream from batch ``position`` on, without the quarantined samples (with
+        all their repeats: kohya data, data/kohya.py)."""
+        quarantine = guard.quarantine if guard else set()
+        if quarantine and hasattr(data, "copies"):
+            quarantine = data.copies(quarantine)
         return iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
                                 start_batch=position, hflip=cfg.data.hflip,
                                 num_workers=cfg.data.num_workers, rank=ctx.rank,
                                 world_size=ctx.world_size, pin_memory=cfg.data.pin_memory,
-                                exclude=guard.quarantine if guard else (),
-                                num_classes=cfg.model.num_classes))
+                                exclude=quarantine, num_classes=cfg.model.num_classes))
 
     # ---- the loop: {stop?, report, done?, step}
     batches, next_pos = batches_from(state.batches_consumed), state.batches_consumed
