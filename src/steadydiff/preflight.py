@@ -344,6 +344,10 @@ def check(cfg: Config, dataset: Dataset | None = None, *,
                     cfg.train.allow_slow_precision)
     check_toolchain(cfg.train, device)  # train.compile: a C++ compiler (CPU), Triton (CUDA)
     check_optimizer(cfg.optim, device)  # adamw8bit: CUDA and bitsandbytes
+    if cfg.model.quantize_base:  # the 8-bit base: torchao, a CPU or CUDA device
+        from .integrations.quantize import check as check_quantize
+
+        check_quantize(cfg.model.quantize_base, device)
     parameters = check_model(cfg)  # before the data: it may take a while to read
     data, num_classes = check_data(cfg, dataset)
     return Preflight(device, data, num_classes, parameters)

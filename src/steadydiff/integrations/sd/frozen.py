@@ -196,8 +196,7 @@ class FrozenWatch:
         self.repairs = 0
         # tensors already non-finite at load (a text encoder's broken token rows, tolerated
         # by check_loaded): their count of bad elements, so only a new fault is one
-        self.known = {n: int((~torch.isfinite(t)).sum()) for n in self.bad(known=False)
-                      for t in [self.params[n]]}
+        self.known = {n: _nonfinite(self.params[n]) for n in self.bad(known=False)}
 
     def bad(self, known: bool = True) -> list[str]:
         """The frozen parameters with a non-finite element (one reduction; a host read:
@@ -207,11 +206,14 @@ class FrozenWatch:
             return []
         names = list(self.params)
         with torch.no_grad():
-            ok = torch.stack([torch.isfinite(self.params[n]).all() for n in names])
+            ok = torch.stack([_float_parts(self.params[n])[0].new_tensor(
+                all(bool(torch.isfinite(x).all()) for x in _float_parts(self.params[n])))
+                if _quantized(self.params[n]) else torch.isfinite(self.params[n]).all()
+                for n in names])
         out = [n for n, v in zip(names, ok.tolist()) if not v]
         if known:
             out = [n for n in out if n not in self.known
-                   or int((~torch.isfinite(self.params[n])).sum()) > self.known[n]]
+                   or _nonfinite(self.params[n]) > self.known[n]]
         return out
 
     def evidence(self, bad: list[str]) -> dict[str, Any]:
@@ -243,6 +245,10 @@ class FrozenWatch:
             mods[spec.part] = te
         for n in bad:
             src = self.sources[n]
+            if _quantized(self.params[n]):
+                return (f"{n} is stored in 8 bits (model.quantize_base): it is not repaired "
+                        "in place; resume the run from its last checkpoint (the base is "
+                        "quantized again from the files)")
             if src.part not in by_part:
                 by_part[src.part] = mods[src.part].state_dict()
             t = by_part[src.part].get(src.key)
@@ -257,3 +263,24 @@ class FrozenWatch:
                         f"{p.dtype} (values beyond its range)")
         self.repairs += 1
         return None
+
+
+def _quantized(t: Tensor) -> bool:
+    """Whether ``t`` is a torchao quantized weight (``model.quantize_base``): integer data
+    that cannot be non-finite, plus float scales that can."""
+    return type(t).__module__.startswith("torchao")
+
+
+def _float_parts(t: Tensor) -> list[Tensor]:
+    """The plain float tensors ``t`` is stored as (itself; a quantized weight: its
+    scales)."""
+    if not _quantized(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [getattr(t, n) for n in names if getattr(t, n).is_floating_point()] or \
+        [torch.zeros(1, device=t.device)]
+
+
+def _nonfinite(t: Tensor) -> int:
+    """How many stored elements of ``t`` are non-finite."""
+    return sum(int((~torch.isfinite(x)).sum()) for x in _float_parts(t))
