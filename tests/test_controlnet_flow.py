@@ -1,0 +1,274 @@
+"""ControlNets for the transformer families (SD3/SD3.5, FLUX.1) on tiny folders built from
+configs: a run initialises the ControlNet from the frozen transformer
+(``SD3ControlNetModel`` / ``FluxControlNetModel.from_transformer``), trains it on the
+VAE-encoded conditioning image with the family's flow-matching loss, writes the diffusers
+folder (``from_pretrained`` loads it) and the one .safetensors ComfyUI's loader recognises
+(diffusers keys), samples what diffusers' ControlNet pipeline draws from the same noise,
+resumes exactly, and is guarded (a NaN conditioning image from the user's own data, an
+exploding ControlNet output layer named, never a non-finite ControlNet saved)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("diffusers")
+pytest.importorskip("cv2")
+
+import steadydiff  # noqa: E402
+from steadydiff.config import ConfigError, load_config  # noqa: E402
+from steadydiff.data.conditioning import make_conditioning  # noqa: E402
+from steadydiff.trainer import checkpoint as ckpt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_sd import incidents, shapes  # noqa: E402
+
+CLASSES = {"sd3": "SD3ControlNetModel", "flux": "FluxControlNetModel"}
+PIPES = {"sd3": "StableDiffusion3ControlNetPipeline", "flux": "FluxControlNetPipeline"}
+# the key ComfyUI's load_controlnet_state_dict tells each layout by (comfy/controlnet.py):
+# "controlnet_blocks.0.weight" plus "pos_embed_input.proj.weight" (SD3, diffusers) or
+# "controlnet_x_embedder.weight" (FLUX, InstantX = diffusers)
+COMFY_KEY = {"sd3": "pos_embed_input.proj.weight", "flux": "controlnet_x_embedder.weight"}
+CN = ("adapter.kind=none", "controlnet.enabled=true", "data.conditioning=folder")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    from steadydiff.integrations.sd.tiny import make_tiny
+
+    root = tmp_path_factory.mktemp("cnflow")
+    return {f: make_tiny(root / f, f, image_size=32) for f in ("sd3", "flux")}
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> Path:
+    d = shapes(tmp_path_factory.mktemp("pairs") / "images", 8)
+    make_conditioning(d, None, "canny", {"low": 50, "high": 150})
+    return d
+
+
+def cn_config(folder: Path, data: Path, fam: str, *sets: str):
+    base = [f"model.pretrained={folder}", f"data.path={data}", "data.image_size=32",
+            "train.steps=3", "train.batch_size=4", "train.precision=fp32",
+            "train.checkpoint_every=3", "train.sample_every=0", "train.num_threads=1",
+            "train.device=cpu", "train.gradient_checkpointing=false", "sample.num=2",
+            "sample.steps=2", "optim.warmup_steps=0", "logging.log_every=1",
+            "guard.warmup_steps=3", "data.num_workers=0", *CN]
+    return load_config(f"configs/{fam}_lora.yaml", base + list(sets))
+
+
+@pytest.fixture(scope="module")
+def trained(folders, data, tmp_path_factory) -> dict[str, Path]:
+    """A short run per family at a high LR (the zero-initialised layers move off zero),
+    with a validation prompt drawn with its conditioning image."""
+    out = {}
+    for fam in ("sd3", "flux"):
+        run = tmp_path_factory.mktemp(f"cn-{fam}") / "run"
+        res = steadydiff.train(cn_config(folders[fam], data, fam, "optim.lr=0.02",
+                                         "sample.use_ema=false", "train.sample_every=3",
+                                         "sample.prompts=['a red square']"), out_dir=run)
+        assert res.steps == 3
+        out[fam] = run
+    return out
+
+
+@pytest.mark.parametrize("fam", ["sd3", "flux"])
+def test_the_controlnet_trains_from_the_transformer_and_is_written_for_diffusers_and_comfyui(
+        trained, folders, fam):
+    import diffusers
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.controlnet import load_controlnet
+
+    run = trained[fam]
+    c = ckpt.load_checkpoint(ckpt.resolve_checkpoint(run), "cpu", weights_only=True)
+    assert c.model and all(k.startswith("controlnet.") for k in c.model)  # base frozen
+    cls = getattr(diffusers, CLASSES[fam])
+    net = cls.from_pretrained(run / "controlnet", local_files_only=True)
+    assert json.loads((run / "controlnet" / "config.json").read_text())["_class_name"] \
+        == CLASSES[fam]
+    params = dict(net.named_parameters())
+    assert params["controlnet_blocks.0.weight"].abs().max() > 0  # the zero layer learned
+    for n, p in params.items():
+        torch.testing.assert_close(p, c.model[f"controlnet.{n}"], rtol=0, atol=0)
+    # initialised from the base transformer: its copied blocks started from the base's
+    base = getattr(diffusers, {"sd3": "SD3Transformer2DModel",
+                               "flux": "FluxTransformer2DModel"}[fam]).from_pretrained(
+        folders[fam] / "transformer", local_files_only=True)
+    # min(diffusers' trainers' default, the base's blocks; SD3: not its last)
+    assert net.config.num_layers == base.config.num_layers - (fam == "sd3")
+    if fam == "flux":
+        assert net.config.num_single_layers == base.config.num_single_layers
+    # the single file: diffusers keys, the ones ComfyUI's loader tells this layout by
+    single = load_file(run / "controlnet" / "run.safetensors")
+    assert set(single) == set(net.state_dict()) and COMFY_KEY[fam] in single \
+        and "controlnet_blocks.0.weight" in single
+    assert "transformer_blocks.0.adaLN_modulation.1.bias" not in single  # not SD3.5-large's
+    again = load_controlnet(run / "controlnet" / "run.safetensors", CLASSES[fam])
+    for n, p in again.state_dict().items():
+        assert torch.equal(p, single[n]), n
+    side = json.loads((run / "samples" / "step_00000003" / "prompts.json").read_text())
+    assert side["prompts"][0]["finite"] and side["prompts"][0]["error"] is None
+    state = json.loads((ckpt.resolve_checkpoint(run) / "state.json").read_text())
+    assert state["adapter"]["kind"] == "controlnet" and state["adapter"]["family"] == fam
+
+
+@pytest.fixture
+def posterior_mean(monkeypatch):
+    """diffusers' ControlNet pipelines encode the control image with a draw from the VAE
+    posterior; steadydiff uses its mean (deterministic, as the cached training latents):
+    compared with the pipeline's draw replaced by the mean."""
+    from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
+
+    monkeypatch.setattr(DiagonalGaussianDistribution, "sample",
+                        lambda self, generator=None: self.mean)
+
+
+@pytest.mark.parametrize("fam, scale, start, end", [("sd3", 1.0, 0.0, 1.0),
+                                                     ("sd3", 0.7, 0.25, 0.75),
+                                                     ("flux", 1.0, 0.0, 1.0),
+                                                     ("flux", 0.6, 0.0, 0.5)])
+def test_sampling_equals_the_diffusers_controlnet_pipeline(trained, folders, posterior_mean,
+                                                           fam, scale, start, end):
+    import diffusers
+    from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
+
+    ours = steadydiff.load(trained[fam], device="cpu", use_ema=False)
+    control = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    z = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(3))
+    cfg = 3.0 if fam == "sd3" else 1.0
+    kw = dict(prompt="a red square", negative_prompt=None, sampler="euler", steps=4,
+              cfg_scale=cfg, noise=z)
+    x, _ = ours.sample(**kw, control_image=control, control_scale=scale, control_start=start,
+                       control_end=end)
+    net = getattr(diffusers, CLASSES[fam]).from_pretrained(trained[fam] / "controlnet",
+                                                           local_files_only=True)
+    pipe = getattr(diffusers, PIPES[fam]).from_pretrained(folders[fam], controlnet=net,
+                                                          local_files_only=True)
+    common = dict(height=32, width=32, num_inference_steps=4, control_image=control,
+                  controlnet_conditioning_scale=scale, control_guidance_start=start,
+                  control_guidance_end=end, output_type="pt")
+    if fam == "flux":
+        theirs = pipe(["a red square"] * 2, guidance_scale=3.5,
+                      latents=FluxPipeline._pack_latents(z.clone(), 2, 4, 16, 16),
+                      **common).images
+    else:
+        theirs = pipe(["a red square"] * 2, guidance_scale=cfg, latents=z.clone(),
+                      **common).images
+    torch.testing.assert_close(x * 0.5 + 0.5, theirs.float(), atol=2e-3, rtol=0)
+    off, _ = ours.sample(**kw, control_image=control, control_scale=0.0)
+    assert (off - x).abs().max() > 1e-3  # the control changes the image
+
+
+def test_a_run_continues_from_a_local_controlnet_folder_and_single_file(trained, folders,
+                                                                        data, tmp_path):
+    """controlnet.init_from: the run's folder (and the single file beside its config)
+    starts where the first run ended; a ControlNet of the other family is refused by
+    class."""
+    from steadydiff.integrations.sd.setup import build
+    from steadydiff.integrations.sd.source import resolve_config
+
+    src = trained["sd3"] / "controlnet"
+    for init in (src, src / "run.safetensors"):
+        cfg = cn_config(folders["sd3"], data, "sd3", f"controlnet.init_from={init}")
+        model, _, _ = build(resolve_config(cfg)[0], torch.device("cpu"))
+        saved = ckpt.load_checkpoint(ckpt.resolve_checkpoint(trained["sd3"]), "cpu",
+                                     weights_only=True).model
+        for n, p in model.controlnet.named_parameters():
+            assert torch.equal(p.detach(), saved[f"controlnet.{n}"]), n
+    with pytest.raises(ConfigError, match="SD3ControlNetModel.*FluxControlNetModel"):
+        build(resolve_config(cn_config(folders["flux"], data, "flux",
+                                       f"controlnet.init_from={src}"))[0],
+              torch.device("cpu"))
+
+
+def test_layer_counts_and_channels_are_checked(folders, data):
+    from steadydiff.integrations.sd.setup import build
+    from steadydiff.integrations.sd.source import resolve_config
+
+    cfg = cn_config(folders["flux"], data, "flux", "controlnet.num_layers=1",
+                    "controlnet.num_single_layers=1")
+    model, _, _ = build(resolve_config(cfg)[0], torch.device("cpu"))
+    assert len(model.controlnet.transformer_blocks) == 1 \
+        and len(model.controlnet.single_transformer_blocks) == 1
+    with pytest.raises(ConfigError, match="num_single_layers applies to FLUX"):
+        build(resolve_config(cn_config(folders["sd3"], data, "sd3",
+                                       "controlnet.num_single_layers=1"))[0],
+              torch.device("cpu"))
+    with pytest.raises(ConfigError, match="through the VAE.*conditioning_channels=3"):
+        build(resolve_config(cn_config(folders["sd3"], data, "sd3",
+                                       "controlnet.conditioning_channels=1"))[0],
+              torch.device("cpu"))
+
+
+@pytest.mark.parametrize("fam", ["flux"])
+def test_resumed_controlnet_run_equals_uninterrupted_bit_exactly(folders, data, tmp_path, fam):
+    fixed = ("optim.schedule=constant", "data.caption_dropout=0.3",
+             f"data.cache_dir={tmp_path / 'cache'}", "train.checkpoint_every=2")
+    straight = steadydiff.train(cn_config(folders[fam], data, fam, *fixed, "train.steps=4"),
+                                out_dir=tmp_path / "straight")
+    steadydiff.train(cn_config(folders[fam], data, fam, *fixed, "train.steps=2"),
+                     out_dir=tmp_path / "resumed")
+    resumed = steadydiff.train(cn_config(folders[fam], data, fam, *fixed, "train.steps=4"),
+                               out_dir=tmp_path / "resumed")
+    assert resumed.resumed_from is not None
+    a = ckpt.load_checkpoint(straight.checkpoint, "cpu", weights_only=True)
+    b = ckpt.load_checkpoint(resumed.checkpoint, "cpu", weights_only=True)
+    assert a.model.keys() == b.model.keys() and a.model
+    for k in a.model:
+        assert torch.equal(a.model[k], b.model[k]), k
+        assert torch.equal(a.ema[k], b.ema[k]), k
+
+
+class NaNPairs:
+    """The user's own paired dataset with one conditioning image holding a NaN."""
+
+    def __init__(self, inner, bad: int) -> None:
+        self.inner, self.bad = inner, bad
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __getitem__(self, i):
+        item = self.inner[i]
+        if i == self.bad:
+            img, y = item[0], item[1]
+            y = y.clone()
+            y.view(-1)[-1] = float("nan")  # a pixel of the conditioning image's rows
+            item = (img, y, *item[2:])
+        return item
+
+
+@pytest.mark.parametrize("fam", ["sd3"])
+def test_a_nan_conditioning_image_is_dropped_and_nothing_non_finite_is_saved(
+        folders, data, tmp_path, fam):
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.controlnet import save_controlnet
+    from steadydiff.trainer.checkpoint import CheckpointError
+
+    cfg = cn_config(folders[fam], data, fam, "train.steps=6", "train.checkpoint_every=0",
+                    "guard.warmup_steps=0")
+    res = steadydiff.train(cfg, out_dir=tmp_path / "run")
+    assert res.steps == 6
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    # a ControlNet whose weight went non-finite (from outside) is refused whole
+    import diffusers
+
+    net = getattr(diffusers, CLASSES[fam]).from_pretrained(tmp_path / "run" / "controlnet",
+                                                           local_files_only=True)
+    with torch.no_grad():
+        net.controlnet_blocks[0].weight[0, 0] = float("inf")
+    with pytest.raises(CheckpointError, match="non-finite.*controlnet_blocks.0.weight"):
+        save_controlnet(net, tmp_path / "bad", single_file="x.safetensors", original=False)
+    assert not (tmp_path / "bad" / "diffusion_pytorch_model.safetensors").exists()
+    assert all(torch.isfinite(v).all() for v in c.model.values())
+    f = tmp_path / "run" / "controlnet" / "diffusion_pytorch_model.safetensors"
+    assert all(torch.isfinite(v).all() for v in load_file(f).values())
