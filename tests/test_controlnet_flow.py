@@ -137,8 +137,15 @@ def test_sampling_equals_the_diffusers_controlnet_pipeline(trained, folders, pos
     import diffusers
     from diffusers.pipelines.flux.pipeline_flux import FluxPipeline
 
+    from PIL import Image
+
     ours = steadydiff.load(trained[fam], device="cpu", use_ema=False)
-    control = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    # the control image as users hand it over: an 8-bit picture (the pipeline normalises a
+    # PIL image to [-1, 1]; steadydiff takes [0, 1])
+    pixels = torch.randint(0, 256, (32, 32, 3), generator=torch.Generator().manual_seed(1),
+                           dtype=torch.uint8)
+    picture = Image.fromarray(pixels.numpy())
+    control = (pixels.permute(2, 0, 1)[None].float() / 255)
     z = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(3))
     cfg = 3.0 if fam == "sd3" else 1.0
     kw = dict(prompt="a red square", negative_prompt=None, sampler="euler", steps=4,
@@ -149,7 +156,7 @@ def test_sampling_equals_the_diffusers_controlnet_pipeline(trained, folders, pos
                                                            local_files_only=True)
     pipe = getattr(diffusers, PIPES[fam]).from_pretrained(folders[fam], controlnet=net,
                                                           local_files_only=True)
-    common = dict(height=32, width=32, num_inference_steps=4, control_image=control,
+    common = dict(height=32, width=32, num_inference_steps=4, control_image=picture,
                   controlnet_conditioning_scale=scale, control_guidance_start=start,
                   control_guidance_end=end, output_type="pt")
     if fam == "flux":
