@@ -231,28 +231,6 @@ def test_resumed_controlnet_run_equals_uninterrupted_bit_exactly(folders, data, 
         assert torch.equal(a.ema[k], b.ema[k]), k
 
 
-class NaNPairs:
-    """The user's own paired dataset with one conditioning image holding a NaN."""
-
-    def __init__(self, inner, bad: int) -> None:
-        self.inner, self.bad = inner, bad
-
-    def __len__(self) -> int:
-        return len(self.inner)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __getitem__(self, i):
-        item = self.inner[i]
-        if i == self.bad:
-            img, y = item[0], item[1]
-            y = y.clone()
-            y.view(-1)[-1] = float("nan")  # a pixel of the conditioning image's rows
-            item = (img, y, *item[2:])
-        return item
-
-
 @pytest.mark.parametrize("fam", ["sd3"])
 def test_a_nan_conditioning_image_is_dropped_and_nothing_non_finite_is_saved(
         folders, data, tmp_path, fam):
@@ -261,10 +239,18 @@ def test_a_nan_conditioning_image_is_dropped_and_nothing_non_finite_is_saved(
     from steadydiff.integrations.controlnet import save_controlnet
     from steadydiff.trainer.checkpoint import CheckpointError
 
-    cfg = cn_config(folders[fam], data, fam, "train.steps=6", "train.checkpoint_every=0",
-                    "guard.warmup_steps=0")
-    res = steadydiff.train(cfg, out_dir=tmp_path / "run")
-    assert res.steps == 6
+    from test_controlnet import NaNPairs
+
+    cfg = cn_config(folders[fam], data, fam, "train.steps=8", "train.checkpoint_every=0",
+                    "guard.warmup_steps=0", "data.conditioning=none")
+    res = steadydiff.train(cfg, NaNPairs(data, bad=5), out_dir=tmp_path / "run")
+    assert res.steps == 8
+    rows = incidents(tmp_path / "run")
+    drops = [r for r in rows if r["action"] == "drop_samples"]
+    assert drops, rows  # the VAE-encoded NaN reached the loss; its pair is named
+    s = drops[0]["evidence"]["samples"][0]
+    assert s["index"] == 5 and "img05.png" in s["source"] \
+        and "conditioning depth/img05.npy" in s["source"]
     c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
     # a ControlNet whose weight went non-finite (from outside) is refused whole
     import diffusers
