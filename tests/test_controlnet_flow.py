@@ -265,3 +265,20 @@ def test_a_nan_conditioning_image_is_dropped_and_nothing_non_finite_is_saved(
     assert all(torch.isfinite(v).all() for v in c.model.values())
     f = tmp_path / "run" / "controlnet" / "diffusion_pytorch_model.safetensors"
     assert all(torch.isfinite(v).all() for v in load_file(f).values())
+
+
+@pytest.mark.parametrize("fam, zero", [("flux", "controlnet.controlnet_single_blocks.0.weight"),
+                                       ("sd3", "controlnet.controlnet_blocks.0.weight")])
+def test_an_exploding_controlnet_output_layer_is_named_and_rolled_back(folders, data, tmp_path,
+                                                                      fam, zero):
+    """A zero-initialised output linear of the transformer ControlNet blown up x1e4 after an
+    update: the guard names it and rolls back; the run ends finite."""
+    fault = {"kind": "param_huge", "step": 2, "factor": 1e4, "target": zero}
+    res = steadydiff.train(cn_config(folders[fam], data, fam, "train.steps=5", "optim.lr=0.01",
+                                     "train.checkpoint_every=0", "guard.warmup_steps=1",
+                                     f"faults={json.dumps([fault])}"), out_dir=tmp_path / "run")
+    assert res.steps == 5
+    rows = incidents(tmp_path / "run")
+    assert rows and rows[0]["action"] == "rollback" and rows[0]["evidence"]["params"][0] == zero
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in c.model.values())

@@ -4,13 +4,16 @@ frozen UNet's skip connections through zero-initialised convolutions, so trainin
 from the unchanged model.
 
 Shared machinery beside the model families (integrations/families): it needs from the
-base denoiser (``SDDenoiser``) only ``denoiser`` (the diffusers UNet), ``denoiser_inputs(x,
-t, y)`` (the call's condition keywords, the family's ``condition``: the ControlNet takes the
-same), ``y_rows`` (how many rows of y are the base's), ``down`` (the VAE's downsampling) and
-guidance's ``null_condition``; from the family only ``controlnet_file_layout`` (which key
-layout its single file has). The diffusers ``ControlNetModel`` does the rest (``from_unet``,
-or a local ControlNet). SD 1.x/2.x and SDXL UNets have one; the transformer families'
-ControlNets (SD3, FLUX) are other diffusers classes, not built here yet.
+base denoiser (``SDDenoiser``) only its inputs (``_inputs``: timesteps and the packed
+condition), ``y_rows`` (how many rows of y are the base's), ``layout``, ``down`` (the VAE's
+downsampling), ``guidance`` and guidance's ``null_condition``; from the family
+(integrations/families) what is family-specific: ``controlnet_class`` and
+``build_controlnet`` (diffusers' ``ControlNetModel.from_unet`` for SD 1.x/2.x and SDXL,
+``SD3ControlNetModel`` / ``FluxControlNetModel.from_transformer`` for SD3 and FLUX.1),
+``controlnet_latent`` and ``controlnet_input`` (the transformer ControlNets read the
+conditioning image as VAE latents, FLUX's packed 2x2, as diffusers' pipelines encode it),
+``controlnet_residuals`` (the ControlNet's call and the keywords its residuals reach the
+denoiser by) and ``controlnet_file_layout`` (which key layout its single file has).
 
 The condition y of a training step carries the conditioning image after the base's rows
 (``data/cache.py`` ``append_rows``: C*H*W values in [0, 1] as rows of the context width,
@@ -24,8 +27,10 @@ Files: the diffusers ControlNet folder (``RUN/controlnet/``: config.json +
 diffusion_pytorch_model.safetensors; ``ControlNetModel.from_pretrained`` loads it) and one
 single file in the layout A1111 and ComfyUI load for the base family (``RUN/controlnet/
 <run>.safetensors``): SD 1.x/2.x the original ``control_model.*`` layout of lllyasviel's
-ControlNet releases (diffusers' ``ControlNetModel.from_single_file`` reads it back); SDXL the
-diffusers key layout in one file, as SDXL ControlNets are distributed and loaded.
+ControlNet releases (diffusers' ``ControlNetModel.from_single_file`` reads it back); SDXL,
+SD3 and FLUX.1 the diffusers key layout in one file, as their ControlNets are distributed and
+ComfyUI's loader recognises them (SD3: ``pos_embed_input``; FLUX.1: InstantX's
+``controlnet_x_embedder``).
 """
 
 from __future__ import annotations
@@ -530,7 +535,10 @@ class ControlNetWeights(_SDWeights):
 
 
 def controlnet_module_names(model: nn.Module) -> Sequence[str]:
-    """The ControlNet's zero convolutions (``controlnet_down_blocks``,
-    ``controlnet_mid_block``): what provenance names when their output explodes."""
+    """The ControlNet's zero-initialised output layers (a UNet ControlNet's
+    ``controlnet_down_blocks``/``controlnet_mid_block``; SD3's and FLUX.1's
+    ``controlnet_blocks``/``controlnet_single_blocks``): what provenance names when their
+    output explodes."""
     return [n for n, _ in model.named_modules()
-            if re.search(r"controlnet\.(controlnet_down_blocks\.\d+|controlnet_mid_block)$", n)]
+            if re.search(r"controlnet\.(controlnet_down_blocks\.\d+|controlnet_mid_block|"
+                         r"controlnet_blocks\.\d+|controlnet_single_blocks\.\d+)$", n)]
