@@ -1009,16 +1009,18 @@ class AdapterConfig(Section):
 
 
 class ControlNetConfig(Section):
-    """Training a ControlNet over a frozen Stable Diffusion model (docs/controlnet.md)."""
+    """Training a ControlNet over a frozen Stable Diffusion model (SD 1.x/2.x, SDXL, SD3,
+    FLUX.1; docs/controlnet.md)."""
 
     enabled: Bool = Field(
         False, description="train a ControlNet (Zhang et al. 2023) beside model.pretrained's "
-        "frozen UNet, on (image, conditioning image, caption) triples (data.conditioning)")
+        "frozen UNet or transformer, on (image, conditioning image, caption) triples "
+        "(data.conditioning)")
     init_from: str | None = Field(
         None, description="continue this local ControlNet (a diffusers ControlNet folder with "
         "config.json, or a single .safetensors in the diffusers or original layout beside a "
-        "config.json); null: ControlNetModel.from_unet(the base UNet), zero convolutions at "
-        "zero")
+        "config.json); null: ControlNetModel.from_unet(the base UNet) or SD3ControlNetModel/"
+        "FluxControlNetModel.from_transformer(the base transformer), zero layers at zero")
     conditioning_channels: Int = Field(
         3, ge=1, le=16, description="channels of the conditioning image (3: RGB, as "
         "diffusers' ControlNets; 1: gray); with controlnet.init_from, that model's")
