@@ -313,3 +313,35 @@ def test_sample_command_takes_control_and_a_flux_lora(trained, folders, data, tm
                  "0.9", "--num", "1", "--steps", "2", "--out", str(out), "--device",
                  "cpu"]) == 0
     assert out.is_file()
+
+
+def test_fp16_overflow_in_a_controlnet_joint_attention_block_upcasts_that_block(
+        folders, data, tmp_path):
+    """fp16 on FLUX.1, continuing a user's ControlNet whose first joint-attention block's
+    query projection is scaled (from outside: weights that fit fp16, the largest at 3e4,
+    activations that do not): the guard names that block
+    (``controlnet.transformer_blocks.0.attn``), skips the step and runs it in fp32 from then
+    on; the run and its ControlNet end finite."""
+    from diffusers import FluxControlNetModel, FluxTransformer2DModel
+
+    base = FluxTransformer2DModel.from_pretrained(folders["flux"] / "transformer",
+                                                  local_files_only=True)
+    net = FluxControlNetModel.from_transformer(base, num_layers=1, num_single_layers=1,
+                                               attention_head_dim=8, num_attention_heads=2)
+    with torch.no_grad():
+        q = net.transformer_blocks[0].attn.to_q.weight
+        q.mul_(3e4 / q.abs().max())
+    net.save_pretrained(tmp_path / "hot_controlnet")
+    block = "controlnet.transformer_blocks.0.attn"
+    cfg = cn_config(folders["flux"], data, "flux", "train.steps=3", "train.checkpoint_every=0",
+                    "train.precision=fp16", "train.allow_slow_precision=true",
+                    "model.vae_precision=fp32",
+                    f"controlnet.init_from={tmp_path / 'hot_controlnet'}")
+    res = steadydiff.train(cfg, out_dir=tmp_path / "run")
+    assert res.steps == 3
+    rows = incidents(tmp_path / "run")
+    assert rows[0]["kind"] == "attention_upcast" and rows[0]["evidence"]["module"] == block
+    state = json.loads((res.checkpoint / "state.json").read_text())
+    assert state["guard"]["upcast_attention"] == [block]
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in c.model.values())
