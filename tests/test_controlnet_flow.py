@@ -29,10 +29,25 @@ from test_sd import incidents, shapes  # noqa: E402
 
 CLASSES = {"sd3": "SD3ControlNetModel", "flux": "FluxControlNetModel"}
 PIPES = {"sd3": "StableDiffusion3ControlNetPipeline", "flux": "FluxControlNetPipeline"}
-# the key ComfyUI's load_controlnet_state_dict tells each layout by (comfy/controlnet.py):
-# "controlnet_blocks.0.weight" plus "pos_embed_input.proj.weight" (SD3, diffusers) or
-# "controlnet_x_embedder.weight" (FLUX, InstantX = diffusers)
-COMFY_KEY = {"sd3": "pos_embed_input.proj.weight", "flux": "controlnet_x_embedder.weight"}
+# which loader ComfyUI's load_controlnet_state_dict (comfy/controlnet.py) picks for a file,
+# by its keys, in ComfyUI's order
+COMFY_LOADER = {"sd3": "load_controlnet_mmdit", "flux": "load_controlnet_flux_instantx"}
+
+
+def comfy_loader(keys: set[str]) -> str:
+    if "controlnet_cond_embedding.conv_in.weight" in keys:
+        return "diffusers UNet ControlNet"
+    if "controlnet_blocks.0.weight" in keys:
+        if "double_blocks.0.img_attn.norm.key_norm.scale" in keys:
+            return "load_controlnet_flux_xlabs_mistoline"
+        if "pos_embed_input.proj.weight" in keys:
+            return ("load_controlnet_sd35" if "transformer_blocks.0.adaLN_modulation.1.bias"
+                    in keys else "load_controlnet_mmdit")
+        if "transformer_blocks.0.img_mlp.net.0.proj.weight" in keys:
+            return "load_controlnet_qwen_instantx"
+        if "controlnet_x_embedder.weight" in keys:
+            return "load_controlnet_flux_instantx"
+    return "none"
 CN = ("adapter.kind=none", "controlnet.enabled=true", "data.conditioning=folder")
 
 
@@ -105,9 +120,8 @@ def test_the_controlnet_trains_from_the_transformer_and_is_written_for_diffusers
         assert net.config.num_single_layers == base.config.num_single_layers
     # the single file: diffusers keys, the ones ComfyUI's loader tells this layout by
     single = load_file(run / "controlnet" / "run.safetensors")
-    assert set(single) == set(net.state_dict()) and COMFY_KEY[fam] in single \
-        and "controlnet_blocks.0.weight" in single
-    assert "transformer_blocks.0.adaLN_modulation.1.bias" not in single  # not SD3.5-large's
+    assert set(single) == set(net.state_dict())
+    assert comfy_loader(set(single)) == COMFY_LOADER[fam]
     again = load_controlnet(run / "controlnet" / "run.safetensors", CLASSES[fam])
     for n, p in again.state_dict().items():
         assert torch.equal(p, single[n]), n
