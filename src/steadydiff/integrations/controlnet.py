@@ -53,7 +53,8 @@ from .sd.model import _SDWeights
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ControlNetDenoiser", "ControlLatents", "ControlNetWeights", "ControlWindow", "build_controlnet",
+__all__ = ["ControlNetDenoiser", "ControlLatents", "ControlNetWeights", "ControlWindow",
+           "build_controlnet",
            "validation_images",
            "load_controlnet", "controlnet_keep", "original_state_dict", "save_controlnet",
            "export_controlnet", "load_control_image", "CONTROLNET_DIR"]
