@@ -150,10 +150,11 @@ def test_sample_command_takes_control_and_lora(trained, tmp_path, capsys):
                  "--device", "cpu"]) == 0
     assert out.is_file()
     assert main(["sample", str(trained), "--prompt", "x", "--num", "1", "--out",
-                 str(out), "--device", "cpu"]) == 2
+                 str(tmp_path / "s2.png"), "--device", "cpu"]) == 2
     assert "--control-image" in capsys.readouterr().err
     assert main(["sample", str(trained), "--prompt", "x", "--control-image", str(img),
-                 "--lora", str(tmp_path / "nope.safetensors"), "--out", str(out),
+                 "--lora", str(tmp_path / "nope.safetensors"), "--out",
+                 str(tmp_path / "s3.png"),
                  "--device", "cpu"]) == 2
     assert "nope.safetensors" in capsys.readouterr().err
 
