@@ -359,3 +359,27 @@ def test_fp16_overflow_in_a_controlnet_joint_attention_block_upcasts_that_block(
     assert state["guard"]["upcast_attention"] == [block]
     c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
     assert all(torch.isfinite(v).all() for v in c.model.values())
+
+
+@pytest.mark.parametrize("fam", ["flux"])
+def test_bucketed_run_trains_non_square_pairs(folders, tmp_path, fam):
+    """Non-square buckets: the conditioning image is VAE-encoded (and, FLUX, packed 2x2) at
+    its bucket's size, like the latents."""
+    import numpy as np
+    from PIL import Image
+
+    d = tmp_path / "images"
+    d.mkdir()
+    for i, (w, h) in enumerate([(48, 32), (32, 48), (48, 32), (32, 32)]):
+        a = np.full((h, w, 3), 240, np.uint8)
+        a[4:20, 4 + i:20 + i] = (200, 30, 30)
+        Image.fromarray(a).save(d / f"img{i}.png")
+        (d / f"img{i}.txt").write_text("a red square")
+    make_conditioning(d, None, "canny", {"low": 50, "high": 150})
+    res = steadydiff.train(cn_config(folders[fam], d, fam, "data.buckets=true",
+                                     "data.bucket_step=16", "train.batch_size=2"),
+                           out_dir=tmp_path / "run")
+    assert res.steps == 3
+    assert json.loads((tmp_path / "run" / "buckets.json").read_text())["buckets"]
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    assert all(torch.isfinite(v).all() for v in c.model.values())
