@@ -1056,19 +1056,29 @@ class AdapterConfig(Section):
 
 
 class ControlNetConfig(Section):
-    """Training a ControlNet over a frozen Stable Diffusion model (docs/controlnet.md)."""
+    """Training a ControlNet over a frozen Stable Diffusion model (SD 1.x/2.x, SDXL, SD3,
+    FLUX.1; docs/controlnet.md)."""
 
     enabled: Bool = Field(
         False, description="train a ControlNet (Zhang et al. 2023) beside model.pretrained's "
-        "frozen UNet, on (image, conditioning image, caption) triples (data.conditioning)")
+        "frozen UNet or transformer, on (image, conditioning image, caption) triples "
+        "(data.conditioning)")
     init_from: str | None = Field(
         None, description="continue this local ControlNet (a diffusers ControlNet folder with "
         "config.json, or a single .safetensors in the diffusers or original layout beside a "
-        "config.json); null: ControlNetModel.from_unet(the base UNet), zero convolutions at "
-        "zero")
+        "config.json); null: ControlNetModel.from_unet(the base UNet) or SD3ControlNetModel/"
+        "FluxControlNetModel.from_transformer(the base transformer), zero layers at zero")
     conditioning_channels: Int = Field(
         3, ge=1, le=16, description="channels of the conditioning image (3: RGB, as "
         "diffusers' ControlNets; 1: gray); with controlnet.init_from, that model's")
+    num_layers: Int | None = Field(
+        None, ge=1, le=64, description="an SD3/FLUX.1 ControlNet built from the base "
+        "transformer: how many of its first (joint/double) blocks it copies; null: diffusers' "
+        "trainers' default (SD3 12, FLUX.1 4), at most the base's. UNet ControlNets copy the "
+        "whole encoder")
+    num_single_layers: Int | None = Field(
+        None, ge=0, le=64, description="a FLUX.1 ControlNet: how many single blocks it "
+        "copies; null: diffusers' train_controlnet_flux.py default (4), at most the base's")
     scale: float = Field(
         1.0, ge=0.0, le=10.0, description="sampling: the ControlNet's residuals x this "
         "(diffusers' controlnet_conditioning_scale); validation prompts and `steadydiff "
@@ -1283,7 +1293,8 @@ class Config(Section):
                              "conditioning images for ControlNet training: set "
                              "controlnet.enabled=true, or data.conditioning=none")
         if not c.enabled:
-            for key, off in (("init_from", None), ("control_images", ())):
+            for key, off in (("init_from", None), ("control_images", ()),
+                             ("num_layers", None), ("num_single_layers", None)):
                 if getattr(c, key) != off:
                     raise ValueError(f"controlnet.{key} applies to ControlNet training: set "
                                      f"controlnet.enabled=true or remove controlnet.{key}")

@@ -52,12 +52,15 @@ class Preflight:
                    "hypernetwork": f"hypernetwork [1, {cfg.adapter.hidden_mult:g}, 1] "
                                    f"{cfg.adapter.hyper_activation}"}.get(cfg.adapter.kind,
                                                                          "full fine-tune")
-            if cfg.controlnet.enabled:
-                how = ("ControlNet from " + (cfg.controlnet.init_from or "the UNet")
-                       + f" ({cfg.controlnet.conditioning_channels}-channel conditioning), "
-                       "UNet frozen")
             from .integrations.sd.source import family  # the family table: no diffusers import
 
+            if cfg.controlnet.enabled:
+                fam = family(m)
+                how = (f"{fam.controlnet_class} from "
+                       + (cfg.controlnet.init_from or f"the {fam.denoiser_word}")
+                       + f" ({cfg.controlnet.conditioning_channels}-channel conditioning"
+                       + (", VAE-encoded" if fam.controlnet_latent else "")
+                       + f"), {fam.denoiser_word} frozen")
             arch, cond = f"{family(m).title} of {m.pretrained}, {how}", "text-conditioned"
         elif m.text_encoder:
             cond = "text-conditioned" + (", latent space" if m.vae else "")

@@ -501,6 +501,48 @@ class Family:
     #: ``original`` (lllyasviel's ``control_model.*``, SD 1.x/2.x) or ``diffusers``;
     #: None: steadydiff trains no ControlNet for the family yet
     controlnet_file_layout: ClassVar[str | None] = None
+    #: the diffusers class of the family's ControlNet
+    controlnet_class: ClassVar[str] = "ControlNetModel"
+    #: whether the ControlNet reads the conditioning image as VAE latents (the transformer
+    #: families': diffusers' SD3/FLUX ControlNet pipelines encode it), not as pixels (the
+    #: UNet ControlNets' own conditioning embedding)
+    controlnet_latent: ClassVar[bool] = False
+
+    def build_controlnet(self, denoiser: nn.Module, down: int, conditioning_channels: int,
+                         layers: tuple[int | None, int | None]) -> nn.Module:
+        """A new ControlNet for ``denoiser`` initialised from it (diffusers' ``from_unet`` /
+        ``from_transformer``), its zero-initialised layers at zero. ``layers``: the
+        ``controlnet.num_layers`` / ``num_single_layers`` (None: the family's trainers'
+        default; the UNet ControlNet copies the whole encoder and takes neither)."""
+        from diffusers import ControlNetModel
+
+        from ..controlnet import embedding_widths
+
+        if any(n is not None for n in layers):
+            raise ValueError(f"a {self.label} ControlNet copies the UNet's whole encoder: "
+                             "controlnet.num_layers / num_single_layers apply to the SD3 "
+                             "and FLUX.1 ControlNets; remove them")
+        return ControlNetModel.from_unet(denoiser, conditioning_channels=conditioning_channels,
+                                         conditioning_embedding_out_channels=
+                                         embedding_widths(down))
+
+    def controlnet_residuals(self, controlnet: nn.Module, x: Tensor, t: Tensor, y: Tensor,
+                             layout: Layout, down: int, cond: Tensor, scale: float,
+                             guidance: float | None = None) -> dict[str, Any]:
+        """The ControlNet's residuals for the denoiser call (the keywords :meth:`call`
+        passes on) at latents ``x``, the denoiser's timestep ``t``, the packed condition
+        ``y`` and the conditioning ``cond`` (pixels in [0, 1], or VAE latents where
+        :attr:`controlnet_latent`), times ``scale``. Default: a UNet ControlNet, called
+        with the denoiser's condition keywords."""
+        res, mid = controlnet(x, t, controlnet_cond=cond.to(x.dtype), conditioning_scale=scale,
+                              return_dict=False, **self.condition(x, y, layout, down))
+        return {"down_block_additional_residuals": res, "mid_block_additional_residual": mid}
+
+    def controlnet_input(self, controlnet: nn.Module, latents: Tensor, shift: float,
+                         scale: float) -> Tensor:
+        """What a latent-reading ControlNet takes for the conditioning image's VAE latents
+        (``(mean - shift) * scale``, the shift and scale of the family's VAE)."""
+        return latents
 
     def prepare_attention(self, denoiser: nn.Module) -> None:
         """Give the denoiser's attention layers the processor that follows their

@@ -31,7 +31,8 @@ from ...guard.provenance import is_attention
 from ...models import build_model
 from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
-from ..controlnet import ControlNetDenoiser, ControlNetWeights, build_controlnet
+from ..controlnet import (ControlLatents, ControlNetDenoiser, ControlNetWeights,
+                          build_controlnet)
 from .. import families
 from ..families import Family
 from .identity import check_base
@@ -253,8 +254,8 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 ok = ", ".join(f.label for f in families.FAMILIES
                                if f.controlnet_file_layout is not None)
                 raise ConfigError(f"controlnet.enabled: steadydiff does not train a "
-                                  f"{fam.label} ControlNet yet (its diffusers class differs "
-                                  f"from the UNet families'); it does for {ok}")
+                                  f"{fam.label} ControlNet yet (diffusers has no ControlNet "
+                                  f"class steadydiff knows for it); it does for {ok}")
             to_device(den, device, frozen).requires_grad_(False)
             controlnet = _controlnet(cfg, den, media.down, device, fam)
             weights = ControlNetWeights(parts.root, cfg.controlnet.init_from, fam)
@@ -281,8 +282,10 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         if model.encodes:
             model.set_null_ids(media.text_part(media.tokenize([""]))[0].to(device))
         if cfg.controlnet.enabled:
-            model = ControlNetDenoiser(model, controlnet,
-                                       controlnet.config.conditioning_channels)
+            vae = (ControlLatents(media.encode_images, media.shift, media.scale)
+                   if fam.controlnet_latent else None)
+            model = ControlNetDenoiser(model, controlnet, cfg.controlnet.conditioning_channels,
+                                       vae)
         # the frozen weights, known by their files: a mid-run corruption is named and
         # restored from disk by the guard (guard/basewatch.py), not blamed on the LR
         weights.frozen = FrozenWatch(model, m.pretrained, m.single_file_config, fam)
@@ -328,12 +331,18 @@ def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device,
     """The ControlNet a run trains (fp32, the upcast-aware attention): from the base UNet,
     or ``controlnet.init_from``'s."""
     c = cfg.controlnet
+    if fam.controlnet_latent and c.conditioning_channels != 3:
+        raise ConfigError(f"controlnet.conditioning_channels={c.conditioning_channels}: a "
+                          f"{fam.label} ControlNet reads the conditioning image through the "
+                          "VAE, which takes RGB: set controlnet.conditioning_channels=3 (a "
+                          "gray map is read as RGB)")
     try:
         net = build_controlnet(unet, down, init_from=c.init_from,
-                               conditioning_channels=c.conditioning_channels)
+                               conditioning_channels=c.conditioning_channels, family=fam,
+                               layers=(c.num_layers, c.num_single_layers))
     except ValueError as e:
-        raise ConfigError(f"controlnet.init_from: {e}") from None
-    have = int(net.config.conditioning_channels)
+        raise ConfigError(f"controlnet: {e}") from None
+    have = int(getattr(net.config, "conditioning_channels", None) or c.conditioning_channels)
     if have != c.conditioning_channels:
         raise ConfigError(f"controlnet.init_from={c.init_from} reads {have}-channel "
                           f"conditioning images: set controlnet.conditioning_channels={have}")
