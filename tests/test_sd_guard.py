@@ -427,3 +427,22 @@ def test_a_rollback_never_goes_behind_a_verified_checkpoint(clean_sd, tmp_path, 
     assert res.steps == 7
     rows = [r for r in incidents(tmp_path / "run") if r["action"] == "rollback"]
     assert rows and all(r["cost"]["restored_step"] >= 4 for r in rows), rows
+
+
+def test_the_lr_an_abort_suggests_was_shown_safe(tmp_path):
+    """An abort during a long warm-up: the suggested optim.lr is the LR of the last healthy
+    (verified) window, not optim.lr x 0.5, which no step ever ran at."""
+    from steadydiff.config import load_config
+    from steadydiff.guard.guard import GuardAbort
+
+    import test_guard as tg
+
+    cfg = load_config(None, tg.TINY + ["guard.max_rollbacks=1", "train.checkpoint_every=100",
+                                       "optim.lr=1e-3", "optim.warmup_steps=100",
+                                       f"faults={json.dumps(tg.ABORT_FAULTS)}"])
+    with pytest.raises(GuardAbort):
+        steadydiff.train(cfg, out_dir=tmp_path / "run")
+    point = json.loads((tmp_path / "run" / "summary.json").read_text())["abort"]
+    assert point["lr"] < 1e-4 and "last healthy window" in point["lr_why"]
+    c = json.loads((Path(point["checkpoint"]) / "state.json").read_text())
+    assert point["lr"] == pytest.approx(1e-3 * (c["step"] + 1) / 100, rel=0.2)
