@@ -55,7 +55,7 @@ def diagnose(path: str | Path, *, probe: bool = True,
         candidates = [path]
         run = RunDir.of_checkpoint(path)
         d.run_dir = run.root if run is not None else None
-    elif (run := RunDir(path)).is_run():
+    elif (run := RunDir(path)).has_run_files():  # the doctor writes nothing into it
         d.run_dir = path
         candidates = run.checkpoint_candidates()
     else:

@@ -32,6 +32,7 @@ from ...adapters.core import clamp_deltas
 from ...adapters.layers import AdapterModule
 from ...trainer.checkpoint import Checkpoint, CheckpointError
 from .model import _SDWeights, _trainable
+from .numbered import mark_best, numbered_files, prune, publish
 
 __all__ = ["ACTIVATIONS", "HypernetworkModule", "SDHypernetwork", "HyperKV",
            "add_hypernetwork", "HypernetworkWeights", "hypernetwork_file", "HYPER_FILE"]
@@ -224,10 +225,10 @@ def hypernetwork_file(net: SDHypernetwork, path: Path, *, name: str, step: int,
             "is_layer_norm": "False", "weight_initialization": "Normal",
             "use_dropout": "False", "activate_output": "False",
             "sizes": str(sorted(int(d) for d in net.layers)), "sd_checkpoint_name": base}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(sd, str(tmp), metadata=meta)
-    tmp.replace(path)
+    from ...files import atomic_output
+
+    with atomic_output(path) as tmp:
+        save_file(sd, str(tmp), metadata=meta)
     return path
 
 
@@ -285,5 +286,28 @@ class HypernetworkWeights(_SDWeights):
 
     def export(self, state: Any, root: Path, final: bool) -> Path | None:
         model = state.ema.module if state.cfg.sample.use_ema else state.model
-        return hypernetwork_file(model.hypernetwork, root / "hypernetwork" / HYPER_FILE,
-                                 name=root.name, step=state.step, base=self.base.name)
+        files = self.write(model, state.cfg, state.step, state.precision, root / "hypernetwork",
+                           root.name)
+        # RUN/hypernetwork/<name>-stepNNNNNNNN.safetensors, kept per adapter.keep_files
+        publish(files, root / "hypernetwork", state.step)
+        prune(root / "hypernetwork", set(files.values()), state.cfg.adapter.keep_files)
+        return next(iter(files))
+
+    def mark_best(self, state: Any, root: Path, info: dict[str, Any]) -> Path | None:
+        folder, stems = root / "hypernetwork", self.stems(state.cfg, root.name)
+        have = numbered_files(folder, stems).get(state.step)
+        if not have:
+            self.export(state, root, False)
+            have = numbered_files(folder, stems).get(state.step, [])
+        return mark_best(folder, state.step, have, info)
+
+    @staticmethod
+    def stems(cfg: Any, name: str) -> dict[str, str]:
+        return {name: "a1111"}
+
+    def write(self, model: nn.Module, cfg: Any, step: int, precision: str, out: Path,
+              name: str) -> dict[Path, str]:
+        """Write ``out/hypernetwork.safetensors``; returns ``{file: the numbered stem}``."""
+        path = hypernetwork_file(model.hypernetwork, out / HYPER_FILE, name=name, step=step,
+                                 base=self.base.name)
+        return {path: name}

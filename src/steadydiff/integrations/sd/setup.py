@@ -24,6 +24,7 @@ from ...config import Config, ConfigError
 from ...data.cache import (EncodedDataset, TextResult, encode_conditioning, encode_latents,
                            encode_texts, module_identity)
 from ...data import DataError, source_of
+from ...data.kohya import KohyaDataset, Repeated
 from ...data.captions import CaptionVariants, overflow_message, token_overflow
 from ...guard.findings import SampleQuarantined
 from ...guard.provenance import is_attention
@@ -33,6 +34,7 @@ from ...trainer.hooks import FULL_WEIGHTS, Weights
 from ..controlnet import ControlNetDenoiser, ControlNetWeights, build_controlnet
 from .. import families
 from ..families import Family
+from .identity import check_base
 from .hypernetwork import HypernetworkWeights, add_hypernetwork
 from .frozen import BaseModelError, FrozenWatch, check_loaded, check_module
 from .source import family, load_parts, model_root
@@ -157,12 +159,19 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
     frozen = _dtype(cfg.train.precision)
     vae_dtype = _dtype(m.vae_precision) if m.vae_precision else frozen
     if m.pretrained:
-        parts = load_parts(m.pretrained, m.single_file_config)
+        # FSDP full fine-tune of a folder: the denoiser is built on the meta device (no
+        # storage) and each rank reads only its shards, after sharding (meta_denoiser)
+        meta = (cfg.train.parallel == "fsdp" and a.kind == "none"
+                and not cfg.controlnet.enabled and not Path(m.pretrained).is_file())
+        parts = load_parts(m.pretrained, m.single_file_config, denoiser=not meta)
         fam = parts.family
         # every tensor loaded, checked finite once: a broken base is named (tensor, file)
-        # here, before training, not blamed later on the data or the LR (frozen.py)
+        # here, before training, not blamed later on the data or the LR (frozen.py); a
+        # meta-initialised denoiser is read shard by shard later
         for note in check_loaded(parts, config_root=m.single_file_config):
             log.warning(note)
+        if meta:
+            parts.denoiser = meta_denoiser(fam, parts.root)
         if fam.vae_force_upcast and not m.vae_precision and vae_dtype == torch.float16 and \
                 getattr(parts.vae.config, "force_upcast", False):
             # this family's VAE overflows in fp16 (SDXL's); its config says so
@@ -192,6 +201,15 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         in_step: list[nn.Module | None] = []  # text encoders that run in the step
         if a.kind == "lora":
             to_device(den, device, frozen)
+            if m.quantize_base:  # before peft wraps the layers (it wraps int8 ones too)
+                from ..quantize import quantize_base
+
+                q = quantize_base(den, m.quantize_base, device)
+                media.notes.append(
+                    f"frozen {fam.denoiser_word}: {q['layers']} Linear layers stored in "
+                    f"{m.quantize_base} ({q['kept']} kept in {cfg.train.precision}), "
+                    f"{_size(q['bytes_before'])} -> {_size(q['bytes_after'])} "
+                    "(model.quantize_base)")
             targets = add_lora(den, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                                targets=a.targets)
             if a.text_encoder:  # their LoRA trains too: the model encodes token ids itself
@@ -234,8 +252,12 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             controlnet = _controlnet(cfg, den, media.down, device, fam)
             weights = ControlNetWeights(parts.root, cfg.controlnet.init_from, fam)
         else:  # a full fine-tune: the denoiser trains in fp32 under autocast
-            to_device(den, device, torch.float32).requires_grad_(True)
+            if not meta:
+                to_device(den, device, torch.float32)
+            den.requires_grad_(True)
             weights = FullUNetWeights(parts.root)
+            if meta:
+                weights.meta_source = (parts.root / fam.denoiser, fam.denoiser)
         if cfg.data.caption_shuffle and not any(te is not None for te in in_step):
             # Shuffled captions differ every epoch: encoded in the step by the frozen text
             # encoder(s) (as kohya does; caching every permutation is not possible), from
@@ -244,7 +266,9 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             media.tokens = True
         model: nn.Module = SDDenoiser(
             den, media.layout, fam, in_step, down=media.down, guidance=m.guidance,
-            shape=fam.latent_shape(den.config, parts.vae.config)).to(device)
+            shape=fam.latent_shape(den.config, parts.vae.config))
+        # (a meta denoiser stays there: sharding.materialize gives it its shards' storage)
+        model._apply(lambda t: t if t.is_meta else t.to(device))
         if a.kind == "hypernetwork":  # registered after the UNet: its own tensor names
             model.hypernetwork = hyper
         if model.encodes:
@@ -277,6 +301,19 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 else media.null_text().to(device))
         model.set_null_context(null[:model.null_context.shape[0]].float())
     return model, weights, media
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def meta_denoiser(fam: Family, root: Path) -> nn.Module:
+    """The folder's denoiser built from its config on the meta device: its shape, no
+    storage (no rank holds the whole model; FSDP shards it, then each rank reads its
+    shards from the folder's safetensors: ``FullUNetWeights.materialize``)."""
+    conf = read_json(root / fam.denoiser / "config.json", f"the {fam.denoiser}'s config")
+    with torch.device("meta"):
+        return fam.build_denoiser(conf).float()
 
 
 def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device,
@@ -314,8 +351,12 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
     """
     from ...trainer.checkpoint import CheckpointError
 
+    if cfg.model.pretrained:  # the base it was trained on, or a refusal naming both
+        check_base(c.state.get("base"), cfg, f"the checkpoint {c.path}")
     device = device or torch.device("cpu")
+    # the trained LoRA over the base as released (an 8-bit training base: its fp32 weights)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "fp32"}),
+                                 "model": cfg.model.model_copy(update={"quantize_base": None}),
                                  # the checkpoint holds the LoRA (the ControlNet): its start
                                  # file is not read
                                  "adapter": cfg.adapter.model_copy(update={"init_from": None}),
@@ -383,11 +424,14 @@ def _prep(cfg: Config) -> str:
 
 
 def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
-                say: Callable[[str], None] = print) -> EncodedDataset:
+                say: Callable[[str], None] = print,
+                stop: Callable[[], bool] | None = None) -> EncodedDataset:
     """Latents (latent-space runs) and text contexts of every item of the captioned
     ``data``, from the cache or encoded now (and cached). A latent non-finite in the VAE's
     dtype is encoded again in fp32; still non-finite, the sample is left out (the returned
-    dataset's ``quarantined`` names it; :func:`record_quarantine` puts it in incidents)."""
+    dataset's ``quarantined`` names it; :func:`record_quarantine` puts it in incidents).
+    ``stop`` is asked before each item is encoded: True raises
+    :class:`~steadydiff.data.cache.CachingStopped` (a stop signal; what is cached stays)."""
     captions = list(data.captions)
     fallbacks: list[Any] = []  # encoder_fallback findings, recorded by record_quarantine
     over = caption_overflow(media, data, captions)
@@ -404,7 +448,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                              encoder_id=media.text_identity(), cache_dir=cache_dir,
                              fallback=((lambda p: media.encode_prompts_in(p, fp32))
                                        if any(d != fp32 for d in media.text_dtypes) else None),
-                             blame=media.blame_tokens)
+                             blame=media.blame_tokens, stop=stop)
         fallbacks.append(_text_fallback(media, data, captions, texts, say))
         if media.force_zeros:  # caption dropout trains the null condition guidance uses
             texts.null = torch.zeros_like(texts.null)
@@ -422,7 +466,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                                  prep=_prep(cfg),
                                  cache_dir=cache_dir if cfg.data.cache_latents else None,
                                  fallback=fallback,
-                                 device=media.device)
+                                 device=media.device, stop=stop)
         if texts is not None and getattr(texts, "bad", None):
             latents = latents.without(_text_quarantine(data, captions, texts))
         if latents.reencoded:
@@ -442,7 +486,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     if cfg.controlnet.enabled:  # pixels, not latents: uint8, cached (data/cache.py)
         conditioning = encode_conditioning(
             data, prep=f"{_prep(cfg)},conditioning={cfg.controlnet.conditioning_channels}",
-            cache_dir=cache_dir if cfg.data.cache_latents else None)
+            cache_dir=cache_dir if cfg.data.cache_latents else None, stop=stop)
         if conditioning.keys is not None:
             say(f"conditioning images: {conditioning.hits} from the cache, "
                 f"{conditioning.misses} prepared"
@@ -454,6 +498,8 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                          tokenize=Tokenize(media.tokenizers, media.layout.ids_len),
                          extra=extra, conditioning=conditioning)
     out.caption_overflow = len(over)
+    for note in media.notes:  # what build did to the model that the start should say
+        say(note)
     out.fallbacks = [f for f in fallbacks if f is not None]
     if cfg.model.offload_text_encoders and not media.tokens:
         media.offload()
@@ -466,6 +512,8 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
              if d.caption_shuffle else [])
             + ([f"dropped to the empty caption with p={d.caption_dropout:g}"]
                if d.caption_dropout else [])))
+    if isinstance(data, KohyaDataset):  # each image encoded once; the repeats are positions
+        out = Repeated(out, data.repeats, data.loss_weights)
     return out
 
 
