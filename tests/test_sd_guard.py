@@ -446,3 +446,27 @@ def test_the_lr_an_abort_suggests_was_shown_safe(tmp_path):
     assert point["lr"] < 1e-4 and "last healthy window" in point["lr_why"]
     c = json.loads((Path(point["checkpoint"]) / "state.json").read_text())
     assert point["lr"] == pytest.approx(1e-3 * (c["step"] + 1) / 100, rel=0.2)
+
+
+@pytest.mark.parametrize("value", [1e5, float("nan")])
+def test_in_step_encoding_runs_in_fp32_or_leaves_out_by_token(clean_sd, tmp_path, value):
+    """Shuffled captions (the encoder runs in the step), an fp16 text encoder: a token row of
+    1e5 (inf in fp16, finite on disk) makes that encoder run in fp32, nothing is left out; a
+    NaN row (broken on disk too) leaves out the items whose captions use it, before any
+    step, naming the token. Both recorded as encoder_fallback."""
+    root = broken(clean_sd, tmp_path, "text_encoder", token_row(value))
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(sd_config(root, data, "train.checkpoint_every=0",
+                                     "data.caption_shuffle=true",
+                                     "model.text_encoder_precision=fp16"),
+                           out_dir=tmp_path / "run")
+    assert res.steps == 4
+    rows = incidents(tmp_path / "run")
+    fb = next(r for r in rows if r["kind"] == "encoder_fallback")
+    q = sorted(Path(r["evidence"]["source"]).name for r in rows
+               if r["kind"] == "sample_quarantined")
+    if value == 1e5:
+        assert fb["evidence"]["quarantined"] == 0 and not q
+    else:
+        assert q == ["img03.png", "img07.png"] and "'y'" in fb["evidence"]["tokens"][0]
+    assert not {"rollback", "precision_fallback", "abort"} & {r["action"] for r in rows}
