@@ -95,24 +95,33 @@ def corrupt_at(monkeypatch, step: int, name: str, also=None):
 FROZEN = "unet.conv_in.weight"
 
 
-@pytest.mark.parametrize("every", [1, 10])
+TE_FROZEN = "text_encoder.encoder.layers.0.mlp.fc1.weight"
+
+
+@pytest.mark.parametrize("every, name, file, extra", [
+    (1, FROZEN, "unet/diffusion_pytorch_model.safetensors", ()),
+    (10, FROZEN, "unet/diffusion_pytorch_model.safetensors", ()),
+    # the frozen text encoder that runs in the step (shuffled captions)
+    (10, TE_FROZEN, "text_encoder/model.safetensors", ("data.caption_shuffle=true",))])
 def test_a_frozen_weight_turned_nan_mid_run_is_restored_from_disk(clean_sd, tmp_path,
-                                                                   monkeypatch, every):
-    """A LoRA run whose frozen UNet weight turns NaN at step 3: named as base corruption
-    (never an LR problem), restored from the folder's file, the step redone; no rollback,
-    no precision fallback; the run ends finite. Same named cause per-step and deferred."""
-    corrupt_at(monkeypatch, 3, FROZEN)
+                                                                   monkeypatch, every, name,
+                                                                   file, extra):
+    """A LoRA run whose frozen UNet (or in-step text encoder) weight turns NaN at step 3:
+    named as base corruption (never an LR problem), restored from the folder's file, the
+    step redone; no rollback, no precision fallback; the run ends finite. Same named cause
+    per-step and deferred."""
+    corrupt_at(monkeypatch, 3, name)
     data = shapes(tmp_path / "images")
     cfg = sd_config(clean_sd, data, "train.steps=6", "train.checkpoint_every=0",
-                    f"guard.check_every={every}")
+                    f"guard.check_every={every}", *extra)
     res = steadydiff.train(cfg, out_dir=tmp_path / "run")
     assert res.steps == 6
     rows = incidents(tmp_path / "run")
     kinds = [r["kind"] for r in rows]
     assert "base_corrupt" in kinds, rows
     inc = next(r for r in rows if r["kind"] == "base_corrupt")
-    assert inc["action"] == "restore_base" and inc["evidence"]["parameter"] == FROZEN
-    assert inc["evidence"]["file"].endswith("unet/diffusion_pytorch_model.safetensors")
+    assert inc["action"] == "restore_base" and inc["evidence"]["parameter"] == name
+    assert inc["evidence"]["file"].endswith(file)
     assert not {"rollback", "precision_fallback", "abort"} & {r["action"] for r in rows}
     lora = load_file(tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors")
     assert all(torch.isfinite(v).all() for v in lora.values())
