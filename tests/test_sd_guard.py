@@ -69,6 +69,23 @@ def test_a_broken_base_is_named_before_training(clean_sd, tmp_path, part, words)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_broken_controlnet_to_continue_is_named_before_training(clean_sd, tmp_path):
+    """controlnet.init_from with a NaN weight: exit 2 naming the tensor, before training."""
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    from test_controlnet import CN, pairs
+
+    unet = UNet2DConditionModel.from_pretrained(clean_sd / "unet")
+    net = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32))
+    with torch.no_grad():
+        net.controlnet_mid_block.weight.view(-1)[0] = float("nan")
+    net.save_pretrained(tmp_path / "cn")
+    data = pairs(tmp_path / "images")
+    with pytest.raises(ConfigError, match="controlnet.init_from.*controlnet_mid_block.weight"):
+        steadydiff.train(sd_config(clean_sd, data, *CN, f"controlnet.init_from={tmp_path / 'cn'}"),
+                         out_dir=tmp_path / "run")
+
+
 # --------------------------------------------------------------------------- a base corrupted mid-run
 
 
