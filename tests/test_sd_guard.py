@@ -139,6 +139,7 @@ def test_a_frozen_weight_turned_nan_mid_run_is_restored_from_disk(clean_sd, tmp_
     inc = next(r for r in rows if r["kind"] == "base_corrupt")
     assert inc["action"] == "restore_base" and inc["evidence"]["parameter"] == name
     assert inc["evidence"]["file"].endswith(file)
+    assert inc["evidence"]["values"].startswith("1 NaN")  # as seen, before the repair
     assert not {"rollback", "precision_fallback", "abort"} & {r["action"] for r in rows}
     lora = load_file(tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors")
     assert all(torch.isfinite(v).all() for v in lora.values())
