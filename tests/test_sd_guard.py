@@ -497,3 +497,13 @@ def test_in_step_encoding_runs_in_fp32_or_leaves_out_by_token(clean_sd, tmp_path
     else:
         assert q == ["img03.png", "img07.png"] and "'y'" in fb["evidence"]["tokens"][0]
     assert not {"rollback", "precision_fallback", "abort"} & {r["action"] for r in rows}
+
+
+def test_finite_mask_names_nan_and_inf_not_huge_finite():
+    """The load check's fast path (sums) never misses a NaN/inf and never flags huge finite
+    values whose sum overflows."""
+    from steadydiff.integrations.sd.frozen import finite_mask
+
+    a, b, c, d = torch.zeros(10), torch.zeros(10), torch.zeros(10), torch.ones(3)
+    a[3], b[1], c[:2] = float("nan"), float("-inf"), 3e38
+    assert finite_mask([a, b, c, d]) == [False, False, True, True]
