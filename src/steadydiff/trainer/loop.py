@@ -578,6 +578,8 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
         say(f"abort point: the newest checkpoint ({on_disk[0].name}) is newer than the "
             f"guard's last verified state (step {snap.step}); nothing new written")
         info["checkpoint_step"] = newest
+    elif newest is not None:  # no verified state to write: the newest on disk resumes
+        info["checkpoint_step"] = newest
     return info
 
 
