@@ -106,27 +106,34 @@ def draw_with(python: str, folder: Path, lora: Path, out: Path) -> dict:
     return load_file(out)
 
 
-def trained_lora(tmp_path: Path) -> tuple[Path, Path]:
+def trained_lora(tmp_path: Path, variant: str = "lora") -> tuple[Path, Path]:
     """The tiny SD folder and a LoRA (UNet and text encoder, alpha 2 != rank 4, random up
-    weights) written in both formats."""
+    weights; a DoRA's magnitudes moved off their start; LoCon: the ResNet convolutions
+    too) written in both formats."""
     import torch
     from diffusers import StableDiffusionPipeline
 
-    from steadydiff.integrations.sd.model import TEXT_ENCODER_TARGETS, add_lora, save_lora
+    from steadydiff.integrations.sd.model import (LOCON_TARGETS, TEXT_ENCODER_TARGETS,
+                                                  add_lora, save_lora)
     from steadydiff.integrations.sd.tiny import make_tiny_sd
 
     sd = make_tiny_sd(tmp_path / "sd", image_size=32)
     pipe = StableDiffusionPipeline.from_pretrained(sd, local_files_only=True,
                                                    safety_checker=None)
     torch.manual_seed(0)
-    add_lora(pipe.unet, rank=4, alpha=2.0, dropout=0.0,
-             targets=("*.to_q", "*.to_k", "*.to_v", "*.to_out.0"))
-    add_lora(pipe.text_encoder, rank=4, alpha=2.0, dropout=0.0, targets=TEXT_ENCODER_TARGETS)
+    dora = variant == "dora"
+    attn = ("*.to_q", "*.to_k", "*.to_v", "*.to_out.0")
+    add_lora(pipe.unet, rank=4, alpha=2.0, dropout=0.0, dora=dora,
+             targets=attn + (LOCON_TARGETS if variant == "locon" else ()))
+    add_lora(pipe.text_encoder, rank=4, alpha=2.0, dropout=0.0, targets=TEXT_ENCODER_TARGETS,
+             dora=dora)
     with torch.no_grad():
         for m in (pipe.unet, pipe.text_encoder):
             for n, p in m.named_parameters():
                 if "lora_B" in n:
                     p.copy_(torch.randn_like(p) * 0.3)
+                if "lora_magnitude_vector" in n:
+                    p.mul_(1 + 0.2 * torch.rand_like(p))
     save_lora(pipe.unet, tmp_path / "out", pipe.text_encoder, format="both", kohya_name="k")
     return sd, tmp_path / "out"
 
@@ -245,6 +252,7 @@ def test_noise_filter_drops_the_listed_lines_and_keeps_the_rest(tmp_path):
     for lg in loggers:
         lg.addHandler(handler)
     try:
+        quiet.close()  # a run trained earlier in this process has its log: buffer again
         quiet.install()
         logging.getLogger("transformers.utils.import_utils").warning(
             "`CLIPImageProcessor` requires torchvision (not installed); falling back")
@@ -335,3 +343,163 @@ def test_start_notes_name_kohya_unlike_defaults_and_a_size_below_native(sd_dir, 
                                        "diffusion.loss_weighting=uniform",
                                        "sample.use_ema=false"))
     assert kohya_like == []
+
+
+# --------------------------------------------------------------------------- LoRA variants
+
+
+def comfyui_dora_weight(w, down, up, alpha, dora_scale):
+    """ComfyUI's merge of a LoRA layer with LyCORIS' ``dora_scale`` (comfy/weight_adapter:
+    ``weight_decompose``): W + delta, each output row rescaled to the magnitude when
+    dora_scale has one value per output row."""
+    import torch
+
+    r = down.shape[0]
+    delta = (up.flatten(1) @ down.flatten(1)).reshape(w.shape) * (alpha / r)
+    wc = w + delta
+    assert dora_scale.shape[0] == wc.shape[0]  # the norm is per output row
+    norm = wc.reshape(wc.shape[0], -1).norm(dim=1).reshape(wc.shape[0], *[1] * (wc.dim() - 1))
+    return wc * (dora_scale / (norm + torch.finfo(torch.float32).eps))
+
+
+@pytest.mark.parametrize("variant", ["dora", "locon"])
+def test_variant_files_load_where_the_ecosystem_loads_them_and_round_trip(tmp_path, variant):
+    """A LoCon (conv layers in kohya's names): diffusers draws the same image from our kohya
+    file and our diffusers file, not the base's. A DoRA: diffusers loads our diffusers file
+    (it drops a kohya file's dora_scale, so the kohya file is for ComfyUI/A1111) and draws
+    what the model read back from it draws; the kohya file's dora_scale merges, by
+    ComfyUI's formula, to the weight peft's DoRA merges to. Both files read back
+    (adapter.init_from's reader) into a fresh model with the same tensors."""
+    import copy
+
+    import torch
+    from diffusers import StableDiffusionPipeline
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.sd import lora_files as lf
+    from steadydiff.integrations.sd.model import (LOCON_TARGETS, TEXT_ENCODER_TARGETS,
+                                                  add_lora)
+    from steadydiff.integrations.sd.tiny_parts import tiny_text_encoder, tiny_unet
+
+    sd, lora = trained_lora(tmp_path, variant)
+    kohya = load_file(lora / "k.safetensors")
+    meta = lf.read_lora_file(lora / "k.safetensors").metadata
+    attn = ("*.to_q", "*.to_k", "*.to_v", "*.to_out.0")
+    targets = attn + (LOCON_TARGETS if variant == "locon" else ())
+    dora = variant == "dora"
+    if dora:
+        assert any(k.endswith(".dora_scale") for k in kohya)
+        assert meta["ss_network_module"] == "lycoris.kohya"
+    else:
+        assert kohya["lora_unet_down_blocks_0_resnets_0_conv1.lora_down.weight"].ndim == 4
+        assert '"conv_dim": "4"' in meta["ss_network_args"]
+    images = draw_with("", sd, lora, tmp_path / "new.safetensors")
+    assert (images["pytorch_lora_weights.safetensors"] - images["none"]).abs().max() > 1e-3
+    if not dora:
+        torch.testing.assert_close(images["pytorch_lora_weights.safetensors"],
+                                   images["k.safetensors"], atol=1e-5, rtol=0)
+    else:  # our reader's model in the same pipeline draws what diffusers' loader draws
+        pipe = StableDiffusionPipeline.from_pretrained(sd, local_files_only=True,
+                                                       safety_checker=None)
+        pipe.set_progress_bar_config(disable=True)
+        add_lora(pipe.unet, rank=4, alpha=2.0, dropout=0.0, dora=True, targets=targets)
+        add_lora(pipe.text_encoder, rank=4, alpha=2.0, dropout=0.0, dora=True,
+                 targets=TEXT_ENCODER_TARGETS)
+        lf.load_lora_file(lora / "k.safetensors", pipe.unet, [pipe.text_encoder], rank=4,
+                          alpha=2.0)
+        z = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1))
+        ours = pipe("a red square", num_inference_steps=2, guidance_scale=3.0, latents=z,
+                    output_type="pt").images
+        torch.testing.assert_close(ours, images["pytorch_lora_weights.safetensors"],
+                                   atol=1e-5, rtol=0)
+        layers = lf.kohya_names(pipe.unet, [pipe.text_encoder])
+        for name in list(layers)[::7]:  # ComfyUI's merge of the kohya file = peft's
+            m = copy.deepcopy(layers[name][0])
+            w = m.base_layer.weight.detach().clone()
+            m.merge()
+            theirs = comfyui_dora_weight(w, kohya[f"{name}.lora_down.weight"],
+                                         kohya[f"{name}.lora_up.weight"],
+                                         float(kohya[f"{name}.alpha"]),
+                                         kohya[f"{name}.dora_scale"])
+            torch.testing.assert_close(m.base_layer.weight.detach(), theirs, rtol=1e-5,
+                                       atol=1e-6)
+    for name in ("k.safetensors", "pytorch_lora_weights.safetensors"):
+        unet, te = tiny_unet(), tiny_text_encoder()
+        add_lora(unet, rank=4, alpha=2.0, dropout=0.0, dora=dora, targets=targets)
+        add_lora(te, rank=4, alpha=2.0, dropout=0.0, dora=dora, targets=TEXT_ENCODER_TARGETS)
+        assert lf.load_lora_file(lora / name, unet, [te], rank=4, alpha=2.0)["fresh"] == 0
+        again = lf.kohya_state_dict(unet, [te])
+        assert again.keys() == kohya.keys()
+        for k in kohya:
+            torch.testing.assert_close(again[k], kohya[k], rtol=1e-6, atol=1e-7)
+    unet, te = tiny_unet(), tiny_text_encoder()
+    add_lora(unet, rank=4, alpha=2.0, dropout=0.0, targets=attn)
+    add_lora(te, rank=4, alpha=2.0, dropout=0.0, targets=TEXT_ENCODER_TARGETS)
+    with pytest.raises(lf.LoraFileError, match="set adapter.variant=dora" if dora
+                       else "name no LoRA layer"):  # a plain attention-only LoRA run
+        lf.load_lora_file(lora / "k.safetensors", unet, [te], rank=4, alpha=2.0)
+
+
+def test_a_dora_run_trains_its_magnitudes_and_continues_from_its_file(sd_dir, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.sd.lora_files import kohya_state_dict
+    from steadydiff.integrations.sd.setup import build
+
+    data = shapes(tmp_path / "images")
+    sets = ("adapter.variant=dora", "optim.lr=0.01", "optim.warmup_steps=0",
+            "train.steps=2", "sample.use_ema=false")
+    res = steadydiff.train(sd_config(sd_dir, data, *sets), out_dir=tmp_path / "run")
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    mags = [k for k in c.model if "lora_magnitude_vector" in k]
+    assert mags  # trained and checkpointed beside A and B
+    kohya = tmp_path / "run" / "lora" / "run.safetensors"
+    theirs = load_file(kohya)
+    assert any(k.endswith(".dora_scale") for k in theirs)
+    model, _, _ = build(sd_config(sd_dir, data, *sets, f"adapter.init_from={kohya}"),
+                        torch.device("cpu"))
+    ours = kohya_state_dict(model.unet)
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[k], ours[k]) for k in ours)
+
+
+def test_large_upscales_are_warned_naming_the_smallest_image(tmp_path):
+    from PIL import Image
+
+    from steadydiff.data import ImageFolderDataset
+    from steadydiff.integrations.sd.advice import upscale_warning
+
+    root = tmp_path / "imgs"
+    root.mkdir()
+    for i, side in enumerate((512, 600, 100, 128)):
+        Image.new("RGB", (side, side + 10), (i * 40, 0, 0)).save(root / f"{i}.png")
+    data = ImageFolderDataset(root, image_size=512)
+    msg = upscale_warning(data, 512)
+    assert msg.startswith("warning: 2 of 4 images are upscaled 4x or more")
+    assert "2.png, 100x110, 5x" in msg
+    assert upscale_warning(data, 256) is None
+    for i in range(4):
+        (root / f"{i}.txt").write_text("a red thing")
+    from steadydiff.data.captions import CaptionedImageFolder
+
+    captioned = CaptionedImageFolder(data, source="txt")
+    assert upscale_warning(captioned, 512).startswith("warning: 2 of 4 images")
+
+
+@pytest.mark.parametrize("keys, needle", [
+    (("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"), "a LyCORIS LoHa"),
+    (("lokr_w1", "lokr_w2", "alpha"), "a LyCORIS LoKr"),
+])
+def test_loha_and_lokr_files_are_refused_by_name(tmp_path, keys, needle):
+    import torch
+    from safetensors.torch import save_file
+
+    from steadydiff.integrations.sd import lora_files as lf
+
+    name = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
+    f = tmp_path / "lyco.safetensors"
+    save_file({f"{name}.{k}": torch.ones(()) if k == "alpha" else torch.zeros(4, 4)
+               for k in keys}, f)
+    with pytest.raises(lf.LoraFileError, match=needle + ".*does not read or train yet"):
+        lf.read_lora_file(f)

@@ -33,7 +33,7 @@ from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BaseQuantization, Buck
                     ConditioningMatch, ConditioningSource,
                     CompileBackend, CompileMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, HyperActivation,
-                    FlowGridEnd, LossWeighting, LoraFormat, LRSchedule, ModelKind, Objective,
+                    FlowGridEnd, LossWeighting, LoraFormat, LoraVariant, LRSchedule, ModelKind, Objective,
                     OBJECTIVE_SAMPLERS,
                     OBJECTIVE_WEIGHTINGS, OnSaveError, OptimizerName, Parallel,
                     Precision, PrecisionSetting,
@@ -992,6 +992,11 @@ class AdapterConfig(Section):
         "both", description="model.pretrained LoRA exports: diffusers (RUN/lora/"
         "pytorch_lora_weights.safetensors, pipe.load_lora_weights), kohya (RUN/lora/<run "
         "name>.safetensors, the lora_unet_/lora_te_ file A1111 and ComfyUI load), or both")
+    variant: LoraVariant = Field(
+        "lora", description="model.pretrained LoRA: lora; dora (DoRA, Liu et al. 2024: a "
+        "learned magnitude per output row; kohya file with LyCORIS' dora_scale); locon (LoRA "
+        "also on the UNet's ResNet and sampler convolutions, kohya's conv_dim, same rank); "
+        "docs/sd.md#lora-variants")
     keep_files: Int | None = Field(
         None, ge=1, le=100000, description="model.pretrained LoRA/hypernetwork: every save also "
         "writes numbered files (RUN/lora/<run>-step00001000.safetensors and pytorch_lora_"
@@ -1118,6 +1123,15 @@ class Config(Section):
                              "adapter.kind=hypernetwork); remove it")
         if m.pretrained and a.base:
             raise ValueError("model.pretrained is the base of the adapter: remove adapter.base")
+        if a.variant != "lora" and not (m.pretrained and a.kind == "lora"):
+            raise ValueError(f"adapter.variant={a.variant} is a LoRA variant over a model "
+                             "family's denoiser: it needs model.pretrained and "
+                             "adapter.kind=lora")
+        if a.variant == "dora" and m.quantize_base:
+            raise ValueError("adapter.variant=dora normalises each row of base weight + delta;"
+                             f" model.quantize_base={m.quantize_base} stores the base in a "
+                             "form peft's DoRA does not read: use adapter.variant=lora with "
+                             "it, or drop model.quantize_base")
         if a.text_encoder and not (m.pretrained and a.kind == "lora"):
             raise ValueError("adapter.text_encoder trains a LoRA on a Stable Diffusion text "
                              "encoder: it needs model.pretrained and adapter.kind=lora"

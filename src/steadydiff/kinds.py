@@ -141,6 +141,10 @@ BucketCrop = Literal["center", "random"]  # data.bucket_crop: how an image is cu
 BUCKET_CROPS: tuple[BucketCrop, ...] = get_args(BucketCrop)
 LoraFormat = Literal["diffusers", "kohya", "both"]  # adapter.lora_format: the files written
 LORA_FORMATS: tuple[LoraFormat, ...] = get_args(LoraFormat)
+# adapter.variant: plain LoRA; DoRA (Liu et al. 2024, weight-decomposed); LoCon (LoRA on the
+# UNet's ResNet and sampler convolutions too, kohya's conv_dim)
+LoraVariant = Literal["lora", "dora", "locon"]
+LORA_VARIANTS: tuple[LoraVariant, ...] = get_args(LoraVariant)
 
 # ``optim.grad_clip = 0`` disables clipping, so there is no "none" mode.
 ClipMode = Literal["global", "per_layer", "agc", "zclip"]
@@ -216,7 +220,7 @@ __all__ = [
     "SAMPLER_NAMES", "SCHEDULES", "SPACINGS", "TIMESTEP_SAMPLINGS", "OBJECTIVES", "Objective",
     "FLOW_WEIGHTINGS", "FlowWeighting", "OBJECTIVE_SAMPLERS", "OBJECTIVE_WEIGHTINGS",
     "FLOW_GRID_ENDS", "FlowGridEnd",
-    "AdapterKind", "HYPER_ACTIVATIONS", "HyperActivation", "CaptionSource", "Channels", "CompileBackend", "CompileMode", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
+    "AdapterKind", "LoraVariant", "LORA_VARIANTS", "HYPER_ACTIVATIONS", "HyperActivation", "CaptionSource", "Channels", "CompileBackend", "CompileMode", "MissingCaption", "ClipMode", "DatasetName", "DeviceName", "DiTPreset",
     "EvalMetric", "FaultKind", "FaultWhere", "LRSchedule", "OPTIMIZERS", "OptimizerName", "BUCKET_CROPS", "BucketCrop", "LORA_FORMATS", "LoraFormat", "LabelledDataset", "LossWeighting",
     "ModelKind", "OnSaveError", "PARALLELS", "Parallel", "Precision", "Prediction", "SamplerName", "ScheduleName",
     "Spacing", "Split", "TimestepSampling",

@@ -28,7 +28,7 @@ import sys
 import warnings
 from pathlib import Path
 
-__all__ = ["NOISE", "LOG_FILE", "install", "log_to", "is_noise"]
+__all__ = ["NOISE", "LOG_FILE", "install", "log_to", "close", "is_noise"]
 
 LOG_FILE = "third_party.log"  # in the run directory
 
@@ -162,3 +162,11 @@ def log_to(run_dir: str | Path) -> Path:
         h.handle(r)
     _SINK.buffer.clear()
     return path
+
+
+def close() -> None:
+    """Stop writing to the current run's ``third_party.log``: dropped records are buffered
+    again until the next :func:`log_to` (a process that trains several runs)."""
+    if _SINK.handler is not None:
+        _SINK.handler.close()
+        _SINK.handler = None

@@ -732,6 +732,7 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
             raise failed from e
         raise
     finally:
+        quiet.close()  # this run's third_party.log: a later run in the process opens its own
         if owned:
             distributed.teardown()
 
@@ -929,6 +930,12 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         say(note)
     for line in pre.header(cfg, run.root):  # the full config goes to RUN/config.yaml
         say(line)
+    if cfg.model.pretrained:  # small images blown up to the training size: said once
+        from ..integrations.sd.advice import upscale_warning
+
+        line = upscale_warning(data, cfg.data.image_size)
+        if line:
+            say(line)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, pre.num_classes_in_data, device, ctx)
     state.base = base_id

@@ -11,7 +11,10 @@ from ...config import Config
 from .folder import read_json
 from .source import family, model_root
 
-__all__ = ["start_notes", "native_side", "load_hints"]
+__all__ = ["start_notes", "native_side", "load_hints", "upscale_warning"]
+
+UPSCALE = 4  # a side enlarged this many times or more (16x the pixels) is warned about
+_SAMPLED = 512  # image headers read for the check (evenly spread over the dataset)
 
 
 def native_side(cfg: Config) -> int | None:
@@ -63,6 +66,34 @@ def start_notes(cfg: Config) -> list[str]:
                      f"samples at {side} px may not show it; train at {side} unless you "
                      "mean to")
     return notes
+
+
+def upscale_warning(data, image_size: int) -> str | None:
+    """A warning when images of ``data`` (an image folder: its ``paths`` and ``_size``, the
+    headers only) have their short side enlarged ``UPSCALE`` times or more to
+    ``image_size``: they train on blur. Up to ``_SAMPLED`` headers are read."""
+    paths = list(getattr(data, "paths", None) or [])
+    size_of = getattr(data, "_size", None) or \
+        getattr(getattr(data, "folder", None), "_size", None)  # a captioned folder's images
+    if not paths or size_of is None:
+        return None
+    step = max(1, len(paths) // _SAMPLED)
+    seen = paths[::step]
+    small = []
+    for p in seen:
+        try:
+            w, h = size_of(p)
+        except (OSError, ValueError):
+            continue
+        if min(w, h) * UPSCALE <= image_size:
+            small.append((min(w, h), p, w, h))
+    if not small:
+        return None
+    side, p, w, h = min(small, key=lambda t: t[0])
+    return (f"warning: {len(small)} of {len(seen)} images{' (sampled)' if step > 1 else ''} "
+            f"are upscaled {UPSCALE}x or more to data.image_size={image_size} (the smallest: "
+            f"{p}, {w}x{h}, {image_size / side:.0f}x): they train on blur; use larger images, "
+            "or a smaller data.image_size")
 
 
 def load_hints(cfg: Config, run_dir: str | Path) -> list[str]:

@@ -52,6 +52,11 @@ def absolute(cfg: Config) -> Config:
     changes: dict[str, Any] = {}
     for key in ("pretrained", "single_file_config"):
         v = getattr(m, key, None)
+        if v and key == "pretrained" and not Path(v).expanduser().exists():
+            from .folder import SDFolderError, hub_id_message, is_hub_id
+
+            if is_hub_id(v):  # before it becomes a path: a hub id is answered, not looked up
+                raise SDFolderError(hub_id_message(v))
         if v:
             a = str(Path(v).expanduser().absolute())
             if a != v:

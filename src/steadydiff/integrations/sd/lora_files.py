@@ -156,16 +156,40 @@ def _peft_tensors(m: nn.Module | None) -> tuple[Tensor, Tensor, float] | None:
             float(m.lora_alpha["default"]))
 
 
+def _magnitude(m: nn.Module | None) -> nn.Parameter | None:
+    """A DoRA layer's magnitude (peft's ``lora_magnitude_vector``: (out,) for a Linear,
+    (1, out, 1, 1) for a Conv2d), None for a plain LoRA layer."""
+    mags = getattr(m, "lora_magnitude_vector", None)
+    if not isinstance(mags, nn.ModuleDict) or "default" not in mags:
+        return None
+    return mags["default"].weight
+
+
 def kohya_state_dict(unet: nn.Module, text_encoders: list[nn.Module | None] = ()
                      ) -> dict[str, Tensor]:
     """The LoRA tensors as kohya writes them (fp32, CPU): down, up and alpha per layer (a
-    fused layer's parts stacked block-diagonally, its alpha x the parts: the same delta)."""
+    fused layer's parts stacked block-diagonally, its alpha x the parts: the same delta);
+    a DoRA layer's magnitude as LyCORIS' ``dora_scale`` (out, 1[, 1, 1]): the norm taken
+    per output row, which ComfyUI and diffusers read from its shape.
+
+    Raises:
+        LoraFileError: a DoRA on a fused layer (kohya's format has one magnitude per
+            original module, ours one per part: write adapter.lora_format=diffusers).
+    """
     sd: dict[str, Tensor] = {}
     for name, k in kohya_layers(unet, text_encoders).items():
         down, up, alpha = fuse_lora([_peft_tensors(m) for m in k.layers], k.out_dims, k.swap)
         sd[f"{name}.lora_down.weight"] = down
         sd[f"{name}.lora_up.weight"] = up
         sd[f"{name}.alpha"] = torch.tensor(float(alpha))
+        mags = [_magnitude(m) for m in k.layers]
+        if any(g is not None for g in mags):
+            if len(k.layers) > 1:
+                raise LoraFileError(f"{name}: a DoRA on the parts of a fused module cannot be "
+                                    "written in kohya's format (one magnitude per module): "
+                                    "set adapter.lora_format=diffusers")
+            g = mags[0].detach().reshape(-1)
+            sd[f"{name}.dora_scale"] = g.reshape(g.shape[0], *([1] * (down.ndim - 1)))
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
 
 
@@ -249,7 +273,15 @@ def save_kohya(path: str | Path, unet: nn.Module, text_encoders: list[nn.Module 
         {"note": "per-layer rank/alpha: see each .alpha"}
     if any(len(k.layers) > 1 for k in layers.values()):
         args["split_qkv"] = "True"  # kohya's name for fused layers stored block-diagonally
-    meta = {"ss_network_module": family.kohya_module,
+    module = family.kohya_module
+    convs = [d for d, _, _ in parts if d.ndim == 4]
+    if convs:  # LoCon: kohya's conv_dim / conv_alpha (the LoRA's own rank and alpha)
+        args.update(conv_dim=str(max(int(d.shape[0]) for d in convs)),
+                    conv_alpha=_num(max(alphas)))
+    if any(k.endswith(".dora_scale") for k in sd):  # LyCORIS' name for a DoRA LoRA
+        module = "lycoris.kohya"
+        args.update(algo="lora", dora_wd="True")
+    meta = {"ss_network_module": module,
             "ss_network_dim": str(max(ranks)), "ss_network_alpha": _num(max(alphas)),
             "ss_base_model_version": base_model_version(unet),
             "ss_v2": str(base_model_version(unet) == "sd_v2"),
@@ -287,6 +319,7 @@ class LoraFile:
     format: str
     layers: dict[str, tuple[Tensor, Tensor, float | None]]
     metadata: dict[str, str] = field(default_factory=dict)
+    magnitudes: dict[str, Tensor] = field(default_factory=dict)  # DoRA: per layer name
 
     def ranks(self) -> set[int]:
         return {int(d.shape[0]) for d, _, _ in self.layers.values()}
@@ -332,11 +365,13 @@ def read_lora_file(path: str | Path) -> LoraFile:
         sd = {k: fh.get_tensor(k) for k in fh.keys()}
     if not sd:
         raise LoraFileError(f"{f}: no tensors")
+    mags: dict[str, Tensor] = {}
     if all(k.startswith(("lora_unet_", "lora_te")) for k in sd):
+        mags = {k.rsplit(".", 1)[0]: sd.pop(k) for k in list(sd) if k.endswith(".dora_scale")}
         layers = _kohya_layers(f, sd)
         fmt = "kohya"
     elif all(k.startswith(_DIFFUSERS) for k in sd):
-        layers = _diffusers_layers(f, sd, meta)
+        layers = _diffusers_layers(f, sd, meta, mags)
         fmt = "diffusers"
     else:
         odd = [k for k in sd if not k.startswith(("lora_unet_", "lora_te") + _DIFFUSERS)][:3]
@@ -346,7 +381,10 @@ def read_lora_file(path: str | Path) -> LoraFile:
         if d.ndim < 2 or u.ndim < 2 or u.shape[1] != d.shape[0]:
             raise LoraFileError(f"{f}: {name}: lora_down {tuple(d.shape)} and lora_up "
                                 f"{tuple(u.shape)} do not chain (down (r, in), up (out, r))")
-    return LoraFile(f, fmt, layers, meta)
+    odd = sorted(set(mags) - set(layers))[:3]
+    if odd:
+        raise LoraFileError(f"{f}: DoRA magnitudes without their LoRA layer: {odd}")
+    return LoraFile(f, fmt, layers, meta, mags)
 
 
 def _kohya_layers(f: Path, sd: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor, float]]:
@@ -356,12 +394,19 @@ def _kohya_layers(f: Path, sd: dict[str, Tensor]) -> dict[str, tuple[Tensor, Ten
         parts = {k.split(".", 1)[1] for k in sd if k.split(".", 1)[0] == n}
         missing = {"lora_down.weight", "lora_up.weight", "alpha"} - parts
         extra = parts - {"lora_down.weight", "lora_up.weight", "alpha"}
+        lyco = sorted(p for p in extra if p.startswith(("hada_", "lokr_")))
+        if lyco:
+            raise LoraFileError(f"{f}: layer {n} has {lyco}: a LyCORIS "
+                                f"{'LoHa' if lyco[0].startswith('hada_') else 'LoKr'}, which "
+                                "steadydiff does not read or train yet (adapter.variant: lora, "
+                                "dora or locon)")
         if missing:
             raise LoraFileError(f"{f}: layer {n} has no {sorted(missing)} (a kohya LoRA layer "
                                 "has lora_down.weight, lora_up.weight and alpha)")
         if extra:
-            raise LoraFileError(f"{f}: layer {n} has {sorted(extra)}, which a plain LoRA does "
-                                "not (DoRA/LoCon/LyCORIS variants are not supported)")
+            raise LoraFileError(f"{f}: layer {n} has {sorted(extra)}, which a LoRA or DoRA "
+                                "does not (LyCORIS' LoHa/LoKr/IA3 are not read: hada_*, "
+                                "lokr_*)")
         a = sd[f"{n}.alpha"]
         if a.numel() != 1:
             raise LoraFileError(f"{f}: {n}.alpha has shape {tuple(a.shape)}, not a scalar")
@@ -369,7 +414,8 @@ def _kohya_layers(f: Path, sd: dict[str, Tensor]) -> dict[str, tuple[Tensor, Ten
     return layers
 
 
-def _diffusers_layers(f: Path, sd: dict[str, Tensor], meta: dict[str, str]
+def _diffusers_layers(f: Path, sd: dict[str, Tensor], meta: dict[str, str],
+                      mags: dict[str, Tensor] | None = None
                       ) -> dict[str, tuple[Tensor, Tensor, float | None]]:
     from diffusers.utils import convert_state_dict_to_peft, convert_unet_state_dict_to_peft
 
@@ -395,6 +441,10 @@ def _diffusers_layers(f: Path, sd: dict[str, Tensor], meta: dict[str, str]
         for k, conf in json.loads(meta["lora_adapter_metadata"]).items():
             if k.endswith("lora_alpha"):
                 alphas[k.split(".", 1)[0]] = float(conf)
+    for k in [k for k in peft if ".lora_magnitude_vector" in k]:  # DoRA
+        v = peft.pop(k)
+        if mags is not None:
+            mags[k.split(".lora_magnitude_vector", 1)[0]] = v
     names = {k.rsplit(".lora_", 1)[0] for k in peft}
     layers = {}
     for n in sorted(names):
@@ -486,8 +536,27 @@ def load_lora_file(path: str | Path, unet: nn.Module,
     if bad_alpha:
         raise LoraFileError(f"{lf.path}: its LoRA has alpha {sorted(alphas)}; the run's "
                             f"is {_num(alpha)}: set adapter.alpha={_num(max(alphas))}")
+    # DoRA: the file's magnitudes into the layers' (a plain LoRA run refuses a DoRA file
+    # and the other way round: the delta would not be the trained one)
+    dora = {id(m) for _, m, *_ in fills if _magnitude(m) is not None}
+    if lf.magnitudes and not dora:
+        raise LoraFileError(f"{lf.path}: a DoRA (dora_scale / lora_magnitude_vector "
+                            "tensors): set adapter.variant=dora")
+    if dora and not lf.magnitudes:
+        raise LoraFileError(f"{lf.path}: a plain LoRA (no dora_scale); this run is a DoRA: "
+                            "set adapter.variant=lora (or locon)")
+    by_layer = {n: lf.magnitudes[n] for n in lf.layers if n in lf.magnitudes}
     with torch.no_grad():
         for n, m, d, u, _ in fills:
+            g = _magnitude(m)
+            if g is not None:
+                if n not in by_layer:
+                    raise LoraFileError(f"{lf.path}: {n} has no DoRA magnitude")
+                src = by_layer[n]
+                if src.numel() != g.numel():
+                    raise LoraFileError(f"{lf.path}: {n}'s magnitude has {src.numel()} values;"
+                                        f" the layer takes {g.numel()}")
+                g.copy_(src.reshape(g.shape).to(g.dtype))
             for what, dst, src in (("lora_down", m.lora_A["default"].weight, d),
                                    ("lora_up", m.lora_B["default"].weight, u)):
                 if tuple(dst.shape) != tuple(src.shape):

@@ -36,7 +36,7 @@ from .lora_files import LORA_FILE, base_model_hashes, save_kohya
 from .numbered import mark_best, numbered_files, prune, publish
 
 __all__ = ["to_device", "SDDenoiser", "TextToImage", "Tokenize", "PeftLoraWeights",
-           "FullUNetWeights", "add_lora", "lora_targets", "upcast_aware_attention",
+           "FullUNetWeights", "add_lora", "LOCON_TARGETS", "lora_targets", "upcast_aware_attention",
            "lora_state_dict", "save_lora", "export_pipeline"]
 
 
@@ -251,17 +251,26 @@ def lora_targets(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
 TEXT_ENCODER_TARGETS = ("*.q_proj", "*.k_proj", "*.v_proj", "*.out_proj")  # CLIP attention
 
 
+# adapter.variant=locon: what kohya's LoCon (conv_dim) adds beside the attention, the
+# layers of the UNet's ResNet blocks and down/up samplers (3x3 convolutions, their 1x1
+# shortcut, the time-embedding projection)
+LOCON_TARGETS = ("*.resnets.*.conv1", "*.resnets.*.conv2", "*.resnets.*.conv_shortcut",
+                 "*.resnets.*.time_emb_proj", "*.downsamplers.*.conv", "*.upsamplers.*.conv")
+
+
 def add_lora(unet: nn.Module, *, rank: int, alpha: float | None, dropout: float,
-             targets: tuple[str, ...]) -> list[str]:
+             targets: tuple[str, ...], dora: bool = False) -> list[str]:
     """Freeze ``unet`` (or a text encoder) and add a peft LoRA (A gaussian, B zero: the model
-    is unchanged at step 0) to the layers ``targets`` selects; returns their names."""
+    is unchanged at step 0) to the layers ``targets`` selects; returns their names.
+    ``dora``: weight-decomposed (DoRA, Liu et al. 2024; peft's ``use_dora``), a magnitude
+    per output row trained beside A and B."""
     from peft import LoraConfig, inject_adapter_in_model
 
     names = lora_targets(unet, targets)
     unet.requires_grad_(False)
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank,
                         lora_dropout=dropout, init_lora_weights="gaussian",
-                        target_modules=names)
+                        target_modules=names, use_dora=dora)
     if hasattr(unet, "set_adapters"):  # a diffusers model: its own peft integration
         unet.add_adapter(config)
     else:  # a transformers text encoder: peft's injection (what diffusers' loader uses)
@@ -301,8 +310,11 @@ def _adapter_metadata(module: nn.Module, fold_alpha: bool = False) -> dict[str, 
     conf = getattr(module, "peft_config", {}).get("default")
     if conf is None:
         return None
-    return {"r": conf.r, "lora_alpha": conf.r if fold_alpha else conf.lora_alpha,
+    meta = {"r": conf.r, "lora_alpha": conf.r if fold_alpha else conf.lora_alpha,
             "target_modules": sorted(conf.target_modules)}
+    if getattr(conf, "use_dora", False):  # else diffusers' LoraConfig drops the magnitudes
+        meta["use_dora"] = True
+    return meta
 
 
 def _is_clip(module: nn.Module) -> bool:
@@ -353,6 +365,10 @@ def save_lora(denoiser: nn.Module, out: str | Path,
     for spec, te in zip(family.text, text_encoders):
         if te is not None:
             sd = lora_state_dict(te, keys, fold_alpha=True)
+            # a DoRA magnitude keeps its ``.weight``: transformers' load_adapter (the text
+            # encoders' loader) does not add it back, as peft does for the denoiser
+            sd = {k + ".weight" if k.endswith(".lora_magnitude_vector") else k: v
+                  for k, v in sd.items()}
             layers[spec.part] = {clip_path(k): v for k, v in sd.items()} if _is_clip(te) else sd
             meta[spec.part] = _adapter_metadata(te, fold_alpha=True)
     bad = [k for sd in layers.values() for k, v in sd.items() if not torch.isfinite(v).all()]

@@ -39,7 +39,8 @@ from .hypernetwork import HypernetworkWeights, add_hypernetwork
 from .frozen import BaseModelError, FrozenWatch, check_loaded, check_module
 from .source import family, load_parts, model_root
 from .folder import load_text_parts, load_vae, read_json
-from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
+from .model import (LOCON_TARGETS, TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights,
+                    SDDenoiser,
                     TextToImage, Tokenize, add_lora, load_unet_only, to_device,
                     upcast_aware_attention)
 
@@ -210,8 +211,14 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                     f"{m.quantize_base} ({q['kept']} kept in {cfg.train.precision}), "
                     f"{_size(q['bytes_before'])} -> {_size(q['bytes_after'])} "
                     "(model.quantize_base)")
+            dora = a.variant == "dora"
+            extra = LOCON_TARGETS if a.variant == "locon" else ()
+            if extra and fam.denoiser != "unet":
+                raise ConfigError(f"adapter.variant=locon adds the UNet's ResNet and sampler "
+                                  f"convolutions; the {fam.label} denoiser is a transformer "
+                                  "without them: use adapter.variant=lora or dora")
             targets = add_lora(den, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
-                               targets=a.targets)
+                               targets=tuple(a.targets) + extra, dora=dora)
             if a.text_encoder:  # their LoRA trains too: the model encodes token ids itself
                 # a LoRA on every encoder the family's trainers train (SDXL: both, as
                 # kohya's; SD3, FLUX: the CLIPs, not T5, which runs frozen in the step)
@@ -220,7 +227,7 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                     if spec.lora:
                         targets += [f"{spec.part}.{n}" for n in add_lora(
                             te, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
-                            targets=TEXT_ENCODER_TARGETS)]
+                            targets=TEXT_ENCODER_TARGETS, dora=dora)]
                 media.tokens = True
             if a.init_from:  # continue a LoRA (ours, kohya's, diffusers'): rename, copy
                 from .lora_files import LoraFileError, load_lora_file
