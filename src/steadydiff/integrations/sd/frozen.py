@@ -192,7 +192,9 @@ class FrozenWatch:
         self.sources: dict[str, _Source] = {}
         parts = {family.denoiser} | {spec.part for spec in family.text}
         for n, p in model.named_parameters():
-            if p.requires_grad or not p.is_floating_point():
+            # plain tensors only: an 8-bit base (model.quantize_base) or FSDP shards are
+            # neither checked nor restorable element-wise here
+            if p.requires_grad or not p.is_floating_point() or type(p.data) is not Tensor:
                 continue
             path = n.split(".")
             while path and path[0] not in parts:  # ControlNetDenoiser's "base." prefix
