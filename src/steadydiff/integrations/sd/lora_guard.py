@@ -33,7 +33,7 @@ class LoraDelta:
     def __init__(self, layer: nn.Module, adapter: str = "default") -> None:
         self.layer, self.adapter = layer, adapter
         w = layer.base_layer.weight.detach()
-        if type(w).__module__.startswith("torchao"):  # an 8-bit base (model.quantize_base)
+        if type(w) is not Tensor and hasattr(w, "dequantize"):  # an 8-bit base (torchao)
             w = w.dequantize()
         self._w_norm = w.float().norm().clamp_min(1e-12)  # frozen: read once
 

@@ -457,6 +457,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
         say(f"warning: {msg}")
     if media.tokens:  # the text encoder trains: its inputs, not its outputs, are fixed
         texts = token_ids(media, captions)
+        fallbacks.append(_in_step_tokens(media, data, captions, texts, say))
     else:
         # the text rows (hidden states + pooled); per-item ids (SDXL's) are added per item
         fp32 = torch.float32
@@ -587,6 +588,65 @@ def _text_fallback(media: TextToImage, data, captions: list[str], texts: Any,
         sources=[source_of(data, i) or f"item {i}" for i in items],
         why="the embedding overflowed or a token's embedding row is broken",
         quarantined=len(items), tokens=tokens or None)
+
+
+def _in_step_tokens(media: TextToImage, data, captions: list[str], texts: Any,
+                    say: Callable[[str], None]) -> Any:
+    """Text encoders that run in the step (shuffled captions, a text-encoder LoRA): their
+    token-embedding rows that are non-finite in the run's dtype. Finite on disk in fp32 (a
+    row beyond fp16's range): that encoder runs in fp32 from now on (its rows copied from
+    disk). Non-finite on disk too: the items whose captions use them are left out
+    (``texts.bad``; quarantined by the caller) naming the token, before any step."""
+    from ...guard.findings import EncoderFallback
+    from .frozen import nonfinite_token_rows
+
+    fp32, moved, dead = torch.float32, [], {}
+    for i, (te, tok) in enumerate(zip(media.text_encoders, media.tokenizers)):
+        rows = nonfinite_token_rows(te)
+        if not rows:
+            continue
+        disk = media._from_disk()
+        src = disk.text_encoders[i] if disk is not None else None
+        on_disk = set(nonfinite_token_rows(src)) if src is not None else set(rows)
+        if set(rows) - on_disk and src is not None:  # fp16 made them inf: run in fp32
+            emb = te.get_input_embeddings()
+            te.to(fp32)
+            with torch.no_grad():
+                emb.weight.copy_(src.get_input_embeddings().weight.to(emb.weight.device))
+            media.text_dtypes[i] = fp32
+            moved.append(f"text encoder {i + 1}")
+        for j in on_disk & set(rows):
+            dead[j] = f"token {tok.convert_ids_to_tokens(j)!r} (id {j}) of text encoder {i + 1}"
+    media.text_dtype = media.text_dtypes[0]
+    if not moved and not dead:
+        return None
+    bad_caps = {}
+    if dead:
+        ids = Tokenize(media.tokenizers, media.layout.ids_len)
+        for c in dict.fromkeys(captions):
+            hit = [dead[j] for j in dict.fromkeys(ids([c])[0].tolist()) if j in dead]
+            if hit:
+                bad_caps[c] = ("a token's embedding row is non-finite in the text encoder "
+                               "(on disk too): " + ", ".join(hit))
+        texts.bad.update(bad_caps)
+    items = [i for i, c in enumerate(captions) if c in bad_caps]
+    msg = ("text (encoded in the step): "
+           + (f"{', '.join(moved)} run(s) in fp32 (token-embedding rows beyond fp16's "
+              "range, finite on disk)" if moved else "")
+           + ("; " if moved and dead else "")
+           + (f"{len(items)} item(s) left out: their captions use " + ", ".join(sorted(
+               set(dead.values()))[:5]) + " (non-finite on disk: download the text encoder "
+              "again)" if dead else "")
+           + ". Set model.text_encoder_precision=fp32 to run the text encoders in fp32")
+    log.warning(msg)
+    say(f"warning: {msg}")
+    return EncoderFallback.new(
+        part="text_encoder", dtype="float16" if moved else str(media.text_dtype)
+        .removeprefix("torch."), count=len(moved) + len(bad_caps), total=len(set(captions)),
+        key="model.text_encoder_precision",
+        sources=[source_of(data, i) or f"item {i}" for i in items],
+        why="token-embedding rows non-finite in the run's dtype", quarantined=len(items),
+        tokens=sorted(set(dead.values())) or None)
 
 
 def _tokens_of(blame: str) -> list[str]:
