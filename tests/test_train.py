@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import yaml
 
 import steadydiff
 from steadydiff.cli import main
@@ -175,7 +176,26 @@ def test_grad_accum_is_one_optimizer_step_per_global_batch(tmp_path):
 def test_cli_train_dry_run(capsys):
     assert main(["train", "configs/digits_cond.yaml", "--dry-run", "--set", "train.steps=9"]) == 0
     out = capsys.readouterr().out
-    assert "steps: 9" in out and "dataset: digits" in out
+    assert "steps: 9" in out and "dataset: digits" not in out  # only what differs
+    changed = yaml.safe_load(out)
+    assert changed["train"]["steps"] == 9 and load_config(None, [  # the changed keys are
+        f"{k}={json.dumps(v)}" for k, v, _ in load_config(  # the run's config
+            "configs/digits_cond.yaml", ["train.steps=9"]).differences()]) == load_config(
+        "configs/digits_cond.yaml", ["train.steps=9"])
+    assert main(["train", "configs/digits_cond.yaml", "--dry-run", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert out.index("# model.unet.channels: 32 (default 64)") < out.index("dataset: digits")
+
+
+def test_set_is_repeatable_and_never_takes_the_config_path(capsys):
+    assert main(["train", "--set", "train.steps=7", "data.image_size=8",
+                 "configs/digits_cond.yaml", "--dry-run"]) == 0
+    changed = yaml.safe_load(capsys.readouterr().out)
+    assert changed["train"]["steps"] == 7 and changed["data"]["image_size"] == 8
+    assert main(["train", "configs/digits_cond.yaml", "--set", "train.steps=5", "--set",
+                 "optim.lr=0.001", "--dry-run"]) == 0
+    changed = yaml.safe_load(capsys.readouterr().out)
+    assert changed["train"]["steps"] == 5 and changed["optim"]["lr"] == 0.001
 
 
 def test_cli_bad_input_exit_code(capsys, tmp_path):

@@ -7,7 +7,13 @@ Public API:
     steadydiff.Guard(model, optimizer, ...)               the stability guard, for any loop
 """
 
-from .config import Config, ConfigError, load_config
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for type checkers; at run time __getattr__ imports on first use
+    from .api import Pipeline, load, train
+    from .config import Config, ConfigError, load_config
+    from .guard import Guard, GuardAbort
+    from .trainer.preempt import TrainingInterrupted
 
 __all__ = ["Config", "ConfigError", "Guard", "GuardAbort", "Pipeline", "TrainingInterrupted",
            "load", "load_config", "train"]
@@ -15,7 +21,11 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str):
-    # Imported lazily so `import steadydiff.config` (the CLI's --help, --dry-run) stays light.
+    # Everything is imported lazily: the CLI's --help and --version import this package and
+    # must not pay for pydantic (config) or torch (the rest).
+    if name in ("Config", "ConfigError", "load_config"):
+        from . import config
+        return getattr(config, name)
     if name in ("train", "load", "Pipeline"):
         from . import api
         return getattr(api, name)

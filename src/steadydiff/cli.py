@@ -67,9 +67,10 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train from a YAML config. Rerunning the same command "
                                    "resumes from the run's newest intact checkpoint.")
     t.add_argument("config", help="YAML config file (see configs/)")
-    t.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[],
+    t.add_argument("--set", dest="overrides", action="append", default=[],
                    metavar="SECTION.KEY=VALUE",
-                   help="override config values: --set a.b=1 c.d=2, or --set repeated")
+                   help="override a config value; repeat for several (--set a.b=1 --set "
+                        "c.d=2; --set a.b=1 c.d=2 also works and never takes the config path)")
     t.add_argument("--out", default=None,
                    help="run directory (default: runs/<config file name>)")
     t.add_argument("--dry-run", action="store_true",
@@ -77,8 +78,10 @@ def _parser() -> argparse.ArgumentParser:
                         "precision, data and its classes, the model built on the meta device "
                         "and run once) without training; print the resolved config and exit")
     t.add_argument("--print-config", action="store_true",
-                   help="print the whole resolved config at start (it is always written to "
-                        "RUN_DIR/config.yaml; the terminal gets a short header)")
+                   help="print the whole resolved config at start, what differs from the "
+                        "defaults first (it is always written to RUN_DIR/config.yaml; the "
+                        "terminal gets a short header; --dry-run alone prints only the keys "
+                        "that differ)")
     t.add_argument("--resume", default=None, metavar="PATH",
                    help="resume from this checkpoint or run directory")
     t.add_argument("--no-resume", action="store_true",
@@ -104,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="default: the checkpoint config's sample.sampler")
     s.add_argument("--steps", type=int, default=None, help="sampling steps (default: sample.steps)")
     s.add_argument("--num", type=int, default=None, help="number of samples (default: sample.num)")
+    s.add_argument("--width", type=int, default=None,
+                   help="text-to-image model: the image width in pixels (a multiple of the "
+                        "VAE's x the denoiser's downsampling; default: the model's native "
+                        "size)")
+    s.add_argument("--height", type=int, default=None,
+                   help="text-to-image model: the image height in pixels (default: the "
+                        "model's native size)")
     s.add_argument("--class-label", type=int, default=None,
                    help="class for a class-conditional model (default: cycle through all)")
     s.add_argument("--prompt", action="append", default=None,
@@ -126,7 +136,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="adapter checkpoint: apply the adapter at this scale (0: the base "
                         "model; default 1)")
     s.add_argument("--base", default=None,
-                   help="adapter checkpoint: its base weights, if they moved since training")
+                   help="adapter checkpoint: its base weights; a Stable Diffusion run: its "
+                        "model.pretrained; if they moved since training (the identity the "
+                        "run recorded is checked)")
     s.add_argument("--control-image", default=None, metavar="FILE",
                    help="ControlNet run: the conditioning image (resized to data.image_size)")
     s.add_argument("--control-scale", type=float, default=None,
@@ -144,7 +156,10 @@ def _parser() -> argparse.ArgumentParser:
                         "ControlNet run: LoRA and ControlNet together")
     s.add_argument("--out", required=True,
                    help="output: a .png grid, or .npz with 'samples' (N,C,H,W) float32 in "
-                        "[-1,1] (and 'labels' when class-conditional)")
+                        "[-1,1] (and 'labels' when class-conditional); a new file, written "
+                        "atomically")
+    s.add_argument("--force", action="store_true",
+                   help="replace an existing --out file (never a directory or an input)")
 
     e = sub.add_parser("eval", formatter_class=_Formatter,
                        help="measure sample quality: FD, KID, precision/recall (offline)",
@@ -154,8 +169,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "FD-fashion_mnist: not comparable with Inception FID), with "
                                    "KID, precision/recall and class accuracy; true FID with "
                                    "--inception-weights. See docs/evaluation.md.")
-    from .eval.evaluate import add_arguments
-    add_arguments(e)
+    _eval_arguments(e)
 
     x = sub.add_parser("ema", formatter_class=_Formatter,
                        help="post-hoc EMA: reconstruct the EMA of any length after training",
@@ -230,18 +244,34 @@ def _parser() -> argparse.ArgumentParser:
                                     "first_stage_model.*, cond_stage_model.*. A run from a "
                                     "single file keeps that file's VAE and text encoder "
                                     "tensors as they were. Non-finite weights are refused; "
-                                    "the file is written atomically. (A LoRA run's export is "
-                                    "RUN/lora/, written during training.)")
+                                    "the file is written atomically. Neither: a Stable "
+                                    "Diffusion LoRA or hypernetwork run's numbered files "
+                                    "(RUN/lora/<run>-step00001000.safetensors, pytorch_lora_"
+                                    "weights-step00001000.safetensors) of the checkpoint "
+                                    "--step N (or SOURCE, a checkpoint), written as training "
+                                    "writes them; files already there are kept.")
     xp.add_argument("source", help="run directory, checkpoint, or diffusers SD folder")
-    what = xp.add_mutually_exclusive_group(required=True)
+    which = xp.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, default=None, metavar="N",
+                       help="the run's kept checkpoint of step N (or the best evaluation's) "
+                            "instead of the newest")
+    which.add_argument("--checkpoint", default=None, metavar="CKPT",
+                       help="this checkpoint of the run: a directory, or its name under "
+                            "RUN/checkpoints (step_00001000, best/step_00001000)")
+    what = xp.add_mutually_exclusive_group()
     what.add_argument("--out", metavar="OUT.safetensors",
                       help="steadydiff's own model as one file (see above)")
     what.add_argument("--single-file", metavar="OUT.safetensors",
                       help="a Stable Diffusion fine-tune as one original-layout file")
     xp.add_argument("--raw-weights", action="store_true",
                     help="use the raw model weights instead of the EMA")
+    xp.add_argument("--base", default=None, metavar="PATH",
+                    help="--single-file: the run's base model (model.pretrained), if it "
+                         "moved since training (the identity the run recorded is checked)")
     xp.add_argument("--half", action="store_true",
                     help="write fp16 tensors (half the size; what most shared files use)")
+    xp.add_argument("--force", action="store_true",
+                    help="replace an existing output file (never a directory or the source)")
 
     cn = sub.add_parser("condition", formatter_class=_Formatter,
                         help="make ControlNet conditioning images (Canny edges, gray, tile) "
@@ -277,6 +307,33 @@ def _parser() -> argparse.ArgumentParser:
                     help="replace the files an earlier `steadydiff condition` wrote in --out "
                          "(never anything else)")
 
+    li = sub.add_parser("lint", formatter_class=_Formatter,
+                        help="warn about dangerous-but-legal settings in a config, quickly",
+                        description="Validate CONFIG (with --set) and print the start-up "
+                                    "lint's warnings (an LR far above the family's, fp16 "
+                                    "attention without QK-norm, an EMA that cannot warm up, "
+                                    "...): what `steadydiff train` prints at start, without "
+                                    "building anything. `train --dry-run` also builds the "
+                                    "model and reads the data. Exit 0 even with warnings "
+                                    "(--strict: 1), 2 for a config that does not load.")
+    li.add_argument("config", help="YAML config file")
+    li.add_argument("--set", dest="overrides", action="append", default=[],
+                    metavar="SECTION.KEY=VALUE", help="override a config value (repeatable)")
+    li.add_argument("--strict", action="store_true", help="exit 1 when there are warnings")
+
+    it = sub.add_parser("init", formatter_class=_Formatter,
+                        help="write a commented starting config for a task",
+                        description="Write the config a task starts from: only the keys its "
+                                    "users set, each commented (the rest keep their "
+                                    "defaults; `steadydiff train FILE --dry-run "
+                                    "--print-config` shows them all). Tasks: "
+                                    + "; ".join(f"{t.name}: {t.what}" for t in _tasks()))
+    it.add_argument("task", choices=[t.name for t in _tasks()], help="what to train")
+    it.add_argument("--out", default=None,
+                    help="the config file to write (default: ./TASK.yaml); an existing "
+                         "file is refused without --force")
+    it.add_argument("--force", action="store_true", help="replace an existing --out file")
+
     d = sub.add_parser("doctor", formatter_class=_Formatter,
                        help="post-mortem: name the likely causes of a run's trouble",
                        description="Examine a run directory or a checkpoint (weights, EMA, a "
@@ -293,6 +350,62 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--verbose", action="store_true", help="also list info findings")
     d.add_argument("--device", default="cpu", help="where the probe forward pass runs")
     return p
+
+
+def _tasks():
+    from .tasks import TASKS
+    return TASKS
+
+
+def cmd_lint(a: argparse.Namespace) -> int:
+    from .config import load_config
+    from .lint import lint
+
+    cfg = load_config(a.config, a.overrides)
+    found = lint(cfg)
+    for msg in found:
+        print(f"warning: {msg}")
+    print(f"lint: {a.config}: {len(found)} warning{'s' * (len(found) != 1)}"
+          + ("" if found else " (the device-dependent checks run at start: train --dry-run)"))
+    return 1 if (found and a.strict) else EXIT_OK
+
+
+def cmd_init(a: argparse.Namespace) -> int:
+    from .tasks import get, template
+
+    out = Path(a.out) if a.out else Path(f"{a.task}.yaml")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory; give the config file to write")
+    if out.exists() and not a.force:
+        raise ValueError(f"{out} exists; give another --out, or --force to replace it")
+    text = template(a.task)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(f"# written by `steadydiff init {a.task}`: {get(a.task).what}\n" + text)
+    os.replace(tmp, out)
+    print(f"wrote {out} ({get(a.task).what}); edit the paths, then:\n"
+          f"  steadydiff lint {out}\n  steadydiff train {out} --dry-run\n"
+          f"  steadydiff train {out} --out runs/{out.stem}")
+    return EXIT_OK
+
+
+def _eval_arguments(p: argparse.ArgumentParser) -> None:
+    """`steadydiff eval`'s options (evaluate.run_cli reads them)."""
+    p.add_argument("checkpoint", help="checkpoint or run directory")
+    p.add_argument("--num", type=int, default=500,
+                   help="samples to draw (compared with as many real images)")
+    p.add_argument("--sampler", default=None, choices=SAMPLER_NAMES,
+                   help="default: the checkpoint config's sample.sampler")
+    p.add_argument("--steps", type=int, default=None, help="default: sample.steps")
+    p.add_argument("--cfg-scale", type=float, default=None, help="default: sample.cfg_scale")
+    p.add_argument("--seed", type=int, default=0, help="sampling and subset seed")
+    p.add_argument("-k", type=int, default=3, help="nearest neighbours for precision/recall")
+    p.add_argument("--inception-weights", default=None, metavar="PATH",
+                   help="also report true FID with the standard FID InceptionV3 weights from "
+                        "this local file (pt_inception-2015-12-05-*.pth; never downloaded)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: auto)")
+    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
+    p.add_argument("--out", default=None, help="also write the figures to this JSON file")
 
 
 def cmd_condition(a: argparse.Namespace) -> int:
@@ -335,7 +448,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.dry_run:
         from .devices import resolve_device
         from .lint import lint_report
-        from .preflight import check, resolve
+        from .preflight import check, resolve, resolve_data, resolve_epochs
         from .trainer import speed
 
         if a.grow_resolution:  # the config the grown run would train with
@@ -343,12 +456,17 @@ def cmd_train(a: argparse.Namespace) -> int:
         cfg, notes = resolve(cfg)  # what an SD folder's scheduler decides
         for note in notes:
             print(f"stable diffusion: {note}", file=sys.stderr)
+        cfg, notes = resolve_data(cfg)  # a kohya dataset TOML's resolution and batch
+        for note in notes:
+            print(f"data: {note}", file=sys.stderr)
         device = resolve_device(cfg.train.device, what="train.device")
         cfg, chosen = speed.resolve(cfg, device)  # the `auto` speed settings, as a run would
 
         # what a run checks before its first step: fails the same way
         pre = check(cfg, device=device)
-        print(cfg.to_yaml(), end="")
+        cfg, lines = resolve_epochs(cfg, pre.data)  # train.epochs -> steps; kohya subsets
+        print("".join(f"{line}\n" for line in lines), end="", file=sys.stderr)
+        print(_config_text(cfg, whole=a.print_config), end="")
         # stdout stays valid YAML: the summary is a comment
         print("".join(f"# {line}\n" for line in ["dry run: ok", *pre.header(cfg),
                                                    *([speed.describe(chosen, device)]
@@ -360,7 +478,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     resume = a.resume if a.resume else (not a.no_resume)
     say = print if int(os.environ.get("RANK", 0)) == 0 else (lambda *_a, **_k: None)
     if a.print_config:
-        say(cfg.to_yaml(), end="")
+        say(_config_text(cfg, whole=True), end="")
     res = run(cfg, run_dir=out, resume=resume, allow_config_change=a.allow_config_change,
               restart=a.restart, grow_resolution=a.grow_resolution)
     if say is not print:  # torchrun: rank 0 reports for the group
@@ -371,7 +489,25 @@ def cmd_train(a: argparse.Namespace) -> int:
     if res.samples:
         print(f"  samples:    {res.samples[-1]}")
     print(f"  metrics:    {out / 'metrics.jsonl'}")
+    if cfg.model.pretrained:  # what to load where: the LoRA files, the base, the rank
+        from .integrations.sd.advice import load_hints
+
+        for line in load_hints(cfg, out):
+            print(f"  {line}")
     return EXIT_OK
+
+
+def _config_text(cfg, whole: bool) -> str:
+    """The config as YAML, what differs from the defaults first: the changed keys as a
+    config of their own (``whole``: then every key, as comments name the differences)."""
+    diff = cfg.differences()
+    if not whole:
+        return (f"# the {len(diff)} keys that differ from the defaults (a config holding only "
+                f"these is this run's); --print-config shows every key\n"
+                + cfg.changed_yaml())
+    lines = [f"# {key}: {value!r} (default {default!r})" for key, value, default in diff]
+    return ("# differs from the defaults:\n" + "".join(f"{ln}\n" for ln in lines)
+            + "# the whole resolved config:\n" + cfg.to_yaml())
 
 
 def _grown_config(cfg, a: argparse.Namespace):
@@ -397,9 +533,12 @@ def cmd_sample(a: argparse.Namespace) -> int:
     from .loading import load
     from .eval.grid import grid_nrow, save_grid, save_npz
 
+    from .files import check_output
+
     out = Path(a.out)
     if out.suffix.lower() not in (".png", ".npz"):
         raise ValueError(f"--out must end in .png or .npz, got {out}")
+    check_output(out, force=a.force, inputs=[a.checkpoint, *(a.lora or [])])
     for name, v in (("--steps", a.steps), ("--num", a.num)):
         if v is not None and v < 1:
             raise ValueError(f"{name} must be at least 1, got {v}")
@@ -414,7 +553,7 @@ def cmd_sample(a: argparse.Namespace) -> int:
                        cfg_scale=a.cfg_scale, eta=a.eta, seed=a.seed, prompt=prompt,
                        negative_prompt=a.negative_prompt, control_image=a.control_image,
                        control_scale=a.control_scale, control_start=a.control_start,
-                       control_end=a.control_end)
+                       control_end=a.control_end, width=a.width, height=a.height)
     if out.suffix.lower() == ".npz":
         save_npz(x, out, y)
     else:
@@ -470,16 +609,41 @@ def cmd_export(a: argparse.Namespace) -> int:
     import torch
 
     dtype = torch.float16 if a.half else None
+    if a.checkpoint:  # a name under RUN/checkpoints, or a path
+        named = Path(a.source) / "checkpoints" / a.checkpoint
+        a.source = named if named.is_dir() else Path(a.checkpoint)
+        if not Path(a.source).is_dir():
+            raise ValueError(f"--checkpoint {a.checkpoint}: neither {named} nor "
+                             f"{a.checkpoint} is a checkpoint directory")
+    if not a.out and not a.single_file:  # an SD adapter run's numbered files
+        from .integrations.sd.export import export_adapter
+
+        if a.half:
+            raise ValueError("--half casts --out/--single-file files; LoRA files keep the "
+                             "run's fp32 tensors: drop --half")
+        written, left = export_adapter(a.source, a.step,
+                                       use_ema=False if a.raw_weights else None)
+        for p in written:
+            print(f"wrote {p}")
+        for p in left:
+            print(f"kept {p} (already there)")
+        return EXIT_OK
+    if a.step is not None:
+        from .integrations.sd.export import checkpoint_at
+
+        a.source = checkpoint_at(a.source, a.step)
     if a.out:
         from .loading import export_model
 
-        path = export_model(a.source, a.out, use_ema=not a.raw_weights, dtype=dtype)
+        path = export_model(a.source, a.out, use_ema=not a.raw_weights, dtype=dtype,
+                            force=a.force)
         print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, "
               f"{'raw' if a.raw_weights else 'EMA'} weights; steadydiff.load reads it)")
         return EXIT_OK
     from .integrations.sd.export import export
 
-    path = export(a.source, a.single_file, use_ema=not a.raw_weights, dtype=dtype)
+    path = export(a.source, a.single_file, use_ema=not a.raw_weights, dtype=dtype,
+                  force=a.force, base=a.base)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, original single-file "
           "layout)")
     return EXIT_OK
@@ -505,8 +669,33 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .config import ConfigError
-    from .data import DataError
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    args = _parser().parse_args(_one_value_per_set(sys.argv[1:] if argv is None else argv))
+    from . import quiet
+
+    quiet.install()  # third-party notices off the console (kept in RUN/third_party.log)
+    handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "ema": cmd_ema,
+                "condition": cmd_condition,
+                "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge,
+                "export": cmd_export, "lint": cmd_lint, "init": cmd_init}
+    try:
+        return handlers[args.command](args)
+    except Exception as e:  # noqa: BLE001 (each known kind is an exit code; others re-raise)
+        return _exit_for(e)
+    except KeyboardInterrupt:  # Ctrl-C outside training (the trainer handles its own)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+def _exit_for(e: Exception) -> int:
+    """The exit code (and message) of an exception a command raised; others re-raise.
+
+    The exception classes are imported here, not at start: they import torch (seconds),
+    which --help, --version, lint and init never need; when one of them was raised, its
+    module is already loaded."""
+    if isinstance(e, (ValueError, FileNotFoundError)):  # ConfigError, DataError: bad input
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     from .distributed import EXIT_DIST_FAILURE, DistributedError
     from .guard import GuardAbort
     from .rundir import RunDirError
@@ -514,19 +703,10 @@ def main(argv: list[str] | None = None) -> int:
     from .trainer.loop import CheckpointSaveError
     from .trainer.preempt import TrainingInterrupted
 
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    args = _parser().parse_args(argv)
-    handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "ema": cmd_ema,
-                "condition": cmd_condition,
-                "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge,
-                "export": cmd_export}
-    try:
-        return handlers[args.command](args)
-    except (ConfigError, DataError, CheckpointError, RunDirError, ValueError,
-            FileNotFoundError) as e:
+    if isinstance(e, (CheckpointError, RunDirError)):
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except GuardAbort as e:
+    if isinstance(e, GuardAbort):
         print(f"aborted: {e}", file=sys.stderr)
         point = getattr(e, "abort_point", None)  # set by the trainer (rank 0)
         if point:
@@ -535,13 +715,21 @@ def main(argv: list[str] | None = None) -> int:
             print(f"to resume {where} with the LR the guard found safe ({point['lr_why']}):"
                   f"\n  {point['resume']}", file=sys.stderr)
         return EXIT_ABORTED
-    except CheckpointSaveError as e:
+    if isinstance(e, CheckpointSaveError):
         print(f"error: {e}", file=sys.stderr)
         return EXIT_SAVE_FAILED
-    except DistributedError as e:
+    from .files import WriteFailed, describe_failure, write_failure
+
+    if isinstance(e, WriteFailed) or write_failure(e) is not None:
+        # a full disk while writing anything: a sentence, not a traceback
+        where = getattr(e, "filename", None) or "an output"
+        print(f"error: {e if isinstance(e, WriteFailed) else describe_failure(where, e)}",
+              file=sys.stderr)
+        return EXIT_SAVE_FAILED
+    if isinstance(e, DistributedError):
         print(f"error: {e}", file=sys.stderr)
         return EXIT_DIST_FAILURE
-    except TrainingInterrupted as e:
+    if isinstance(e, TrainingInterrupted):
         if "LOCAL_RANK" in os.environ:  # torchrun: rank 0 speaks for the group
             if int(os.environ.get("RANK", 0)) == 0:
                 print(f"\n{e}\nto resume, run the same torchrun command again",
@@ -550,9 +738,33 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{e}\nto resume, run the same command again:\n  "
                   + " ".join(_command_line()), file=sys.stderr)
         return EXIT_INTERRUPTED
-    except KeyboardInterrupt:  # Ctrl-C outside training (the trainer handles its own)
-        print("\ninterrupted", file=sys.stderr)
-        return 130
+    raise e
+
+
+_OVERRIDE = re.compile(r"^[A-Za-z_][\w.]*=")
+
+
+def _one_value_per_set(argv: list) -> list[str]:
+    """``--set a=1 b=2 CONFIG`` as ``--set a=1 --set b=2 CONFIG``: the values after one
+    ``--set`` are the KEY=VALUE words that follow it, so a positional (the config path)
+    placed after them is never taken for an override, as argparse's ``nargs="+"`` would."""
+    out: list[str] = []
+    taking = False
+    for word in map(str, argv):
+        if word == "--set":
+            taking = False
+            out.append(word)
+            continue
+        if out and out[-1] == "--set":
+            out.append(word)  # the first value: whatever it is (argparse names a bad one)
+            taking = True
+            continue
+        if taking and _OVERRIDE.match(word):
+            out += ["--set", word]
+            continue
+        taking = False
+        out.append(word)
+    return out
 
 
 def _command_line() -> list[str]:

@@ -225,24 +225,6 @@ def format_result(res: dict) -> str:
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint or run directory")
-    p.add_argument("--num", type=int, default=500,
-                   help="samples to draw (compared with as many real images)")
-    p.add_argument("--sampler", default=None, choices=SAMPLER_NAMES,
-                   help="default: the checkpoint config's sample.sampler")
-    p.add_argument("--steps", type=int, default=None, help="default: sample.steps")
-    p.add_argument("--cfg-scale", type=float, default=None, help="default: sample.cfg_scale")
-    p.add_argument("--seed", type=int, default=0, help="sampling and subset seed")
-    p.add_argument("-k", type=int, default=3, help="nearest neighbours for precision/recall")
-    p.add_argument("--inception-weights", default=None, metavar="PATH",
-                   help="also report true FID with the standard FID InceptionV3 weights from "
-                        "this local file (pt_inception-2015-12-05-*.pth; never downloaded)")
-    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: auto)")
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON only")
-    p.add_argument("--out", default=None, help="also write the figures to this JSON file")
-
-
 def run_cli(a: argparse.Namespace) -> dict:
     """Evaluate, print the summary (or JSON), optionally write JSON; returns the figures."""
     if a.num < 2:

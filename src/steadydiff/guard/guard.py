@@ -56,6 +56,7 @@ from .snapshots import Snapshot, SnapshotRing, restore_into
 from .state import GuardState
 from .update import Progress, ProgressLike, Update
 from .window import Suspect, Window
+from . import basewatch
 
 __all__ = ["DATA_KINDS", "Decision", "DecisionKind", "Flush", "Guard", "GuardAbort",
            "Incident", "Progress", "Rewind"]
@@ -131,6 +132,8 @@ class Guard:
         self.net = self.update.net
         self.optimizer = optimizer
         self.ema = self.update.ema
+        # the frozen base's watch (guard/basewatch.py; set by the SD path's adapter runs)
+        self.frozen: Any = None
         self.T = num_timesteps
         self.progress: ProgressLike = progress if progress is not None else Progress(
             precision=precision or ("fp16" if scaler is not None else "fp32"), scaler=scaler)
@@ -249,6 +252,11 @@ class Guard:
         # findings: the weights, the batch, loss and gradients, the LR, spikes
         finding = self._findings(seen, lr_now, inputs is not None, replay, num_micro,
                                  after_backward)
+        if finding is not None and self.frozen is not None \
+                and finding.kind in basewatch.SYMPTOMS:  # a corrupt frozen base, not the LR
+            d = basewatch.check(self, seen)
+            if d is not None:
+                return d
         if finding is None:
             return self._healthy(seen, gnorm, factor, lr_now, _retry_of, suspect,
                                  after_update, probe_forward)

@@ -283,6 +283,8 @@ class Family:
     pipelines: ClassVar[tuple[str, ...]] = ()
     #: the folder's parts and the classes model_index.json may name for each
     parts: ClassVar[dict[str, tuple[str, ...]]] = {}
+    #: the shipped LoRA config a user of the family starts from (the tiny kit names it)
+    example_config: ClassVar[str] = "configs/sd_lora.yaml"
     #: the trained network's component name (``unet`` | ``transformer``) and its word
     denoiser: ClassVar[str] = "unet"
     denoiser_word: ClassVar[str] = "UNet"

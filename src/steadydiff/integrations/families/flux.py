@@ -127,6 +127,7 @@ class Flux(Family):
     """FLUX.1 dev and schnell."""
 
     name = "flux"
+    example_config = "configs/flux_lora.yaml"
     label = "FLUX.1"
     title = "FLUX.1 transformer"
     pipelines = ("FluxPipeline",)

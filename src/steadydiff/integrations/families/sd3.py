@@ -99,6 +99,7 @@ class SD3(Family):
     """Stable Diffusion 3 and 3.5 (medium, large)."""
 
     name = "sd3"
+    example_config = "configs/sd3_lora.yaml"
     label = "SD3/SD3.5"
     title = "SD3 transformer"
     pipelines = ("StableDiffusion3Pipeline",)

@@ -84,7 +84,16 @@ def main(argv: list[str] | None = None) -> None:
             p.error(f"--prediction: the {a.family} family's scheduler has one prediction "
                     "type; leave it out")
         kw["prediction"] = a.prediction
-    print(make_tiny(a.out, a.family, image_size=a.image_size, seed=a.seed, **kw))
+    import diffusers.utils.logging as diffusers_log
+    import transformers.utils.logging as transformers_log
+
+    for lib in (diffusers_log, transformers_log):  # their notes and bars say nothing here
+        lib.set_verbosity_error()
+        lib.disable_progress_bar()
+    out = make_tiny(a.out, a.family, image_size=a.image_size, seed=a.seed, **kw)
+    print(f"wrote a tiny {a.family} model folder (random weights, {a.image_size} px) to {out}"
+          f"\n  train a LoRA on it: steadydiff train {families.get(a.family).example_config}"
+          f" --set model.pretrained={out} --set data.path=YOUR_IMAGES")
 
 
 if __name__ == "__main__":
