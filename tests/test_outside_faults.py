@@ -306,3 +306,32 @@ def test_fp16_gradient_overflow_is_located_and_upcast_before_any_fallback(tmp_pa
     assert guard.precision == "fp16"  # no global fallback
     assert actions[-3:] == [("step", None)] * 3  # training on, finite
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def test_unreproduced_faults_are_summarised_and_advised_per_rank():
+    """Rows of faults the deferred check saw and the re-run did not: the summary line says
+    so, one is a one-off, two on a rank advise a hardware / storage / loader check and name
+    the files; a reproduced row of the same kind keeps its own advice too."""
+    from steadydiff.guard.findings import finding_from_row
+
+    def row(step, rank, reproduced=False):
+        ev = {"max_abs_input": "nan", "rank": rank,
+              "samples": [{"index": 7, "source": "/data/007.png", "position": 2}]}
+        if reproduced is False:
+            ev["reproduced"] = False
+        return finding_from_row({"step": step, "kind": "bad_batch", "severity": "error",
+                                 "evidence": ev, "action": "rerun"})
+
+    one = row(14, 1)
+    assert "not reproduced when the step ran again" in one.summary()
+    assert one.recommendation().startswith("a one-off")
+    two = [row(14, 1), row(90, 1)]
+    advice = two[0].recommendation(group=two)
+    assert "2 bad_batch faults (rank 1: 2)" in advice
+    assert all(w in advice for w in ("hardware", "storage", "data loader", "/data/007.png"))
+    mixed = [row(14, 0), row(30, 0, reproduced=True)]
+    advice = mixed[0].recommendation(group=mixed)
+    assert "one-off" in advice and "check the data" in advice

@@ -55,8 +55,8 @@ from .records import (Decision, DecisionKind, Flush, GuardAbort, Incident, Incid
 from .snapshots import Snapshot, SnapshotRing, restore_into
 from .state import GuardState
 from .update import Progress, ProgressLike, Update
-from . import basewatch
 from .window import Suspect, Window
+from . import basewatch
 
 __all__ = ["DATA_KINDS", "Decision", "DecisionKind", "Flush", "Guard", "GuardAbort",
            "Incident", "Progress", "Rewind"]
