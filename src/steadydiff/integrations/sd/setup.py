@@ -361,9 +361,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     captions = list(data.captions)
     over = caption_overflow(media, data, captions)
     if over:
-        msg = overflow_message(over, media.context_len, len(captions))
-        log.warning(msg)
-        say(f"warning: {msg}")
+        say(f"warning: {overflow_message(over, media.context_len, len(captions))}")
     if media.tokens:  # the text encoder trains: its inputs, not its outputs, are fixed
         texts = token_ids(media, captions)
     else:
