@@ -16,7 +16,7 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q -c constraints.txt -e '.[dev,sd]'
+	$(PIP) install -q -c constraints.txt -e '.[dev,sd,quant]'
 	touch $(STAMP)
 
 quickstart: install

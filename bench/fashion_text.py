@@ -97,7 +97,8 @@ def build_text_encoder(folder: Path, hidden: int) -> Path:
 
 
 def train_vae(folder: Path, path: str, image_size: int, *, steps: int, batch: int = 64,
-              lr: float = 1e-3, kl: float = 1e-4, num_test: int = 1000) -> dict:
+              lr: float = 1e-3, kl: float = 1e-4, num_test: int = 1000,
+              latent_channels: int = 4) -> dict:
     """Train a small AutoencoderKL on the Fashion-MNIST train split and save it to ``folder``.
 
     Loss: mean squared error of the reconstruction (from a posterior sample) + ``kl`` x the
@@ -107,6 +108,7 @@ def train_vae(folder: Path, path: str, image_size: int, *, steps: int, batch: in
     ``num_test`` test images (MSE on the [0, 1] scale and PSNR), and ``scaling_factor`` =
     1 / std of the posterior-mean latents of 2,000 training images, registered in the saved
     config (steadydiff scales latents by it, as diffusers' training scripts do).
+    ``latent_channels``: 4 (SD's), 16 (SD3's and FLUX.1's; bench/flow_learns.py).
     """
     from steadydiff.integrations.sd.tiny import tiny_vae
 
@@ -114,7 +116,8 @@ def train_vae(folder: Path, path: str, image_size: int, *, steps: int, batch: in
         return json.loads((folder / "vae_train.json").read_text())  # trained by an earlier run
     xtr = FashionMNISTDataset(image_size, 1, root=path, split="train").images_at(slice(None))
     xte = FashionMNISTDataset(image_size, 1, root=path, split="test").images_at(slice(None))
-    vae = tiny_vae(channels=1, latent_channels=4, widths=(32, 64), sample_size=image_size,
+    vae = tiny_vae(channels=1, latent_channels=latent_channels, widths=(32, 64),
+                   sample_size=image_size,
                    seed=0).train()
     opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, max(steps, 1), eta_min=lr * 0.1)

@@ -52,7 +52,8 @@ def dump(out: Path) -> None:
     (out / f"rank{state.rank}.json").write_text(json.dumps(
         {"step": state.step, "batches_consumed": state.batches_consumed,
          "train_seconds": state.train_seconds,
-         "world_size": state.world_size, "incidents": incidents}, default=str))
+         "world_size": state.world_size, "incidents": incidents,
+         "sharded": state.sharded}, default=str))
 
 
 _build = loop.build_state

@@ -45,7 +45,7 @@ def _last_json(stdout: str) -> dict:
                                     "eval_sanity.py", "eval_curves.py", "posthoc_ema.py",
                                     "grow_resolution.py", "sd_overhead.py", "sd_faults.py",
                                     "fashion_text.py", "gpu.py", "fsdp_memory.py",
-                                    "objectives.py"])
+                                    "objectives.py", "flow_overhead.py", "flow_learns.py"])
 def test_help(script):
     p = _run(script, "--help", timeout=60)
     assert "--json" in p.stdout
@@ -526,3 +526,65 @@ def test_controlnet_learned_smoke(tmp_path):
     assert out["controlnet"]["steps"] == 2 and out["controlnet"]["cpu_s"] > 0
     assert out["data"]["canny"] == {"low": 100, "high": 200}
     assert Path(out["grid"]).is_file()
+
+
+def test_flow_overhead_smoke(tmp_path):
+    """bench/flow_overhead.py: diffusers' FLUX LoRA loop and the trainer's step on the family
+    path, side by side on the tiny FLUX folder; the figures are the medians of the repeats
+    (wall and CPU) and their ratios, both variants train the same LoRA size."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    out = _last_json(_run("flow_overhead.py", "--steps", "1", "--repeats", "2", "--warmup",
+                          "1", "--batch", "2", "--data", "4", "--heads", "2", "--head-dim",
+                          "8", "--layers", "1", "--single-layers", "1",
+                          "--out", str(tmp_path / "f.json"), "--json").stdout)
+    assert json.loads((tmp_path / "f.json").read_text()) == out
+    sec, cpu = out["sec_per_step"], out["cpu_sec_per_step"]
+    assert set(sec) == set(cpu) == {"bare", "steadydiff"}
+    for k in sec:
+        assert len(out["repeats_sec_per_step"][k]) == 2 and 0 < sec[k] < 60
+        assert sec[k] == pytest.approx(statistics.median(out["repeats_sec_per_step"][k]))
+        assert cpu[k] > 0
+    assert out["ratio_steadydiff_vs_bare"] == pytest.approx(sec["steadydiff"] / sec["bare"])
+    assert out["cpu_ratio_steadydiff_vs_bare"] == pytest.approx(cpu["steadydiff"] / cpu["bare"])
+    m = out["model"]
+    assert m["lora_params_bare"] == m["lora_params_steadydiff"] > 0
+    assert m["latent_shape"] == [4, 16, 16] and m["t5_tokens"] == 512
+
+
+def test_flow_overhead_refuses_bad_shapes():
+    p = _run("flow_overhead.py", "--image-size", "30", check=False, timeout=60)
+    assert p.returncode == 2 and "multiple of 4" in p.stderr
+
+
+def test_flow_learns_smoke(tmp_path):
+    """bench/flow_learns.py on a 120-image stand-in for Fashion-MNIST: the 16-channel VAE
+    (shift and scale set as FLUX's), the FLUX.1 folder with a random transformer, a full
+    fine-tune through the family path, prompt accuracy and FD beside the floor; a second
+    call reuses the VAE and the run."""
+    pytest.importorskip("diffusers")
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_eval import make_fashion
+
+    root = make_fashion(tmp_path / "fm", n_train=120, n_test=20)
+    args = ["--out", str(tmp_path / "b"), "--fashion-path", str(root), "--n-train", "32",
+            "--vae-steps", "2", "--steps", "2", "--batch", "4", "--warmup", "0", "--num", "5",
+            "--sample-steps", "2", "--featnet-steps", "2", "--heads", "2", "--head-dim", "8",
+            "--layers", "1", "--single-layers", "1", "--clip", "16", "--t5", "16", "--json"]
+    out = _last_json(_run("flow_learns.py", *args).stdout)
+    assert out["train"]["steps"] == 2 and out["train"]["cpu_s"] > 0
+    assert out["vae"]["latent_shape"] == [16, 8, 8]
+    vae = json.loads((tmp_path / "b" / "vae" / "config.json").read_text())
+    assert vae["shift_factor"] == pytest.approx(out["vae"]["latent_mean"])
+    assert vae["scaling_factor"] == pytest.approx(1 / out["vae"]["latent_std"])
+    tr = json.loads((tmp_path / "b" / "flux" / "transformer" / "config.json").read_text())
+    assert tr["_class_name"] == "FluxTransformer2DModel" and tr["in_channels"] == 64
+    assert tr["guidance_embeds"] is True
+    e = out["eval"]
+    assert e["cfg_scale"] == 1.0 and e["sampler"] == "euler"  # the family's defaults
+    assert len(e["per_class"]) == 10 and e["num_per_class"] == 5
+    assert math.isclose(e["prompt_accuracy"],
+                        sum(c["prompt_accuracy"] for c in e["per_class"]) / 10)
+    assert e["fd"] is not None and e["real_floor_fd"] is not None
+    again = _last_json(_run("flow_learns.py", *args).stdout)
+    assert again["train"] == out["train"]  # the finished run is reported, not retrained

@@ -126,7 +126,7 @@ def test_the_loader_batches_a_bucketed_folder_one_shape_at_a_time(tmp_path):
     assert len(shapes) == 3
 
 
-def test_latent_cache_is_keyed_by_bucket_and_encodes_one_shape_per_call(tmp_path):
+def test_latent_cache_is_keyed_by_bucket_and_encodes_each_image_alone(tmp_path):
     root = images(tmp_path / "im", captions=False)
     calls = []
 
@@ -135,11 +135,10 @@ def test_latent_cache_is_keyed_by_bucket_and_encodes_one_shape_per_call(tmp_path
         return x[:, :2, ::2, ::2] * 0.5
 
     ds = ImageFolderDataset(root, 32, 3, buckets=BUCKETS)
-    a = encode_latents(ds, encode, encoder_id="e", prep="p", cache_dir=tmp_path / "c",
-                       batch_size=4)
+    a = encode_latents(ds, encode, encoder_id="e", prep="p", cache_dir=tmp_path / "c")
     assert a.misses == len(SIZES) and isinstance(a.latents, list)
-    # one call per bucket (4 + 3 + 3 images, at most 4 a call), each of one bucket's shape
-    assert calls == [(3, 3, 40, 24), (3, 3, 32, 32), (4, 3, 24, 40)]
+    # one call per image (a latent never depends on its batch), at its bucket's shape
+    assert calls == [(1, 3, *reversed(BUCKETS[k])) for k in ds.bucket_layout.ids]
     enc = EncodedDataset(ds, a)
     for i in range(len(enc)):
         w, h = BUCKETS[enc.bucket_layout.ids[i]]

@@ -81,7 +81,7 @@ def _files(cache: Path, kind: str = "latents") -> list[Path]:
 def _run(vae, root, cache, *, encoder_id="vae-a", prep=PREP, **kw):
     enc = kw.pop("encode", None) or _encoder(vae)
     return encode_latents(_data(root), enc, encoder_id=encoder_id, prep=prep, cache_dir=cache,
-                          batch_size=4, **kw), enc
+                          **kw), enc
 
 
 # --------------------------------------------------------------------------- identities
@@ -324,7 +324,7 @@ CAPTIONS = ["a shoe", "a bag", "a shoe", "a coat", "a bag", "a shoe"]
 
 def test_text_cache_encodes_each_distinct_caption_once(tmp_path):
     enc = _text_encoder()
-    res = encode_texts(CAPTIONS, enc, encoder_id="clip-a", cache_dir=tmp_path, batch_size=2)
+    res = encode_texts(CAPTIONS, enc, encoder_id="clip-a", cache_dir=tmp_path)
     assert sorted(enc.calls) == sorted(["a shoe", "a bag", "a coat", ""])
     assert res.captions == ["a shoe", "a bag", "a coat"]
     assert res.caption_index.tolist() == [0, 1, 0, 2, 1, 0]
@@ -342,16 +342,27 @@ def test_text_cache_encodes_each_distinct_caption_once(tmp_path):
     assert other.hits == 0
 
 
-def test_a_nonfinite_text_embedding_raises_naming_the_caption():
+def test_a_nonfinite_text_embedding_is_reencoded_then_left_out_by_caption():
+    """A caption's embedding non-finite: encoded again with the fallback (fp32); finite, it
+    is kept; still non-finite (or no fallback), the caption is in ``bad`` (its items are the
+    caller's to leave out) with ``blame``'s words. The empty caption must be finite."""
     base = _text_encoder()
 
-    def broken(texts):
+    def broken(texts, what=("a coat",)):
         e = base(texts)
-        e[[t == "a coat" for t in texts]] = float("nan")
+        e[[t in what for t in texts]] = float("nan")
         return e
 
-    with pytest.raises(DataError, match="'a coat'.*non-finite"):
-        encode_texts(CAPTIONS, broken, encoder_id="x", cache_dir=None)
+    r = encode_texts(CAPTIONS, broken, encoder_id="x", cache_dir=None,
+                     blame=lambda c: "token 'coat'")
+    assert list(r.bad) == ["a coat"] and "non-finite" in r.bad["a coat"]
+    assert "token 'coat'" in r.bad["a coat"] and torch.isfinite(r.contexts).all()
+    r = encode_texts(CAPTIONS, broken, encoder_id="x", cache_dir=None, fallback=base)
+    assert r.reencoded == ["a coat"] and not r.bad
+    row = r.captions.index("a coat")
+    torch.testing.assert_close(r.contexts[row], base(["a coat"])[0].float())
+    with pytest.raises(DataError, match="empty caption"):
+        encode_texts(CAPTIONS, lambda t: broken(t, ("",)), encoder_id="x", cache_dir=None)
 
 
 # --------------------------------------------------------------------------- the dataset
@@ -394,3 +405,131 @@ def test_encoded_dataset_pixel_space_unconditional(folder):
     with pytest.raises(DataError, match="7 captions"):
         EncodedDataset(src, None, encode_texts(CAPTIONS + ["x"], _text_encoder(),
                                                encoder_id="t", cache_dir=None))
+
+
+# --------------------------------------------------------------------------- a pure function
+# The cache is a pure function of its inputs (issue 28, item 11): each item's latent and each
+# caption's embedding independent of what else was encoded with it, so a cache filled in two
+# runs (stopped or killed, then resumed) equals one filled in one go, bit for bit; a killed
+# writer's temporary is swept at the next start.
+
+
+def _batch_sensitive(encode):
+    """``encode`` whose output moves in the last bits with its batch's other members, as a
+    real VAE's does (1.3e-6 between a batch of 1 and one of 8 for SD's): exactly what a
+    cache keyed by one image must never let in."""
+    def enc(x):
+        return encode(x) + 1e-3 * x.mean() * (x.shape[0] > 1)
+    enc.calls = getattr(encode, "calls", [])
+    return enc
+
+
+def _tensors(cache: Path, kind: str = "latents") -> dict[str, torch.Tensor]:
+    return {p.name: next(iter(load_file(p).values())) for p in _files(cache, kind)}
+
+
+def test_a_cache_filled_in_two_runs_equals_one_filled_at_once(vae, folder, tmp_path):
+    from steadydiff.data.cache import CachingStopped
+
+    whole, enc = _run(vae, folder, tmp_path / "whole", encode=_batch_sensitive(_encoder(vae)))
+    assert enc.calls == [1] * N  # every image alone
+    asked = []
+
+    def stop():  # a stop signal after the third image
+        asked.append(1)
+        return len(asked) > 3
+    with pytest.raises(CachingStopped, match="3 encoded in this run, 3 left"):
+        _run(vae, folder, tmp_path / "twice", encode=_batch_sensitive(_encoder(vae)),
+             stop=stop)
+    assert len(_files(tmp_path / "twice")) == 3  # complete entries only
+    again, _ = _run(vae, folder, tmp_path / "twice", encode=_batch_sensitive(_encoder(vae)))
+    assert (again.hits, again.misses) == (3, 3)
+    a, b = _tensors(tmp_path / "whole"), _tensors(tmp_path / "twice")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(again.latents, whole.latents)
+
+
+def test_text_embeddings_do_not_depend_on_what_else_was_missing(tmp_path):
+    def sensitive(texts):  # a batch's padding and kernels move the last bits
+        return _text_encoder()(texts) + 1e-3 * (len(texts) - 1)
+    whole = encode_texts(CAPTIONS, sensitive, encoder_id="t", cache_dir=tmp_path / "a")
+    encode_texts(CAPTIONS[:2], sensitive, encoder_id="t", cache_dir=tmp_path / "b")
+    part = encode_texts(CAPTIONS, sensitive, encoder_id="t", cache_dir=tmp_path / "b")
+    assert part.hits == 3 and torch.equal(part.contexts, whole.contexts)
+    assert torch.equal(part.null, whole.null)
+
+
+def test_stray_temporaries_of_dead_writers_are_swept(vae, folder, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    from steadydiff.data import cache as cache_mod
+
+    cache = tmp_path / "cache"
+    _run(vae, folder, cache)
+    sub = _files(cache)[0].parent
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()
+    host = cache_mod._HOST
+    left = sub / f".{'a' * 64}.safetensors.{host}-{dead}-0123abcd.tmp"  # a killed writer's
+    live = sub / f".{'b' * 64}.safetensors.{host}-{os.getpid()}-0123abcd.tmp"  # writing now
+    remote = sub / f".{'c' * 64}.safetensors.otherhost-{dead}-0123abcd.tmp"  # another host's
+    old = sub / f".{'d' * 64}.safetensors.{dead}-0123abcd.tmp"  # an earlier version's, a day old
+    for p in (left, live, remote, old):
+        p.write_bytes(b"half a file")
+    os.utime(old, (time.time() - 2 * cache_mod.STALE_TMP_S,) * 2)
+    res, _ = _run(vae, folder, cache)
+    assert res.hits == N
+    assert not left.exists() and not old.exists()
+    assert live.exists() and remote.exists()  # maybe still being written: never touched
+
+
+_KILLED_WRITER = r'''
+import os, signal, sys
+from pathlib import Path
+import torch
+from steadydiff.data import ImageFolderDataset
+from steadydiff.data import cache
+from steadydiff.integrations.sd.tiny import tiny_vae
+
+vae = tiny_vae(widths=(16, 32), sample_size=16, seed=0)
+saves = []
+real_fsync = os.fsync
+
+def fsync(fd):  # the 4th entry's bytes are in its temporary file: the power goes out
+    saves.append(fd)
+    if len(saves) == 4:
+        os.kill(os.getpid(), signal.SIGKILL)
+    real_fsync(fd)
+
+os.fsync = fsync
+cache.encode_latents(ImageFolderDataset(sys.argv[1], image_size=16, channels=3),
+                     lambda x: vae.encode(x).latent_dist.mean * 0.18215,
+                     encoder_id=cache.module_identity(vae), prep="p", cache_dir=sys.argv[2])
+'''
+
+
+def test_a_kill_mid_write_then_rerun_equals_an_uninterrupted_cache(vae, folder, tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    killed = tmp_path / "killed"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", _KILLED_WRITER, str(folder), str(killed)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    stray = list(killed.rglob(".*.tmp"))
+    assert len(stray) == 1 and len(_files(killed)) == 3  # three entries and half of one
+
+    def run(cache):
+        return encode_latents(_data(folder), _encoder(vae), encoder_id=module_identity(vae),
+                              prep="p", cache_dir=cache)
+    resumed = run(killed)
+    assert (resumed.hits, resumed.misses) == (3, N - 3)
+    assert not list(killed.rglob(".*.tmp"))  # swept: its writer is dead
+    whole = run(tmp_path / "whole")
+    a, b = _tensors(tmp_path / "whole"), _tensors(killed)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(resumed.latents, whole.latents)

@@ -218,7 +218,7 @@ def test_unreadable_caption_file(three):
     # A folder where the caption file should be: unreadable whoever runs the test (a chmod
     # 000 file is still readable by root).
     (three / "a.txt").mkdir()
-    with pytest.raises(DataError, match=r"a\.txt: cannot read caption file"):
+    with pytest.raises(DataError, match=r"a\.txt: the caption file is a folder, not a regular"):
         _read(three, "txt", "empty")
 
 
@@ -477,3 +477,119 @@ def test_trigger_reaches_class_name_captions():
     assert isinstance(ds, ClassCaptions)
     assert all(c.startswith("sks, ") for c in ds.captions)
     assert ds[1][1].startswith("sks, ") and ds[1][1] == ds.captions[1]
+
+
+# --------------------------------------------------------------------------- untrusted files
+# Caption files obey the data-folder rules images obey (issue 28, items 7 and 8).
+
+
+def test_caption_symlinked_outside_the_folder_is_refused_by_name(three, tmp_path):
+    secret = tmp_path / "secret.txt"
+    secret.write_text("the contents of a private file")
+    for n in ("a", "b", "c"):
+        (three / f"{n}.txt").write_text(f"a {n}")
+    (three / "b.txt").unlink()
+    (three / "b.txt").symlink_to(secret)
+    with pytest.raises(DataError, match=r"b\.txt.*symlink.*outside the data folder"):
+        _read(three)
+    # data.follow_symlinks opens the door for captions as it does for images
+    captioned = CaptionedImageFolder(_folder(three, follow_symlinks=True))
+    assert captioned.captions[1] == "the contents of a private file"
+    ds = _folder(three, follow_symlinks=True)
+    assert read_captions(ds.root, ds.paths, "txt", follow_symlinks=True)[1].startswith("the")
+
+
+def test_caption_symlink_inside_the_folder_is_read(three):
+    (three / "shared").mkdir()
+    (three / "shared" / "cap.txt").write_text("a shared caption")
+    for n in ("a", "b", "c"):
+        (three / f"{n}.txt").symlink_to(three / "shared" / "cap.txt")
+    assert _read(three, "txt") == ["a shared caption"] * 3
+
+
+def _in_thread(fn, seconds: float = 10.0):
+    """``fn()``'s exception (or None), failing the test if it has not returned in time."""
+    import threading
+    box: list = []
+
+    def run():
+        try:
+            fn()
+            box.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            box.append(e)
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still reading after {seconds} s (blocked on a FIFO?)"
+    return box[0]
+
+
+def test_fifo_caption_is_refused_without_hanging(three):
+    import os
+    for n in ("a", "c"):
+        (three / f"{n}.txt").write_text(f"a {n}")
+    os.mkfifo(three / "b.txt")  # no writer: a plain open() would block forever
+    err = _in_thread(lambda: _read(three))
+    assert isinstance(err, DataError)
+    assert "b.txt" in str(err) and "FIFO" in str(err) and "regular file" in str(err)
+
+
+def test_fifo_metadata_jsonl_is_refused_without_hanging(three):
+    import os
+    os.mkfifo(three / "metadata.jsonl")
+    err = _in_thread(lambda: _read(three, "jsonl"))
+    assert isinstance(err, DataError) and "metadata.jsonl" in str(err) and "FIFO" in str(err)
+
+
+def test_dev_zero_caption_is_refused_without_reading_it(three):
+    import os
+    if not os.path.exists("/dev/zero"):
+        pytest.skip("no /dev/zero")
+    for n in ("a", "c"):
+        (three / f"{n}.txt").write_text(f"a {n}")
+    (three / "b.txt").symlink_to("/dev/zero")
+    with pytest.raises(DataError, match=r"b\.txt.*outside the data folder"):
+        _read(three)
+    # followed on request, it is still a device, not a caption: refused before any read
+    err = _in_thread(lambda: CaptionedImageFolder(_folder(three, follow_symlinks=True)), 10.0)
+    assert isinstance(err, DataError) and "character device" in str(err)
+
+
+def test_oversized_caption_file_is_refused_by_name(three):
+    from steadydiff.data.captions import CAPTION_MAX_BYTES
+    (three / "a.txt").write_text("a " * (CAPTION_MAX_BYTES // 2))  # exactly the limit
+    (three / "c.txt").write_text("c")
+    (three / "b.txt").write_text("x" * (10 * 2**20))  # 10 MB
+    with pytest.raises(DataError, match=r"b\.txt.*10,485,760 bytes.*limited to 8,192"):
+        _read(three)
+    (three / "b.txt").write_text("b")
+    assert len(_read(three)[0]) == CAPTION_MAX_BYTES - 1  # stripped of its last space
+
+
+def test_oversized_metadata_entry_is_refused_with_its_line(three):
+    from steadydiff.data.captions import CAPTION_MAX_BYTES
+    _jsonl(three / "metadata.jsonl", {"file_name": "a.png", "text": "ok"},
+           {"file_name": "b.png", "text": "é" * CAPTION_MAX_BYTES},  # 2 bytes a character
+           {"file_name": "c.png", "text": "ok"})
+    with pytest.raises(DataError, match=r"metadata\.jsonl:2: the caption is 16,384 bytes"):
+        _read(three, "jsonl")
+
+
+def test_metadata_jsonl_symlinked_outside_is_refused(three, tmp_path):
+    outside = _jsonl(tmp_path / "elsewhere.jsonl", {"file_name": "a.png", "text": "x"})
+    (three / "metadata.jsonl").symlink_to(outside)
+    with pytest.raises(DataError, match=r"metadata\.jsonl.*symlink.*outside the data folder"):
+        _read(three, "jsonl", missing="empty")
+
+
+def test_token_overflow_counts_a_bounded_prefix():
+    from steadydiff.data.captions import CAPTION_MAX_BYTES
+    seen: list[int] = []
+
+    def count(cs):
+        seen.extend(len(c) for c in cs)
+        return [len(c.split()) + 2 for c in cs]
+    over = token_overflow(["w " * 2_000_000, "short"], count, 77, ["big.png", "s.png"])
+    assert max(seen) <= CAPTION_MAX_BYTES
+    assert over and over[0][0] == "big.png" and over[0][1] > 77

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch
 
 from steadydiff.doctor import diagnose
 from steadydiff.trainer import checkpoint as ckpt
@@ -323,3 +324,132 @@ def test_twenty_randomly_timed_signals_each_rerun_is_exact(tmp_path, images, str
         _rerun_is_exact(d, images, run, straight, resumed_at=stop)
     print("\n".join(map(str, seen)))
     assert sum(1 for s in seen if s[2] == EXIT_INTERRUPTED) >= 15
+
+
+# --------------------------------------------------------------------------- process group
+# What SLURM's scancel, Kubernetes and most launchers do: the signal goes to every process of
+# the job, data-loader workers included (issue 28, item 10). torch's worker loop installs its
+# own SIGTERM handler (die unless the parent sent it); the workers must ignore the stop
+# signals and leave the stop to the main process.
+
+
+def _start_group(cfg: Path, out: Path, log: Path) -> subprocess.Popen:
+    """:func:`_start` as the leader of its own process group (a job under a launcher)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "w") as f:
+        return subprocess.Popen([sys.executable, "-m", "steadydiff.cli", "train", str(cfg),
+                                 "--out", str(out)], stdout=f, stderr=subprocess.STDOUT,
+                                env=env, cwd=out.parent, start_new_session=True)
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+@pytest.mark.parametrize("sig,workers", [
+    (signal.SIGTERM, ["data.num_workers=2"]),  # persistent workers (always, when > 0)
+    (signal.SIGINT, ["data.num_workers=1", "data.pin_memory=true"]),  # pinned batches
+    (signal.SIGUSR1, ["data.num_workers=2"]),
+], ids=["SIGTERM-2workers", "SIGINT-pinned", "SIGUSR1-2workers"])
+def test_signal_to_the_process_group_checkpoints_the_step(tmp_path, images, sig, workers):
+    cfg, run, logf = tmp_path / "tiny.yaml", tmp_path / "run", tmp_path / "log.txt"
+    _write_cfg(cfg, images, [*CLI, *workers],
+               faults=[{"kind": "hang", "step": 2, "where": "before_step", "factor": 2}])
+    proc = _start_group(cfg, run, logf)
+    _wait_for(_has(run / "checkpoints" / ckpt.checkpoint_name(2)), proc)
+    assert _children(proc.pid), "the data-loader workers should be running"
+    os.killpg(proc.pid, sig)  # the main process and every worker
+    rc = proc.wait(timeout=120)
+    log = logf.read_text()
+    assert rc == EXIT_INTERRUPTED, log[-3000:]
+    assert "killed by signal" not in log and "Traceback" not in log, log[-3000:]
+    _assert_no_half_checkpoint(run)
+    assert [p.name for p in ckpt.list_checkpoints(run / "checkpoints")] == ["step_00000003"]
+    assert ckpt.verify_checkpoint(run / "checkpoints" / "step_00000003") == []
+    s = _summary(run)
+    assert (s["status"], s["steps"], s["signal"]) == ("interrupted", 3, sig.name)
+
+
+def test_signal_to_the_torchrun_process_group_with_workers(tmp_path):
+    # torchrun, 2 gloo ranks, each with 2 data-loader workers, all in one process group;
+    # SIGTERM to the group (scancel): torchrun, both ranks and the four workers get it. Both
+    # ranks stop at step 3 with a verified checkpoint; no worker death is reported.
+    hang = json.dumps([{"kind": "hang", "step": 2, "where": "before_step", "factor": 2}])
+    out = tmp_path / "run"
+    out.mkdir()
+    logf = tmp_path / "log.txt"
+    with open(logf, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc_per_node=2", str(WORKER), str(DDP_CONFIG), str(out), *DDP_BASE,
+             "data.num_workers=2", f"faults={hang}"], stdout=f, stderr=subprocess.STDOUT,
+            env=_env(), start_new_session=True)
+    _wait_for(_has(out / "checkpoints" / ckpt.checkpoint_name(2)), proc, timeout=240)
+    pids = _rank_pids(proc)
+    assert sorted(pids) == [0, 1] and all(_children(p) for p in pids.values()), pids
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=240)
+    log = logf.read_text()
+    assert "killed by signal" not in log, log[-3000:]
+    (r0, r1), (s0, s1) = ranks(out)
+    assert s0["step"] == s1["step"] == 3
+    assert same(r0, r1)
+    assert ckpt.verify_checkpoint(out / "checkpoints" / "step_00000003") == []
+    s = json.loads((out / "summary.json").read_text())
+    assert (s["status"], s["steps"], s["signal"]) == ("interrupted", 3, "SIGTERM")
+    assert log.count("interrupted by SIGTERM at step 3") == 1
+
+
+# --------------------------------------------------------------------------- while caching
+
+
+def test_a_signal_while_caching_latents_stops_promptly_and_keeps_the_cache(tmp_path):
+    # Encoding the latents of a large folder takes minutes; a stop signal must not wait for
+    # the last image (issue 28: it did, 111 s). 400 images on the tiny SD model: SIGTERM to
+    # the process group as soon as the first latent is cached.
+    pytest.importorskip("diffusers")
+    pytest.importorskip("peft")
+    import numpy as np
+    from PIL import Image
+
+    from steadydiff.integrations.sd.tiny import make_tiny_sd
+
+    sd = make_tiny_sd(tmp_path / "tiny-sd", image_size=32)
+    data = tmp_path / "data"
+    data.mkdir()
+    rng = np.random.default_rng(0)
+    for i in range(400):
+        Image.fromarray(rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)).save(
+            data / f"im{i:03d}.png")
+        (data / f"im{i:03d}.txt").write_text(f"noise {i % 7}")
+    run = tmp_path / "run"
+    sets = [f"model.pretrained={sd}", f"data.path={data}", "data.image_size=32",
+            "train.steps=2", "train.batch_size=2", "train.precision=fp32",
+            "train.device=cpu", "train.sample_every=0", "data.num_workers=0",
+            "adapter.rank=4", "adapter.alpha=4", "logging.progress=false"]
+    logf = tmp_path / "log.txt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(logf, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "steadydiff.cli", "train",
+             str(Path(__file__).resolve().parents[1] / "configs" / "sd_lora.yaml"),
+             "--out", str(run), *[x for s in sets for x in ("--set", s)]],
+            stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    latents = run / "cache" / "latents"
+    _wait_for(lambda: latents.is_dir() and any(latents.rglob("*.safetensors")), proc,
+              timeout=240)
+    os.killpg(proc.pid, signal.SIGTERM)
+    t0 = time.monotonic()
+    rc = proc.wait(timeout=120)
+    took = time.monotonic() - t0
+    log = logf.read_text()
+    assert rc == EXIT_INTERRUPTED, log[-3000:]
+    assert took < 15, took  # the next image, not the 399 others
+    assert "stopped while caching latents" in log and "Traceback" not in log, log[-3000:]
+    assert "interrupted by SIGTERM at step 0; no checkpoint was written" in log
+    cached = list(latents.rglob("*.safetensors"))
+    assert 1 <= len(cached) <= 40, len(cached)  # stopped at the next image (not at 400)
+    assert not list(latents.rglob(".*.tmp"))
+    from safetensors.torch import load_file
+    for p in cached:  # every entry complete
+        assert torch.isfinite(load_file(p)["latent"]).all()

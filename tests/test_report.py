@@ -19,6 +19,7 @@ from steadydiff.config import load_config
 from steadydiff.inspect.read import read_run
 from steadydiff.inspect.verdict import verdict
 from steadydiff.report import write_report
+from steadydiff.rundir import RunDir
 
 from tiny import TINY_MODEL  # noqa: E402  (tests/tiny.py)
 
@@ -52,6 +53,7 @@ def synthetic_run(root: Path, *, status: str | None = "finished", steps: int = 4
                   incidents: list[dict] | None = None, truncate: bool = False) -> Path:
     """A run directory written by hand, with every file the trainer writes."""
     root.mkdir(parents=True)
+    RunDir(root).mark()  # the marker every run steadydiff starts writes first
     (root / "config.yaml").write_text(load_config(None, TINY + [f"train.steps={steps}"]).to_yaml())
     rows = []
     for s in range(1, steps + 1):
@@ -167,11 +169,15 @@ def test_partial_files(tmp_path):
         write_report(tmp_path / "empty")
     assert not any((tmp_path / "empty").iterdir())
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    with pytest.raises(ValueError, match="not a steadydiff run"):  # a user's file: not ours
+        write_report(tmp_path / "empty")
+    RunDir(tmp_path / "empty").mark()  # a run killed before its first row
     page = write_report(tmp_path / "empty").read_text()
     assert "Incomplete" in page and "nothing logged" in page
     # only a config and half a metrics row
     (tmp_path / "killed").mkdir()
     (tmp_path / "killed" / "metrics.jsonl").write_text('{"step": 1, "loss": 0.5, "grad_norm"')
+    RunDir(tmp_path / "killed").mark()
     assert "Incomplete" in write_report(tmp_path / "killed").read_text()
 
 

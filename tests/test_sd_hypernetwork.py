@@ -126,10 +126,10 @@ def test_blown_up_hypernetwork_is_clamped_with_an_incident_naming_the_mlp(sd_dir
     with torch.no_grad():
         for m in (mlp, ema):
             m.linears()[-1].weight.normal_(0, 10.0)
-    assert float(mlp.gain_bound()) > 0.5
+    assert float(mlp.delta_ratio()) > 0.5
     state.weights.after_update(state)
-    assert float(mlp.gain_bound()) == pytest.approx(0.5, rel=1e-4)
-    assert float(ema.gain_bound()) == pytest.approx(0.5, rel=1e-4)
+    assert float(mlp.delta_ratio()) == pytest.approx(0.5, rel=1e-4)
+    assert float(ema.delta_ratio()) == pytest.approx(0.5, rel=1e-4)
     assert state.weights.clamps == 1 and state.weights.max_ratio_module == name
     inc = state.guard.incidents[-1]
     assert inc.kind == "adapter_delta_clamp" and inc.evidence["module"] == name

@@ -3,6 +3,7 @@ diffusers' loader reading what we write, SDXL's sgm names, and bad files refused
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -73,18 +74,34 @@ def test_kohya_round_trip_keeps_every_tensor_bit_exact(tmp_path):
 
 
 def test_diffusers_round_trip_keeps_every_tensor(tmp_path):
+    """alpha (8) != rank (4) is folded into the up weights (metadata alpha = rank, what
+    diffusers < 0.34 assumes); loading rescales to the run's alpha: the same delta."""
     unet, te = lora_pair(alpha=8.0)
     f = save_lora(unet, tmp_path / "d", te, format="diffusers")
+    meta = json.loads(lf.read_lora_file(f).metadata["lora_adapter_metadata"])
+    assert meta["unet.lora_alpha"] == meta["unet.r"] == 4
+    sd = load_file(f)
+    up = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q.lora.up.weight"
+    ours = unet.down_blocks[0].attentions[0].transformer_blocks[0].attn1.to_q.lora_B["default"]
+    assert torch.equal(sd[up], ours.weight * 2.0)
+    assert any(k.startswith("text_encoder.text_model.encoder.layers.") for k in sd)
+    for alpha in (8.0, 4.0, 2.0):  # the run's alpha: each loads the same delta
+        u2, t2 = fresh(alpha=alpha)
+        lf.load_lora_file(tmp_path / "d", u2, [t2], rank=4, alpha=alpha)  # the folder
+        for a, b in ((unet, u2), (te, t2)):
+            la, lb = lf._lora_layers(a), lf._lora_layers(b)
+            assert la.keys() == lb.keys() and la
+            for n in la:
+                da = la[n].lora_B["default"].weight @ la[n].lora_A["default"].weight * 2.0
+                db = lb[n].lora_B["default"].weight @ lb[n].lora_A["default"].weight * alpha / 4
+                torch.testing.assert_close(da, db, rtol=1e-6, atol=1e-6)
     u2, t2 = fresh(alpha=8.0)
-    lf.load_lora_file(tmp_path / "d", u2, [t2], rank=4, alpha=8.0)  # the folder
+    lf.load_lora_file(f, u2, [t2], rank=4, alpha=8.0)
     g = save_lora(u2, tmp_path / "e", t2, format="diffusers")
     sa, sb = load_file(f), load_file(g)
     assert sa.keys() == sb.keys() and len(sa) > 0
     for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
-    with pytest.raises(lf.LoraFileError, match="alpha"):  # diffusers' metadata carries it
-        u3, t3 = fresh(alpha=4.0)
-        lf.load_lora_file(f, u3, [t3], rank=4, alpha=4.0)
+        torch.testing.assert_close(sa[k], sb[k], rtol=1e-6, atol=0)
 
 
 def test_diffusers_pipeline_draws_the_same_with_the_kohya_file(tmp_path):

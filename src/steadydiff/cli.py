@@ -107,6 +107,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="default: the checkpoint config's sample.sampler")
     s.add_argument("--steps", type=int, default=None, help="sampling steps (default: sample.steps)")
     s.add_argument("--num", type=int, default=None, help="number of samples (default: sample.num)")
+    s.add_argument("--width", type=int, default=None,
+                   help="text-to-image model: the image width in pixels (a multiple of the "
+                        "VAE's x the denoiser's downsampling; default: the model's native "
+                        "size)")
+    s.add_argument("--height", type=int, default=None,
+                   help="text-to-image model: the image height in pixels (default: the "
+                        "model's native size)")
     s.add_argument("--class-label", type=int, default=None,
                    help="class for a class-conditional model (default: cycle through all)")
     s.add_argument("--prompt", action="append", default=None,
@@ -129,7 +136,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="adapter checkpoint: apply the adapter at this scale (0: the base "
                         "model; default 1)")
     s.add_argument("--base", default=None,
-                   help="adapter checkpoint: its base weights, if they moved since training")
+                   help="adapter checkpoint: its base weights; a Stable Diffusion run: its "
+                        "model.pretrained; if they moved since training (the identity the "
+                        "run recorded is checked)")
     s.add_argument("--control-image", default=None, metavar="FILE",
                    help="ControlNet run: the conditioning image (resized to data.image_size)")
     s.add_argument("--control-scale", type=float, default=None,
@@ -147,7 +156,10 @@ def _parser() -> argparse.ArgumentParser:
                         "ControlNet run: LoRA and ControlNet together")
     s.add_argument("--out", required=True,
                    help="output: a .png grid, or .npz with 'samples' (N,C,H,W) float32 in "
-                        "[-1,1] (and 'labels' when class-conditional)")
+                        "[-1,1] (and 'labels' when class-conditional); a new file, written "
+                        "atomically")
+    s.add_argument("--force", action="store_true",
+                   help="replace an existing --out file (never a directory or an input)")
 
     e = sub.add_parser("eval", formatter_class=_Formatter,
                        help="measure sample quality: FD, KID, precision/recall (offline)",
@@ -232,18 +244,34 @@ def _parser() -> argparse.ArgumentParser:
                                     "first_stage_model.*, cond_stage_model.*. A run from a "
                                     "single file keeps that file's VAE and text encoder "
                                     "tensors as they were. Non-finite weights are refused; "
-                                    "the file is written atomically. (A LoRA run's export is "
-                                    "RUN/lora/, written during training.)")
+                                    "the file is written atomically. Neither: a Stable "
+                                    "Diffusion LoRA or hypernetwork run's numbered files "
+                                    "(RUN/lora/<run>-step00001000.safetensors, pytorch_lora_"
+                                    "weights-step00001000.safetensors) of the checkpoint "
+                                    "--step N (or SOURCE, a checkpoint), written as training "
+                                    "writes them; files already there are kept.")
     xp.add_argument("source", help="run directory, checkpoint, or diffusers SD folder")
-    what = xp.add_mutually_exclusive_group(required=True)
+    which = xp.add_mutually_exclusive_group()
+    which.add_argument("--step", type=int, default=None, metavar="N",
+                       help="the run's kept checkpoint of step N (or the best evaluation's) "
+                            "instead of the newest")
+    which.add_argument("--checkpoint", default=None, metavar="CKPT",
+                       help="this checkpoint of the run: a directory, or its name under "
+                            "RUN/checkpoints (step_00001000, best/step_00001000)")
+    what = xp.add_mutually_exclusive_group()
     what.add_argument("--out", metavar="OUT.safetensors",
                       help="steadydiff's own model as one file (see above)")
     what.add_argument("--single-file", metavar="OUT.safetensors",
                       help="a Stable Diffusion fine-tune as one original-layout file")
     xp.add_argument("--raw-weights", action="store_true",
                     help="use the raw model weights instead of the EMA")
+    xp.add_argument("--base", default=None, metavar="PATH",
+                    help="--single-file: the run's base model (model.pretrained), if it "
+                         "moved since training (the identity the run recorded is checked)")
     xp.add_argument("--half", action="store_true",
                     help="write fp16 tensors (half the size; what most shared files use)")
+    xp.add_argument("--force", action="store_true",
+                    help="replace an existing output file (never a directory or the source)")
 
     cn = sub.add_parser("condition", formatter_class=_Formatter,
                         help="make ControlNet conditioning images (Canny edges, gray, tile) "
@@ -420,7 +448,7 @@ def cmd_train(a: argparse.Namespace) -> int:
     if a.dry_run:
         from .devices import resolve_device
         from .lint import lint_report
-        from .preflight import check, resolve
+        from .preflight import check, resolve, resolve_data, resolve_epochs
         from .trainer import speed
 
         if a.grow_resolution:  # the config the grown run would train with
@@ -428,11 +456,16 @@ def cmd_train(a: argparse.Namespace) -> int:
         cfg, notes = resolve(cfg)  # what an SD folder's scheduler decides
         for note in notes:
             print(f"stable diffusion: {note}", file=sys.stderr)
+        cfg, notes = resolve_data(cfg)  # a kohya dataset TOML's resolution and batch
+        for note in notes:
+            print(f"data: {note}", file=sys.stderr)
         device = resolve_device(cfg.train.device, what="train.device")
         cfg, chosen = speed.resolve(cfg, device)  # the `auto` speed settings, as a run would
 
         # what a run checks before its first step: fails the same way
         pre = check(cfg, device=device)
+        cfg, lines = resolve_epochs(cfg, pre.data)  # train.epochs -> steps; kohya subsets
+        print("".join(f"{line}\n" for line in lines), end="", file=sys.stderr)
         print(_config_text(cfg, whole=a.print_config), end="")
         # stdout stays valid YAML: the summary is a comment
         print("".join(f"# {line}\n" for line in ["dry run: ok", *pre.header(cfg),
@@ -456,6 +489,11 @@ def cmd_train(a: argparse.Namespace) -> int:
     if res.samples:
         print(f"  samples:    {res.samples[-1]}")
     print(f"  metrics:    {out / 'metrics.jsonl'}")
+    if cfg.model.pretrained:  # what to load where: the LoRA files, the base, the rank
+        from .integrations.sd.advice import load_hints
+
+        for line in load_hints(cfg, out):
+            print(f"  {line}")
     return EXIT_OK
 
 
@@ -495,9 +533,12 @@ def cmd_sample(a: argparse.Namespace) -> int:
     from .loading import load
     from .eval.grid import grid_nrow, save_grid, save_npz
 
+    from .files import check_output
+
     out = Path(a.out)
     if out.suffix.lower() not in (".png", ".npz"):
         raise ValueError(f"--out must end in .png or .npz, got {out}")
+    check_output(out, force=a.force, inputs=[a.checkpoint, *(a.lora or [])])
     for name, v in (("--steps", a.steps), ("--num", a.num)):
         if v is not None and v < 1:
             raise ValueError(f"{name} must be at least 1, got {v}")
@@ -512,7 +553,7 @@ def cmd_sample(a: argparse.Namespace) -> int:
                        cfg_scale=a.cfg_scale, eta=a.eta, seed=a.seed, prompt=prompt,
                        negative_prompt=a.negative_prompt, control_image=a.control_image,
                        control_scale=a.control_scale, control_start=a.control_start,
-                       control_end=a.control_end)
+                       control_end=a.control_end, width=a.width, height=a.height)
     if out.suffix.lower() == ".npz":
         save_npz(x, out, y)
     else:
@@ -568,16 +609,41 @@ def cmd_export(a: argparse.Namespace) -> int:
     import torch
 
     dtype = torch.float16 if a.half else None
+    if a.checkpoint:  # a name under RUN/checkpoints, or a path
+        named = Path(a.source) / "checkpoints" / a.checkpoint
+        a.source = named if named.is_dir() else Path(a.checkpoint)
+        if not Path(a.source).is_dir():
+            raise ValueError(f"--checkpoint {a.checkpoint}: neither {named} nor "
+                             f"{a.checkpoint} is a checkpoint directory")
+    if not a.out and not a.single_file:  # an SD adapter run's numbered files
+        from .integrations.sd.export import export_adapter
+
+        if a.half:
+            raise ValueError("--half casts --out/--single-file files; LoRA files keep the "
+                             "run's fp32 tensors: drop --half")
+        written, left = export_adapter(a.source, a.step,
+                                       use_ema=False if a.raw_weights else None)
+        for p in written:
+            print(f"wrote {p}")
+        for p in left:
+            print(f"kept {p} (already there)")
+        return EXIT_OK
+    if a.step is not None:
+        from .integrations.sd.export import checkpoint_at
+
+        a.source = checkpoint_at(a.source, a.step)
     if a.out:
         from .loading import export_model
 
-        path = export_model(a.source, a.out, use_ema=not a.raw_weights, dtype=dtype)
+        path = export_model(a.source, a.out, use_ema=not a.raw_weights, dtype=dtype,
+                            force=a.force)
         print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, "
               f"{'raw' if a.raw_weights else 'EMA'} weights; steadydiff.load reads it)")
         return EXIT_OK
     from .integrations.sd.export import export
 
-    path = export(a.source, a.single_file, use_ema=not a.raw_weights, dtype=dtype)
+    path = export(a.source, a.single_file, use_ema=not a.raw_weights, dtype=dtype,
+                  force=a.force, base=a.base)
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, original single-file "
           "layout)")
     return EXIT_OK
@@ -605,6 +671,9 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     args = _parser().parse_args(_one_value_per_set(sys.argv[1:] if argv is None else argv))
+    from . import quiet
+
+    quiet.install()  # third-party notices off the console (kept in RUN/third_party.log)
     handlers = {"train": cmd_train, "sample": cmd_sample, "eval": cmd_eval, "ema": cmd_ema,
                 "condition": cmd_condition,
                 "report": cmd_report, "doctor": cmd_doctor, "merge": cmd_merge,
@@ -648,6 +717,14 @@ def _exit_for(e: Exception) -> int:
         return EXIT_ABORTED
     if isinstance(e, CheckpointSaveError):
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_SAVE_FAILED
+    from .files import WriteFailed, describe_failure, write_failure
+
+    if isinstance(e, WriteFailed) or write_failure(e) is not None:
+        # a full disk while writing anything: a sentence, not a traceback
+        where = getattr(e, "filename", None) or "an output"
+        print(f"error: {e if isinstance(e, WriteFailed) else describe_failure(where, e)}",
+              file=sys.stderr)
         return EXIT_SAVE_FAILED
     if isinstance(e, DistributedError):
         print(f"error: {e}", file=sys.stderr)

@@ -29,7 +29,7 @@ from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, Valid
                       model_validator)
 
 from .durations import parse_duration
-from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BucketCrop, CaptionSource, Channels, MissingCaption, ClipMode,
+from .kinds import (LABELLED_DATASETS, AdapterKind, Auto, BaseQuantization, BucketCrop, CaptionSource, Channels, MissingCaption, ClipMode,
                     ConditioningMatch, ConditioningSource,
                     CompileBackend, CompileMode, DatasetName,
                     DeviceName, DiTPreset, EvalMetric, FaultKind, FaultWhere, HyperActivation,
@@ -193,6 +193,39 @@ class DataConfig(Section):
         "center", description="buckets: where the crop of an image to its bucket lies: "
         "center, or random (seeded by train.seed and the image, the same every epoch)")
 
+    # kohya sd-scripts datasets and DreamBooth (data/kohya.py, docs/sd.md#kohya-datasets)
+    dataset_config: str | None = Field(
+        None, description="a kohya dataset TOML ([general], [[datasets]], [[datasets.subsets]]: "
+        "image_dir, num_repeats, caption_extension, keep_tokens, shuffle_caption, is_reg, "
+        "class_tokens; resolution, batch_size) read as it is, instead of data.path")
+    repeat_folders: AutoBool = Field(
+        "auto", description="data.path's sub-folders named <repeats>_<class tokens> (kohya's "
+        "10_sks dog): each image seen <repeats> times per epoch, captioned with the class "
+        "tokens when it has no caption file; auto: when data.path holds such folders (and no "
+        "images of its own)")
+    caption_extension: str = Field(
+        ".txt", description="kohya data: the caption file beside each "
+        "image (kohya's caption_extension)")
+    reg_path: str | None = Field(
+        None, description="DreamBooth prior preservation: the regularization (class) images "
+        "(kohya's reg_data_dir: <repeats>_<class tokens> folders, or a plain folder captioned "
+        "with data.class_prompt); as many regularization samples as instance samples per "
+        "epoch, each weighted data.prior_loss_weight")
+    prior_loss_weight: float = Field(
+        1.0, ge=0.0, le=1000.0, description="the loss weight of a regularization image "
+        "(kohya's prior_loss_weight; diffusers' train_dreambooth.py): loss = mean(w_i loss_i)")
+    instance_prompt: str | None = Field(
+        None, description="DreamBooth: the caption of an instance image without a caption "
+        "file (e.g. 'a photo of sks dog')")
+    class_prompt: str | None = Field(
+        None, description="DreamBooth: the caption of a regularization image without a caption "
+        "file (e.g. 'a photo of dog'), and the prompt data.num_class_images are generated with")
+
+    num_class_images: Int = Field(
+        0, ge=0, le=100000, description="DreamBooth: when data.reg_path holds fewer images, "
+        "generate the missing ones before training from the base model with data.class_prompt "
+        "(sample.sampler/steps/cfg_scale), cached there for later runs; 0: none generated")
+
     conditioning: ConditioningSource = Field(
         "none", description="ControlNet training (controlnet.enabled): where each image's "
         "conditioning image is: folder (data.conditioning_dir: the same relative path, any "
@@ -213,11 +246,39 @@ class DataConfig(Section):
         "both files")
 
     _pin_memory = field_validator("pin_memory", mode="before")(_auto_bool)
+    _repeat_folders = field_validator("repeat_folders", mode="before")(_auto_bool)
+
+    @field_validator("caption_extension")
+    @classmethod
+    def _caption_extension(cls, v: str) -> str:
+        if not v.startswith(".") or len(v) < 2 or any(c in v for c in "/\\*?"):
+            raise ValueError(f"{v!r} is not a file extension: give one starting with '.', e.g. "
+                             "'.txt' or '.caption'")
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> "DataConfig":
-        if self.dataset == "folder" and not self.path:
-            raise ValueError("data.path is required when data.dataset is 'folder'")
+        if self.dataset == "folder" and not self.path and not self.dataset_config:
+            raise ValueError("data.path is required when data.dataset is 'folder' (or "
+                             "data.dataset_config, a kohya dataset TOML)")
+        kohya = [k for k in ("dataset_config", "reg_path", "instance_prompt", "class_prompt")
+                 if getattr(self, k)]
+        if kohya and (self.dataset != "folder" or self.captions == "none"):
+            raise ValueError(f"data.{kohya[0]} reads a captioned image folder (kohya "
+                             f"data, DreamBooth): set data.dataset=folder and data.captions="
+                             f"auto (now {self.dataset}, {self.captions})")
+        if self.dataset_config and self.path:
+            raise ValueError("data.dataset_config names the images (its subsets' image_dir): "
+                             "remove data.path")
+        if kohya and (self.conditioning != "none" or self.class_labels):
+            raise ValueError(f"data.{kohya[0]} (kohya subsets, DreamBooth) does not combine "
+                             "with data.conditioning or data.class_labels yet: remove one")
+        if self.num_class_images and not (self.reg_path and self.class_prompt):
+            raise ValueError("data.num_class_images generates class images with "
+                             "data.class_prompt into data.reg_path: set both")
+        if self.prior_loss_weight != 1.0 and not (self.reg_path or self.dataset_config):
+            raise ValueError("data.prior_loss_weight weighs regularization images: set "
+                             "data.reg_path (or is_reg subsets in data.dataset_config)")
         if self.classes is not None:
             if not self.classes:
                 raise ValueError("data.classes is empty; list at least one class id, or "
@@ -339,6 +400,10 @@ class ModelConfig(Section):
     vae_precision: Precision | None = Field(
         None, description="dtype of the frozen VAE (fp32 avoids the fp16 VAE's NaN latents); "
         "None: train.precision")
+    text_encoder_precision: Precision | None = Field(
+        None, description="model.pretrained: dtype of the frozen text encoders; None: what the "
+        "family's trainers use (train.precision; a T5 never fp16: bf16, or fp32 without it). A "
+        "caption whose embedding is non-finite in it is encoded again in fp32")
     max_sequence_length: Int | None = Field(
         None, ge=1, le=4096, description="model.pretrained with a T5 text encoder (SD3, "
         "FLUX.1): the captions' T5 token length; None: the family's pipeline's (SD3: 256; "
@@ -353,6 +418,11 @@ class ModelConfig(Section):
         None, ge=0.0, le=100.0, description="model.pretrained guidance-distilled transformer "
         "(FLUX.1 dev): the guidance value embedded in training and sampling; None: 3.5 (the "
         "pipeline's and the trainers' default)")
+    quantize_base: BaseQuantization | None = Field(
+        None, description="model.pretrained with adapter.kind=lora: int8 stores the frozen "
+        "denoiser's Linear weights in 8 bits (torchao weight-only int8, the steadydiff[quant] "
+        "extra) and computes in bf16 (train.precision=bf16); the LoRA trains in fp32 on top. "
+        "None: the base in train.precision")
 
 
 # --------------------------------------------------------------------------- diffusion
@@ -512,7 +582,14 @@ class OptimConfig(Section):
         "adamw", description="adamw: torch's AdamW; adamw8bit: bitsandbytes' 8-bit AdamW "
         "(block-wise quantised moments: about a quarter of AdamW's state memory; CUDA and "
         "`pip install bitsandbytes` only; docs/speed.md)")
-    lr: float = Field(2e-4, gt=0.0, le=10.0)
+    lr: float = Field(2e-4, gt=0.0, le=10.0, description="the learning rate (of the "
+                      "denoiser, the UNet or transformer, where the text encoders have their "
+                      "own: optim.lr_text_encoder)")
+    lr_text_encoder: float | list[float] | None = Field(
+        None, description="model.pretrained with trained text encoders (adapter.text_encoder"
+        "): their learning rate (kohya's --text_encoder_lr), one for all or a list with one "
+        "per text encoder in the family's order (SDXL: [CLIP-L, CLIP-G]); null: optim.lr. "
+        "Warmup and decay scale it with optim.lr (docs/sd.md#learning-rates-per-part)")
     weight_decay: float = Field(0.0, ge=0.0, le=10.0)
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = Field(1e-8, gt=0.0, le=1.0)
@@ -539,6 +616,13 @@ class OptimConfig(Section):
         for b in self.betas:
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"optim.betas must both be in [0, 1), got {list(self.betas)}")
+        te = self.lr_text_encoder
+        for x in (te if isinstance(te, list) else [] if te is None else [te]):
+            if not 0.0 < x <= 10.0:
+                raise ValueError(f"optim.lr_text_encoder must be in (0, 10], got {te}")
+        if isinstance(te, list) and not te:
+            raise ValueError("optim.lr_text_encoder is an empty list: give one learning "
+                             "rate, one per text encoder, or null (optim.lr)")
         if self.optimizer == "adamw8bit" and self.fused is True:
             raise ValueError("optim.fused=true picks torch's fused AdamW kernel, but optim."
                              "optimizer=adamw8bit is bitsandbytes' own kernel: set optim.fused"
@@ -551,6 +635,11 @@ class OptimConfig(Section):
 
 class TrainConfig(Section):
     steps: Int = Field(1000, ge=1, description="optimizer steps")
+    epochs: Int | None = Field(
+        None, ge=1, le=1000000, description="train this many epochs instead: train.steps = "
+        "ceil(epochs x samples per epoch / batch_size), samples per epoch = the images (x "
+        "their repeats, + the balanced regularization samples, for kohya data), printed at "
+        "start; None: train.steps")
     batch_size: Int = Field(64, ge=1, le=65536, description="global batch per optimizer step")
     grad_accum: Int = Field(1, ge=1, le=1024, description="micro-batches per optimizer step")
     seed: Int = Field(0, ge=0, le=2**63 - 1)
@@ -903,6 +992,12 @@ class AdapterConfig(Section):
         "both", description="model.pretrained LoRA exports: diffusers (RUN/lora/"
         "pytorch_lora_weights.safetensors, pipe.load_lora_weights), kohya (RUN/lora/<run "
         "name>.safetensors, the lora_unet_/lora_te_ file A1111 and ComfyUI load), or both")
+    keep_files: Int | None = Field(
+        None, ge=1, le=100000, description="model.pretrained LoRA/hypernetwork: every save also "
+        "writes numbered files (RUN/lora/<run>-step00001000.safetensors and pytorch_lora_"
+        "weights-step00001000.safetensors; RUN/hypernetwork/<run>-step...): keep the newest N "
+        "steps' (the best evaluation's always stays); None: keep all. Independent of "
+        "train.keep_checkpoints")
     init_from: str | None = Field(
         None, description="model.pretrained LoRA: start from this LoRA (a kohya/A1111 "
         ".safetensors, or a diffusers LoRA folder/file) instead of B = 0; its rank and alpha "
@@ -1035,6 +1130,15 @@ class Config(Section):
                              "encoders off the device once the captions are cached; with "
                              "data.caption_shuffle or adapter.text_encoder they encode in "
                              "every step: set model.offload_text_encoders=false")
+        if m.quantize_base and not (m.pretrained and a.kind == "lora"):
+            raise ValueError(f"model.quantize_base={m.quantize_base} stores a pretrained "
+                             "model's frozen base in 8 bits under a LoRA: it needs "
+                             "model.pretrained and adapter.kind=lora (a full fine-tune trains "
+                             "the weights it would quantize)")
+        if m.quantize_base and self.train.precision != "bf16":
+            raise ValueError(f"model.quantize_base={m.quantize_base} computes the 8-bit base "
+                             f"in bf16: set train.precision=bf16 (it is "
+                             f"{self.train.precision})")
         for key in ("max_sequence_length", "guidance"):
             if getattr(m, key) is not None and not m.pretrained:
                 raise ValueError(f"model.{key} configures a pretrained model family's text "

@@ -149,6 +149,10 @@ CLIP_MODES: tuple[ClipMode, ...] = get_args(ClipMode)
 Precision = Literal["fp32", "bf16", "fp16"]
 PRECISIONS: tuple[Precision, ...] = get_args(Precision)
 
+# model.quantize_base: how a LoRA's frozen base is stored (integrations/quantize.py)
+BaseQuantization = Literal["int8"]
+BASE_QUANTIZATIONS: tuple[BaseQuantization, ...] = get_args(BaseQuantization)
+
 # ``train.precision`` also takes ``auto``, resolved once per run to a :data:`Precision` on
 # the device (trainer/speed.py: bf16 where native, else fp16 on CUDA; fp32 on the CPU).
 PrecisionSetting = Literal["auto", "fp32", "bf16", "fp16"]

@@ -52,8 +52,9 @@ def build_from_checkpoint(c: ckpt.Checkpoint, cfg: Config, *, use_ema: bool = Tr
     """
     if cfg.model.pretrained or cfg.model.text_encoder:  # text-to-image (docs/sd.md)
         from .integrations.sd import setup as sd_setup  # the [sd] extra
+        from .integrations.sd.identity import with_base
 
-        return sd_setup.load_trained(c, cfg, use_ema=use_ema)[0]
+        return sd_setup.load_trained(c, with_base(cfg, base), use_ema=use_ema)[0]
     if cfg.adapter.kind != "none":  # base weights + adapter (docs/adapters.md)
         return build_adapted(c, cfg, use_ema=use_ema, base=base)
     model = build_model(cfg.model, image_size=cfg.data.image_size, channels=cfg.data.channels)
@@ -120,7 +121,8 @@ class Pipeline:
                noise: torch.Tensor | None = None,
                control_image: str | Path | torch.Tensor | None = None,
                control_scale: float | None = None, control_start: float | None = None,
-               control_end: float | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               control_end: float | None = None, width: int | None = None,
+               height: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draw ``num`` samples. Defaults come from the config's ``sample`` section.
 
         For a class-conditional model, ``class_label`` fixes the class; otherwise the labels
@@ -144,6 +146,9 @@ class Pipeline:
             control_scale, control_start, control_end: its scale and the fraction of the
                 steps it acts on (diffusers' ``controlnet_conditioning_scale``,
                 ``control_guidance_start``/``end``; default: the ``controlnet`` section).
+            width, height: a text-to-image model's image size in pixels (each a multiple
+                of the VAE's x the denoiser's downsampling; default: the model's native
+                side, a ControlNet run's data.image_size).
 
         Returns:
             ``(x, y)``: x (N, C, H, W) float32 in [-1, 1] on the CPU, and the labels used
@@ -172,7 +177,11 @@ class Pipeline:
                                     control_end, sampler, steps)
             with control:
                 return self._sample_text(num, sampler, steps, prompt, negative_prompt,
-                                         cfg_scale, eta, seed, allow_nonfinite, noise)
+                                         cfg_scale, eta, seed, allow_nonfinite, noise,
+                                         (width, height))
+        if width is not None or height is not None:
+            raise ValueError("--width/--height size a text-to-image model's samples; this "
+                             f"model draws {self.model.image_size} px squares: drop them")
         if control_image is not None:
             raise ValueError("--control-image needs a ControlNet run (controlnet.enabled)")
         if prompt is not None or negative_prompt is not None:
@@ -262,7 +271,7 @@ class Pipeline:
                 "scale, or the model with `steadydiff doctor`")
 
     def _sample_text(self, num, sampler, steps, prompt, negative_prompt, cfg_scale, eta, seed,
-                     allow_nonfinite, noise) -> tuple[torch.Tensor, None]:
+                     allow_nonfinite, noise, size=(None, None)) -> tuple[torch.Tensor, None]:
         s, media, m = self.config.sample, self.media, self.model
         prompts = [prompt] if isinstance(prompt, str) else \
             list(prompt or [p.prompt for p in s.prompts])
@@ -278,16 +287,33 @@ class Pipeline:
         uncond = media.encode_prompts([neg] * num) if neg else None
         scale = s.cfg_scale if cfg_scale is None else cfg_scale
         gen = seeding.generator(self.device, s.seed if seed is None else seed)
-        side = self.config.data.image_size // (media.down if media.latent else 1) \
-            if hasattr(m, "control") else m.image_size
+        down = media.down if media.latent else 1
+        side = self.config.data.image_size // down if hasattr(m, "control") else m.image_size
+        h, w = (self._pixels(v, what, down) if v is not None else side
+                for v, what in ((size[1], "--height"), (size[0], "--width")))
         z = run_sampler(m, self.schedule, self.config.diffusion.prediction,
-                        (num, m.in_channels, side, side), sampler=sampler,
+                        (num, m.in_channels, h, w), sampler=sampler,
                         steps=steps or s.steps, y=y, cfg_scale=scale,
                         eta=s.eta if eta is None else eta, generator=gen, device=self.device,
                         uncond=uncond, clip_x0=not media.latent, x=noise)
         x = media.decode(z).float().cpu()
         self._check_finite(x, allow_nonfinite, sampler, scale)
         return x, None
+
+
+    def _pixels(self, v: int, what: str, down: int) -> int:
+        """A requested side in pixels as the latent side (checked: a multiple of what the
+        VAE and the denoiser downsample by)."""
+        m = self.model
+        step = m.size_multiple() if hasattr(m, "size_multiple") else down
+        if hasattr(m, "control"):
+            raise ValueError(f"{what}: a ControlNet run samples at data.image_size "
+                             f"({self.config.data.image_size} px), its control image's size")
+        if v < step or v % step:
+            near = max(step, round(v / step) * step)
+            raise ValueError(f"{what} {v} must be a positive multiple of {step} (the VAE's x "
+                             f"the denoiser's downsampling): e.g. {near}")
+        return v // down
 
 
 def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
@@ -304,8 +330,9 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
         use_ema: load the EMA weights (default) instead of the raw model weights.
         adapter_scale: an adapter checkpoint's adapter is applied at this scale (default
             1; 0 gives the base model). Refused for checkpoints without an adapter.
-        base: an adapter checkpoint's base weights, when they moved since training (their
-            sha256 must match the one the checkpoint records).
+        base: an adapter checkpoint's base weights, or a Stable Diffusion run's base model
+            (``model.pretrained``), when they moved since training (their sha256 must match
+            the one the checkpoint records: integrations/sd/identity.py).
         allow_nonfinite: load weights holding NaN/Inf (a diverged model, to look at what it
             produces; ``Pipeline.nonfinite`` names them) instead of refusing them.
 
@@ -321,7 +348,9 @@ def load(checkpoint: str | Path, *, device: str | torch.device | None = None,
     media = None
     if cfg.model.pretrained or cfg.model.text_encoder:  # text-to-image (docs/sd.md)
         from .integrations.sd import setup as sd_setup  # the [sd] extra
+        from .integrations.sd.identity import with_base
 
+        cfg = with_base(cfg, base)  # --base: the moved original (its identity is checked)
         model, media = sd_setup.load_trained(c, cfg, use_ema=use_ema, device=dev)
     else:
         model = build_from_checkpoint(c, cfg, use_ema=use_ema, base=base).to(dev)
@@ -340,14 +369,15 @@ EXPORT_FORMAT = "steadydiff.model.v1"  # an exported model file's metadata "form
 
 
 def export_model(source: str | Path, out: str | Path, *, use_ema: bool = True,
-                 dtype: torch.dtype | None = None) -> Path:
+                 dtype: torch.dtype | None = None, force: bool = False) -> Path:
     """``steadydiff export RUN --out model.safetensors``: the model of a run or checkpoint
     (any layout, a sharded FSDP one consolidated here) as one safetensors file for
     inference, with the config in its metadata; :func:`load` reads it.
 
     Args:
         source: a run directory or checkpoint of steadydiff's own UNet/DiT.
-        out: the ``.safetensors`` file to write (replaced atomically if it exists).
+        out: the ``.safetensors`` file to write, atomically; an existing one only with
+            ``force`` (never a directory, the source, or a file inside it).
         use_ema: the EMA weights (default) or the raw ones.
         dtype: cast the floating-point tensors (torch.float16/bfloat16 halve the file).
 
@@ -357,9 +387,12 @@ def export_model(source: str | Path, out: str | Path, *, use_ema: bool = True,
             merge`` first).
         CheckpointError: no intact checkpoint, or non-finite weights (nothing written).
     """
+    from .files import check_output
+
     out = Path(out).expanduser()
     if out.suffix.lower() != ".safetensors":
         raise ValueError(f"--out must end in .safetensors, got {out}")
+    check_output(out, force=force, inputs=[source])
     path = sampling_checkpoint(source)
     c = ckpt.load_checkpoint(path, "cpu", weights_only=True)
     cfg = checkpoint_config(c)
@@ -399,7 +432,15 @@ def _load_exported(path: Path, dev: torch.device, use_ema: bool,
     if adapter_scale is not None:
         raise ValueError(f"{path} holds no adapter; --adapter-scale applies to adapter "
                          "checkpoints only")
-    cfg = validate(json.loads(meta["config"]), source=f"{path} metadata config")
+    if "config" not in meta:
+        raise ckpt.CheckpointError(
+            f"{path} has steadydiff's export format but no 'config' in its metadata, so the "
+            "model it holds cannot be built; export it again with `steadydiff export RUN "
+            "--out FILE`")
+    try:
+        cfg = validate(json.loads(meta["config"]), source=f"{path} metadata config")
+    except json.JSONDecodeError as e:
+        raise ckpt.CheckpointError(f"{path}: its metadata config is not JSON ({e})") from None
     model = build_model(cfg.model, image_size=cfg.data.image_size, channels=cfg.data.channels)
     weights = {k: v.float() if v.is_floating_point() else v
                for k, v in load_file(str(path)).items()}

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from .config import Config, ConfigError
+from .config import Config, ConfigError, replace
 from .data import as_pairs, build_dataset, check_labels, labels_of
 from .data.buckets import bucket_layout, describe_histogram
 from .data.captions import build_captioned
@@ -181,6 +181,38 @@ def resolve(cfg: Config) -> tuple[Config, list[str]]:
     return resolve_config(cfg)
 
 
+def resolve_data(cfg: Config) -> tuple[Config, list[str]]:
+    """``cfg`` with what a kohya dataset TOML (``data.dataset_config``) sets: resolution,
+    batch size, caption shuffle and keep_tokens (data/kohya.py), a note per value changed."""
+    if not cfg.data.dataset_config:
+        return cfg, []
+    from .data.kohya import resolve_config
+
+    return resolve_config(cfg)
+
+
+def resolve_epochs(cfg: Config, data: Dataset) -> tuple[Config, list[str]]:
+    """``train.epochs`` as steps over ``data`` (its ``epoch_length``: images x repeats with
+    regularization images, else its length): ceil(epochs x samples / batch), replacing
+    train.steps; and what the run understood of a kohya dataset (data/kohya.py), as lines
+    to print."""
+    from .data.kohya import epoch_lines
+
+    lines = epoch_lines(data, cfg.train.batch_size)
+    n = int(getattr(data, "epoch_length", 0) or len(data))
+    e = cfg.train.epochs
+    if e is None:
+        if lines:
+            lines.append(f"  train.steps={cfg.train.steps}: "
+                         f"{cfg.train.steps * cfg.train.batch_size / n:.2f} epochs")
+        return cfg, lines
+    steps = -(-e * n // cfg.train.batch_size)
+    lines.append(f"train.epochs={e}: {e} x {n} samples / batch {cfg.train.batch_size} = "
+                 f"{steps} steps" + (f" (train.steps={cfg.train.steps} replaced)"
+                                     if cfg.train.steps != steps else ""))
+    return replace(cfg, {"train.steps": steps}), lines
+
+
 def text_model(cfg: Config) -> bool:
     """Whether ``cfg`` trains a text-conditioned model (a Stable Diffusion folder, or ours
     with a text encoder: integrations/sd)."""
@@ -204,6 +236,11 @@ def _text_data(cfg: Config, dataset: Dataset | None) -> Dataset:
                               "tensor in [0, 1] (and conditioning_path_of(i) to name the "
                               "files; docs/controlnet.md)")
     if dataset is None:
+        from .data.kohya import build_kohya, plan_of
+
+        plan = plan_of(cfg.data)  # kohya repeat folders, its dataset TOML, DreamBooth
+        if plan is not None:
+            return build_kohya(cfg.data, plan, seed=cfg.train.seed)
         return build_captioned(cfg.data, build_dataset(cfg.data, seed=cfg.train.seed),
                                seed=cfg.train.seed)
     captions = getattr(dataset, "captions", None)

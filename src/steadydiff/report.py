@@ -36,14 +36,15 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
         ValueError: ``run_dir`` is not a run (as for the doctor); nothing is written there.
     """
     run = RunDir(run_dir)
-    if run.root.is_dir() and not run.is_run():
-        raise ValueError(f"{run.root} is not a steadydiff run directory (no checkpoints/, "
-                         "metrics.jsonl, incidents.jsonl or summary.json); nothing was written")
+    # writing into the folder takes a run steadydiff made (its marker); reading one to write
+    # elsewhere takes any folder with a run's files
+    if run.root.is_dir() and not (run.is_run() if out is None else run.has_run_files()):
+        raise ValueError(f"{run.root} is not a steadydiff run directory (no "
+                         f"steadydiff-run.json{', checkpoints/, metrics.jsonl' if out else ''}"
+                         f"); nothing was written")
     log = read_run(run_dir)
     out = Path(out) if out is not None else log.paths.report
     page = render(log)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)
-    return out
+    from .files import write_text_atomic
+
+    return write_text_atomic(out, page, replace=True)  # the report is regenerated

@@ -22,6 +22,9 @@
       checkpoints/corrupt/step_00001234/       checkpoints that failed verification on resume,
                                                moved aside (never deleted; rotation skips them)
       run.lock            pid, host and start time of the process training into the run
+      steadydiff-run.json the marker: written by steadydiff when it starts a run here (the
+                          run's id, when, which version); only a folder holding it, or the
+                          verified checkpoints of a run from before the marker, is a run
       previous-20260101-120000/                an earlier run's files, moved by --restart
 
 Safety (docs/RELIABILITY.md, "Run-directory safety"): training refuses a folder that holds
@@ -47,12 +50,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from . import __version__
 from .trainer import checkpoint as ckpt
 
 # the append-only logs of a run, truncated to the resumed step on resume
 JSONL_LOGS = ("metrics.jsonl", "layers.jsonl", "incidents.jsonl", "eval.jsonl")
 _GRID = re.compile(r"^step_(\d+)\.png$")
 _PREVIOUS = "previous-"
+MARKER = "steadydiff-run.json"
+_MARKER_KIND = "steadydiff-run"
 log = logging.getLogger(__name__)
 
 
@@ -176,13 +182,66 @@ class RunDir:
         """The newest checkpoint that passes verification, or None."""
         return ckpt.latest_good(self.checkpoints)
 
+    @property
+    def marker(self) -> Path:
+        """``steadydiff-run.json``: the run's identity, written when steadydiff starts it."""
+        return self.root / MARKER
+
     # ---- what kind of folder this is
+    def identity(self) -> dict | None:
+        """The marker's contents (``{"kind", "id", "created", "steadydiff"}``), or None
+        when the folder has no valid marker."""
+        try:
+            info = json.loads(self.marker.read_text())
+        except (OSError, ValueError):
+            return None
+        return info if isinstance(info, dict) and info.get("kind") == _MARKER_KIND else None
+
     def is_run(self) -> bool:
-        """Whether the folder holds a steadydiff run (any of the files only a run has;
-        a config.yaml alone is not one: users name their own configs that way)."""
-        return self.root.is_dir() and any(
-            p.exists() for p in (self.checkpoints, self.metrics, self.incidents, self.summary,
-                                 self.lock_file))
+        """Whether steadydiff wrote this folder: it holds the marker, or (a run from before
+        the marker) a checkpoint steadydiff wrote, its manifest and state. Common file
+        names are never evidence: a user's project folder may hold a ``config.yaml``,
+        ``checkpoints/`` or ``metrics.jsonl`` of its own, and nothing of it may be
+        overwritten, rotated or swept."""
+        if not self.root.is_dir():
+            return False
+        return self.identity() is not None or self._run_before_marker()
+
+    def _run_before_marker(self) -> bool:
+        for c in self.list_checkpoints():
+            try:
+                mf = json.loads((c / "manifest.json").read_text())
+                state = json.loads((c / "state.json").read_text())
+            except (OSError, ValueError):
+                continue
+            if (isinstance(mf, dict) and isinstance(state, dict) and "format" in mf
+                    and isinstance(mf.get("files"), dict) and "state.json" in mf["files"]
+                    and isinstance(state.get("config"), dict)):
+                return True
+        return False
+
+    def has_run_files(self) -> bool:
+        """Whether the folder holds files a run has (checkpoints/, metrics.jsonl, ...):
+        enough for a reader that writes nothing into it (``doctor``, ``report --out``
+        elsewhere), never for a writer (:meth:`is_run`)."""
+        return self.root.is_dir() and (self.is_run() or any(
+            p.exists() for p in (self.checkpoints, self.metrics, self.incidents, self.summary)))
+
+    def mark(self) -> dict:
+        """Write the marker if the folder has none (a new run, or a run from before the
+        marker adopted on resume); returns the run's identity."""
+        info = self.identity()
+        if info is not None:
+            return info
+        import uuid
+
+        from .files import write_text_atomic
+
+        info = {"kind": _MARKER_KIND, "id": uuid.uuid4().hex,
+                "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "steadydiff": __version__}
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(self.marker, json.dumps(info, indent=1) + "\n", replace=True)
+        return info
 
     def check_target(self) -> None:
         """Refuse to train into anything but a run, an empty folder or a new path.
@@ -198,14 +257,19 @@ class RunDir:
             return
         # a log the shell opened before the run started (`... > RUN/train.log`, SLURM's
         # --output) is no file steadydiff writes: it is left alone, not a reason to refuse
+        # the lock is taken before the marker is written: a folder holding only a lock is
+        # one another steadydiff is starting in (lock() then names that process)
         there = sorted(p.name + ("/" if p.is_dir() else "") for p in self.root.iterdir()
-                       if not (p.is_file() and p.suffix in LOG_SUFFIXES))
+                       if not (p.is_file() and (p.suffix in LOG_SUFFIXES
+                                                or p.name == self.lock_file.name)))
         if there:
             raise RunDirError(
                 f"{self.root} is not empty and is not a steadydiff run (it holds "
                 f"{', '.join(there[:5])}{f' and {len(there) - 5} more' if len(there) > 5 else ''}"
-                "); training would overwrite its config.yaml, metrics.jsonl and report.html. "
-                "Choose a new or empty --out directory")
+                f"; no {MARKER}, which every run steadydiff starts writes); training would "
+                "overwrite its config.yaml, metrics.jsonl and report.html, and rotation would "
+                "delete from its checkpoints/. Nothing was changed. Choose a new or empty --out "
+                "directory")
 
     def lock(self) -> tuple["RunLock", str | None]:
         """Lock the run for this process; see :meth:`RunLock.acquire`."""
@@ -286,6 +350,7 @@ class RunDir:
         dest.mkdir()
         for p in move:
             os.replace(p, dest / p.name)
+        self.mark()  # the fresh run's own identity (the old marker went with its files)
         return dest
 
     @staticmethod

@@ -20,7 +20,7 @@ parameter's storage, so a copy into it is a copy into the parameter).
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 __all__ = ["is_sharded", "local", "any_sharded", "norms", "total_norm", "all_finite",
-           "shard", "shard_units", "mesh", "load_local", "local_bytes", "nested_bytes"]
+           "shard", "shard_units", "mesh", "load_local", "local_bytes", "nested_bytes",
+           "on_meta", "materialize"]
 
 
 def is_sharded(t: Any) -> bool:
@@ -180,3 +181,50 @@ def nested_bytes(obj: Any) -> int:
     if hasattr(obj, "__dataclass_fields__"):
         return sum(nested_bytes(getattr(obj, k)) for k in obj.__dataclass_fields__)
     return 0
+
+
+# --------------------------------------------------------------------------- meta-device init
+
+
+def on_meta(module: nn.Module) -> bool:
+    """Whether ``module`` has tensors on the meta device (built without storage, to be
+    sharded first and read shard by shard: :func:`materialize`)."""
+    return any(t.is_meta for t in list(module.parameters()) + list(module.buffers()))
+
+
+@torch.no_grad()
+def materialize(module: nn.Module, device: torch.device,
+                read: Callable[[str, int | None, int | None], torch.Tensor]) -> int:
+    """Give ``module`` (built on the meta device, then sharded by :func:`shard`) storage
+    on ``device`` and fill each tensor with the part this rank holds, so that no rank ever
+    holds the whole module: a sharded parameter's rows ``[start, stop)`` of its dim 0 (FSDP2
+    shards dim 0) come from ``read(name, start, stop)``, an unsharded tensor (a buffer)
+    whole from ``read(name, None, None)`` (PyTorch's FSDP2 recipe: ``to_empty``, then
+    initialise; torchtitan's ``init_weights`` after ``fully_shard``).
+
+    Returns:
+        the bytes read (this rank's shards).
+    """
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    module.to_empty(device=device)
+    total = 0
+    named = list(module.named_parameters()) + list(module.named_buffers())
+    for name, t in named:
+        if isinstance(t, DTensor):
+            if list(t.placements) != [Shard(0)]:
+                raise RuntimeError(f"{name}: placements {t.placements}, expected FSDP2's "
+                                   "Shard(0)")
+            shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh,
+                                                                  t.placements)
+            dst = t.to_local()
+            src = read(name, offset[0], offset[0] + shape[0])
+        else:
+            dst, src = t, read(name, None, None)
+        if tuple(src.shape) != tuple(dst.shape):
+            raise RuntimeError(f"{name}: read {tuple(src.shape)}, this rank holds "
+                               f"{tuple(dst.shape)}")
+        dst.copy_(src)
+        total += src.numel() * src.element_size()
+    return total

@@ -500,6 +500,16 @@ def merge_checkpoint(checkpoint: str | Path, out: str | Path, *, scale: float = 
     path = ckpt.resolve_checkpoint(checkpoint)
     c = ckpt.load_checkpoint(path, "cpu", weights_only=True)
     cfg = validate(c.state["config"], f"{path}/state.json config")
+    if cfg.model.pretrained and cfg.adapter.kind == "lora":
+        # peft's LoRA over a diffusers model: already in the ecosystem's format, which the
+        # ecosystem's own tools fuse; a steadydiff checkpoint holds no SD base to bake into
+        raise AdapterError(
+            f"{path} is a Stable Diffusion LoRA run (model.pretrained="
+            f"{cfg.model.pretrained}); `steadydiff merge` bakes steadydiff's own UNet/DiT "
+            f"adapters. This run's LoRA is already written for the ecosystem: "
+            f"RUN/lora/pytorch_lora_weights.safetensors. To bake it into the base, load it "
+            f"with diffusers (pipe.load_lora_weights('RUN/lora'); pipe.fuse_lora(); "
+            f"pipe.save_pretrained(NEW)); `steadydiff sample RUN` applies it as it is")
     if cfg.adapter.kind == "hypernetwork":
         raise AdapterError(f"{path}: {HYPER_NO_MERGE}")
     if cfg.adapter.kind == "none":
@@ -520,10 +530,17 @@ def merge_checkpoint(checkpoint: str | Path, out: str | Path, *, scale: float = 
              "merged_from": {"adapter_checkpoint": str(path.resolve()), "scale": scale,
                              "base_path": rec.get("base_path"),
                              "base_sha256": rec.get("base_sha256")}}
-    written = ckpt.save_checkpoint(out / "checkpoints", c.step, model=merged["model"],
-                                   ema=merged["ema"],
-                                   optimizer=build_optimizer(merged["model"].requires_grad_(True),
-                                                             cfg.optim),
-                                   state=state, keep=1)
-    (out / "config.yaml").write_text(plain.to_yaml())
-    return written
+    from ..files import atomic_dir
+    from ..rundir import RunDir
+
+    # the whole run folder is written beside --out and renamed into place: a full disk or a
+    # kill leaves no half run (and no temporary: see files.atomic_output)
+    with atomic_dir(out) as tmp:
+        written = ckpt.save_checkpoint(tmp / "checkpoints", c.step, model=merged["model"],
+                                       ema=merged["ema"],
+                                       optimizer=build_optimizer(
+                                           merged["model"].requires_grad_(True), cfg.optim),
+                                       state=state, keep=1)
+        (tmp / "config.yaml").write_text(plain.to_yaml())
+        RunDir(tmp).mark()
+    return out / written.relative_to(tmp)

@@ -1021,6 +1021,11 @@ def _worker_init(_: int) -> None:
     # N workers × default thread count oversubscribes the CPU; each worker decodes one image
     # at a time anyway.
     torch.set_num_threads(1)
+    # A stop signal sent to the whole process group (SLURM, Kubernetes) is the main
+    # process's to act on: it checkpoints and ends the workers (trainer/preempt.py).
+    from steadydiff.trainer.preempt import ignore_in_worker
+
+    ignore_in_worker()
 
 
 def make_loader(dataset: Dataset, *, batch_size: int, seed: int, start_batch: int = 0,

@@ -41,9 +41,10 @@ import json
 import logging
 import os
 import secrets
+import socket
 import sys
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,7 +59,7 @@ from steadydiff.data import DataError, source_of
 from steadydiff.data.buckets import BucketLayout, bucket_layout
 from steadydiff.data.pairs import conditioning_of, pair_name
 
-__all__ = ["module_identity", "file_digest", "encode_latents", "encode_texts",
+__all__ = ["CachingStopped", "check_cache_dir", "module_identity", "file_digest", "encode_latents", "encode_texts",
            "encode_conditioning", "append_rows", "LatentResult", "TextResult",
            "ConditioningResult", "EncodedDataset"]
 
@@ -157,7 +158,28 @@ def _tensor_digest(x: torch.Tensor) -> str:
     return h.hexdigest()
 
 
+class CachingStopped(Exception):
+    """Encoding stopped on request (a stop signal, trainer/preempt.py) before every item was
+    cached. Each entry written is complete and verified on its next read; the next run
+    encodes only the rest.
+
+    Attributes:
+        what: ``latents``, ``text`` or ``conditioning``.
+        done: items encoded by this call before it stopped; ``left``: items still to do.
+    """
+
+    def __init__(self, what: str, done: int, left: int) -> None:
+        self.what, self.done, self.left = what, done, left
+        super().__init__(f"stopped while caching {what}: {done} encoded in this run, "
+                         f"{left} left for the next one (every entry written is complete)")
+
+
 # --------------------------------------------------------------------------- the store
+
+# A temporary cache file older than this whose writer cannot be checked (another host, or an
+# unreadable name) is taken for the leftover of a killed run and removed.
+STALE_TMP_S = 24 * 3600
+_HOST = socket.gethostname().replace(".", "_").replace("-", "_") or "host"
 
 
 class _Store:
@@ -196,8 +218,9 @@ class _Store:
         p = self.path(key)
         p.parent.mkdir(parents=True, exist_ok=True)
         data = st_save({self.name: t.contiguous()}, metadata={"key": key, **meta})
-        # Hidden, unique name: never taken for an entry, and never shared by two writers.
-        tmp = p.with_name(f".{p.name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+        # Hidden, unique name: never taken for an entry, and never shared by two writers; the
+        # host and pid say whose it is, so a killed writer's leftover is swept (:meth:`sweep`).
+        tmp = p.with_name(f".{p.name}.{_HOST}-{os.getpid()}-{secrets.token_hex(4)}.tmp")
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
@@ -208,9 +231,101 @@ class _Store:
             finally:
                 os.close(fd)
             os.replace(tmp, p)
+        except OSError as e:
+            from ..files import WriteFailed, describe_failure, write_failure
+
+            if write_failure(e) is None:
+                raise
+            raise WriteFailed(e.errno, describe_failure(p, e)) from None
         finally:
             if tmp.exists():
                 tmp.unlink()
+
+
+    def sweep(self) -> int:
+        """Remove the temporaries of writers that are gone: a run killed in the middle of
+        :meth:`save` leaves its hidden ``.tmp`` (the entry itself is untouched: the rename
+        never happened). A file of this host whose process no longer exists is removed; one
+        of another host (a cache shared over a network file system), or of the format of
+        earlier versions (no host), once it is older than :data:`STALE_TMP_S`. A live
+        writer's file is never touched. Returns the number removed."""
+        removed = 0
+        try:
+            subs = [d for d in os.scandir(self.root) if d.is_dir(follow_symlinks=False)]
+        except OSError:
+            return 0  # no store yet
+        now = time.time()
+        for d in subs:
+            try:
+                entries = [e for e in os.scandir(d.path)
+                           if e.name.startswith(".") and e.name.endswith(".tmp")]
+            except OSError:
+                continue
+            for e in entries:
+                owner = e.name[:-4].rsplit(".", 1)[-1].split("-")  # host, pid, token
+                try:
+                    stale = (_gone(int(owner[1])) if len(owner) == 3 and owner[0] == _HOST
+                             else now - e.stat(follow_symlinks=False).st_mtime > STALE_TMP_S)
+                    if stale:
+                        os.unlink(e.path)
+                        removed += 1
+                except (OSError, ValueError):
+                    continue
+        if removed:
+            log.info("cache %s: removed %d temporary files left by killed runs", self.root,
+                     removed)
+        return removed
+
+
+def _gone(pid: int) -> bool:
+    """Whether no process ``pid`` exists on this host."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, owned by someone else
+        return False
+    return False
+
+
+def check_cache_dir(path: str | os.PathLike[str], key: str = "data.cache_dir") -> Path:
+    """``path`` as the cache root, refused (a DataError naming it) when it, or a folder
+    above it, is a file: the first write would fail with a bare ``NotADirectoryError``."""
+    p = Path(path).expanduser()
+    if not str(path).strip():
+        raise DataError(f"{key} is empty; give a folder (or null for RUN/cache)")
+    for q in (p, *p.parents):
+        if q.exists() or q.is_symlink():
+            if not q.is_dir():
+                what = "is" if q == p else f"lies under {q}, which is"
+                raise DataError(f"{key} {str(p)!r} {what} a file, not a folder; give a "
+                                f"folder for the cache (it is created if missing), or null "
+                                f"for RUN/cache")
+            break
+    return p
+
+
+def _printable(name: str) -> str:
+    """A file name as UTF-8 text: bytes that are not UTF-8 (kept by Python as surrogates)
+    shown as ``\\xNN``."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+def _check_names(names: Sequence[str | None]) -> None:
+    """Refuse a file name that is not valid UTF-8: each cache entry records its source's
+    name in its (UTF-8, JSON) metadata, which cannot hold it."""
+    for s in names:
+        if s is None:
+            continue
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError:
+            raise DataError(f"{_printable(s)}: the file name is not valid UTF-8 (the bytes "
+                            f"shown as \\xNN); the cache records each file's name as UTF-8 "
+                            f"text: rename it (e.g. `convmv -f latin1 -t utf-8 --notest "
+                            f"FILE`)") from None
 
 
 def _nonfinite(t: torch.Tensor) -> str:
@@ -304,11 +419,19 @@ def _fetch(dataset: Dataset, i: int) -> tuple[torch.Tensor, bool]:
 
 def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tensor], *,
                    encoder_id: str, prep: str, cache_dir: Path | str | None,
-                   batch_size: int = 8,
                    fallback: Callable[[torch.Tensor], torch.Tensor] | None = None,
                    device: torch.device | str | None = None,
-                   progress: bool = False) -> LatentResult:
+                   progress: bool = False,
+                   stop: Callable[[], bool] | None = None) -> LatentResult:
     """Every item's latent, read from the cache or encoded (and cached), each checked finite.
+
+    Each image is encoded alone (a batch of one), so its latent is a pure function of its
+    key (file, preprocessing, encoder) and of nothing else: a VAE's output for an image
+    depends, in the last bits, on what else shares its batch (up to 1.3e-6 between a batch of
+    1 and one of 8 for SD's VAE), so batching whatever is still missing would make a cache
+    filled in two runs (killed, then resumed) or shared by two data sets differ from one
+    filled in one go. One image at a time is also what kohya's ``vae_batch_size`` defaults
+    to; the cost is one VAE call per image, once per image ever (then it is a hit).
 
     Args:
         dataset: ``dataset[i]`` is ``(image (C, H, W) float32 in [-1, 1], anything)``; the
@@ -322,11 +445,13 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
         prep: the preprocessing that made the image from its file, e.g.
             ``"size=32,crop=center,channels=3"``: another ``prep`` is another entry.
         cache_dir: the cache root (latents go under ``latents/``); None: nothing on disk.
-        batch_size: images per ``encode`` call.
         fallback: encodes one image ``(1, C, H, W)`` again when ``encode`` gave a non-finite
             latent (the fp32 VAE for an fp16 one); None: such items are quarantined.
         device: where images go before ``encode`` (None: stay on the CPU).
         progress: print a status line on stderr every 10 s.
+        stop: asked before each image is encoded; True ends the call at once with
+            :class:`CachingStopped` (a stop signal): every entry written so far is complete
+            and valid, and the next call encodes only what is missing.
 
     Returns:
         A :class:`LatentResult`. With a cache, hashing every file costs one read of the data
@@ -337,11 +462,17 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
         DataError: an item cannot be loaded or hashed (the data module names the file).
         ValueError: ``encode`` broke its contract (not a ``(B, c, h, w)`` tensor, or latents
             of different shapes within one data set).
+        CachingStopped: ``stop()`` said so.
     """
     t0 = time.perf_counter()
     n = len(dataset)
-    store = _Store(Path(cache_dir) / "latents", "latent") if cache_dir is not None else None
+    store = (_Store(check_cache_dir(cache_dir) / "latents", "latent")
+             if cache_dir is not None else None)
+    if store is not None:
+        store.sweep()
     sources = [source_of(dataset, i) for i in range(n)]
+    if store is not None:
+        _check_names(sources)
     # Bucketed data: images of one bucket share a shape (and are encoded together); the key
     # holds the bucket and the crop, so another bucket set or crop is another entry.
     layout = bucket_layout(dataset)
@@ -363,19 +494,55 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
             if t is not None:
                 got[i] = t
     hits = len(got)
-    queue = [i for i in range(n) if i not in got]
+    queue = deque(i for i in range(n) if i not in got)
     res = LatentResult(latents=torch.empty(0), index=[], total=n)
     # (c, h, w) of each group (bucket): fixed by its first fresh encoding
     shapes: dict[int, tuple[int, ...]] = {}
     show = _Progress(progress, "latents", n)
 
     def keep(i: int, z: torch.Tensor) -> None:
-        got[i] = z.clone()  # its own storage: not a view pinning the whole batch
+        got[i] = z.clone()  # its own storage: not a view pinning the encoder's output
         if store is not None:
             store.save(keys[i], got[i], {**meta, "prep": item_prep[i],
                                          "source": sources[i] or ""})
 
-    queue.sort(key=lambda i: (group[i], i))  # a batch never mixes two buckets
+    def one(i: int) -> str | None:
+        """Encode item ``i`` alone and keep its latent; else why it is left out."""
+        x, bad = _fetch(dataset, i)
+        if bad:
+            # The data set handed over another file's image: caching it under this file's
+            # key would train on a duplicate that names the wrong file.
+            return "image unreadable, replaced by another by the data set" + (
+                f" ({r})" if (r := getattr(dataset, "bad_paths", {}).get(sources[i])) else "")
+        x = x[None].to(device=device, dtype=torch.float32)  # (1, C, H, W): alone
+        with torch.no_grad():
+            z = _check_batch(encode(x), 1, "encode")[0]  # (c, h, w)
+        shape = shapes.setdefault(group[i], tuple(z.shape))
+        if tuple(z.shape) != shape:
+            raise ValueError(f"encode returned a latent {tuple(z.shape)} for dataset item "
+                             f"{i} but {shape} for earlier ones: every image of a data set "
+                             f"(of a bucket) must have one size (check the preprocessing)")
+        res.misses += 1
+        if bool(torch.isfinite(z).all()):
+            keep(i, z)
+            return None
+        first = _nonfinite(z)
+        if fallback is None:
+            return f"latent non-finite ({first}) and no fallback encoder was given"
+        with torch.no_grad():
+            zf = _check_batch(fallback(x), 1, "fallback")[0]
+        if tuple(zf.shape) != shape:
+            raise ValueError(f"fallback returned a latent {tuple(zf.shape)} but encode "
+                             f"{shape}: it must be the same encoder in another dtype")
+        if not bool(torch.isfinite(zf).all()):
+            return (f"latent non-finite from encode ({first}) and again from the fallback "
+                    f"encoder ({_nonfinite(zf)})")
+        keep(i, zf)
+        res.reencoded.append({"index": i, "source": sources[i],
+                              "why": f"latent non-finite from encode ({first}); finite from "
+                                     f"the fallback encoder"})
+        return None
+
     while True:
         if not queue:
             # A cached file of another shape than its group's fresh latents (or, with nothing
@@ -383,8 +550,8 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
             for k in sorted({group[i] for i in got} - set(shapes)):
                 shapes[k] = Counter(tuple(t.shape) for i, t in got.items()
                                     if group[i] == k).most_common(1)[0][0]
-            queue = sorted((i for i, t in got.items() if tuple(t.shape) != shapes[group[i]]),
-                           key=lambda i: (group[i], i))
+            queue = deque(sorted(i for i, t in got.items()
+                                 if tuple(t.shape) != shapes[group[i]]))
             if not queue:
                 break
             for i in queue:
@@ -392,53 +559,11 @@ def encode_latents(dataset: Dataset, encode: Callable[[torch.Tensor], torch.Tens
             hits -= len(queue)
             log.warning("latent cache: %d entries have another shape than their bucket's; "
                         "re-encoding", len(queue))
-        head = [i for i in queue[:batch_size] if group[i] == group[queue[0]]]
-        batch, queue = head, queue[len(head):]
-        images = []
-        for i in list(batch):
-            x, bad = _fetch(dataset, i)
-            if bad:
-                # The data set handed over another file's image: caching it under this file's
-                # key would train on a duplicate that names the wrong file.
-                why = "image unreadable, replaced by another by the data set" + (
-                    f" ({r})" if (r := getattr(dataset, "bad_paths", {}).get(sources[i]))
-                    else "")
-                res.quarantined[i] = {"index": i, "source": sources[i], "why": why}
-                batch.remove(i)
-            else:
-                images.append(x)
-        if not batch:
-            continue
-        x = torch.stack(images).to(device=device, dtype=torch.float32)
-        with torch.no_grad():
-            z = _check_batch(encode(x), len(batch), "encode")  # (B, c, h, w)
-        shape = shapes.setdefault(group[batch[0]], tuple(z.shape[1:]))
-        if tuple(z.shape[1:]) != shape:
-            raise ValueError(f"encode returned latents {tuple(z.shape[1:])} for dataset items "
-                             f"{batch[:3]}... but {shape} for earlier ones: every image of a "
-                             f"data set must have one size (check the preprocessing)")
-        res.misses += len(batch)
-        for j, i in enumerate(batch):
-            if bool(torch.isfinite(z[j]).all()):
-                keep(i, z[j])
-                continue
-            first = _nonfinite(z[j])
-            if fallback is None:
-                why = f"latent non-finite ({first}) and no fallback encoder was given"
-            else:
-                with torch.no_grad():
-                    zf = _check_batch(fallback(x[j:j + 1]), 1, "fallback")[0]
-                if tuple(zf.shape) != shape:
-                    raise ValueError(f"fallback returned a latent {tuple(zf.shape)} but encode "
-                                     f"{shape}: it must be the same encoder in another dtype")
-                if bool(torch.isfinite(zf).all()):
-                    keep(i, zf)
-                    res.reencoded.append({"index": i, "source": sources[i],
-                                          "why": f"latent non-finite from encode ({first}); "
-                                                 f"finite from the fallback encoder"})
-                    continue
-                why = (f"latent non-finite from encode ({first}) and again from the fallback "
-                       f"encoder ({_nonfinite(zf)})")
+        if stop is not None and stop():
+            raise CachingStopped("latents", res.misses, len(queue))
+        i = queue.popleft()
+        why = one(i)
+        if why is not None:
             res.quarantined[i] = {"index": i, "source": sources[i], "why": why}
             log.warning("latent cache: quarantined dataset item %d%s: %s", i,
                         f" ({sources[i]})" if sources[i] else "", why)
@@ -472,6 +597,11 @@ class TextResult:
             classifier-free guidance), always computed.
         hits, misses: cache entries read / encoded (the null caption included).
         seconds: the wall time of the call.
+        reencoded: the captions whose embedding was non-finite from ``encode_text`` and
+            finite from ``fallback`` (kept, and cached).
+        bad: ``{caption: why}``, embeddings non-finite from the fallback too (or with no
+            fallback): their rows are zeros, and the items that use them are to be left out
+            (the caller quarantines them, naming their files).
     """
 
     contexts: torch.Tensor
@@ -481,20 +611,31 @@ class TextResult:
     hits: int = 0
     misses: int = 0
     seconds: float = 0.0
+    reencoded: list[str] = field(default_factory=list)
+    bad: dict[str, str] = field(default_factory=dict)
 
 
 def encode_texts(captions: Sequence[str],
                  encode_text: Callable[[list[str]], torch.Tensor], *,
                  encoder_id: str, cache_dir: Path | str | None,
-                 batch_size: int = 32) -> TextResult:
+                 fallback: Callable[[list[str]], torch.Tensor] | None = None,
+                 blame: Callable[[str], str] | None = None,
+                 stop: Callable[[], bool] | None = None) -> TextResult:
     """Every distinct caption's embedding, encoded once (and cached), plus the null one.
+
+    Each caption is encoded alone, as each latent is (:func:`encode_latents`): its
+    embedding is then a function of the caption and the encoder only, whichever captions
+    were missing from the cache when it was filled.
 
     Fashion-MNIST with class-name captions has 60,000 items but a few dozen distinct
     captions: those are what is encoded (or read).
 
-    A non-finite embedding is not a bad sample but a broken text encoder (one caption's
-    embedding goes NaN only when the encoder does), so it raises, naming the caption, rather
-    than quarantining the items that use it.
+    A non-finite embedding comes from the text encoder, not the image: it overflows its
+    dtype (fp16), or a token's embedding row is broken. It is encoded again with
+    ``fallback`` (the encoder in fp32, read from disk); finite, it is kept (and cached);
+    still non-finite, the caption is in ``bad`` (with ``blame``'s words: the tokens to
+    blame) and the caller leaves its items out. The empty caption (the null condition) must
+    be finite: without it nothing trains.
 
     Args:
         captions: one caption per dataset item.
@@ -503,13 +644,18 @@ def encode_texts(captions: Sequence[str],
         encoder_id: names ``encode_text`` (:func:`module_identity` of the text encoder, with
             the tokenizer's identity and max length in ``extra``).
         cache_dir: the cache root (embeddings go under ``text/``); None: nothing on disk.
-        batch_size: captions per ``encode_text`` call.
+        fallback: ``list[str] -> (B, L, D)`` in a higher precision, for the captions whose
+            embedding is non-finite; None: they go to ``bad`` directly.
+        blame: ``caption -> str``, what in the caption is to blame (its tokens whose
+            embedding rows are broken), for ``bad``'s message.
+        stop: asked before each caption; True ends the call with :class:`CachingStopped`.
 
     Raises:
-        DataError: a caption that is not a string, or a non-finite embedding (naming the
-            caption).
+        DataError: a caption that is not a string, or a non-finite embedding of the empty
+            caption (naming the encoder's tokens to blame).
         ValueError: ``encode_text`` broke its contract (not a ``(B, L, D)`` tensor, or
             embeddings of different shapes).
+        CachingStopped: ``stop()`` said so.
     """
     t0 = time.perf_counter()
     row: dict[str, int] = {}
@@ -521,30 +667,37 @@ def encode_texts(captions: Sequence[str],
         index[i] = row.setdefault(c, len(row))
     unique = list(row)
     todo = unique + ([""] if "" not in row else [])  # the null caption rides along
-    store = _Store(Path(cache_dir) / "text", "context") if cache_dir is not None else None
+    store = (_Store(check_cache_dir(cache_dir) / "text", "context")
+             if cache_dir is not None else None)
+    if store is not None:
+        store.sweep()
     keys = {c: _sha("text", c, encoder_id) for c in todo}
 
     got: dict[str, torch.Tensor] = {}
+    reencoded: list[str] = []
+    bad: dict[str, str] = {}
     if store is not None:
         for c in todo:
             t = store.load(keys[c], ndim=2)
             if t is not None:
                 got[c] = t
     hits = len(got)
-    queue = [c for c in todo if c not in got]
+    queue = deque(c for c in todo if c not in got)
     shape: tuple[int, ...] | None = None
     misses = 0
     while True:
         if not queue:  # as for latents: a cached entry of a shape not ours is re-encoded
             if shape is None and got:
                 shape = Counter(tuple(t.shape) for t in got.values()).most_common(1)[0][0]
-            queue = [c for c in todo if c in got and tuple(got[c].shape) != shape]
+            queue = deque(c for c in todo if c in got and tuple(got[c].shape) != shape)
             if not queue:
                 break
             for c in queue:
                 del got[c]
             hits -= len(queue)
-        batch, queue = queue[:batch_size], queue[batch_size:]
+        if stop is not None and stop():
+            raise CachingStopped("text", misses, len(queue))
+        batch = [queue.popleft()]  # alone: see above
         with torch.no_grad():
             e = encode_text(list(batch))
         if not isinstance(e, torch.Tensor) or e.ndim != 3 or e.shape[0] != len(batch):
@@ -561,10 +714,27 @@ def encode_texts(captions: Sequence[str],
         misses += len(batch)
         for j, c in enumerate(batch):
             if not bool(torch.isfinite(e[j]).all()):
-                raise DataError(f"the text encoder's embedding of caption {c!r:.80} is "
-                                f"non-finite ({_nonfinite(e[j])}); the text encoder "
-                                f"({encoder_id[:12]}) is broken or runs in too low a "
-                                f"precision: load it in fp32")
+                first = _nonfinite(e[j])
+                z = None
+                if fallback is not None:
+                    with torch.no_grad():
+                        z = fallback([c]).detach().to("cpu", torch.float32)[0]
+                if z is not None and tuple(z.shape) == shape and bool(torch.isfinite(z).all()):
+                    reencoded.append(c)
+                    log.warning("text cache: the embedding of caption %r was non-finite (%s); "
+                                "finite when encoded again in fp32", c[:80], first)
+                    e[j] = z
+                else:
+                    why = (f"its embedding is non-finite ({first})"
+                           + (" and again in fp32" if fallback is not None else "")
+                           + (f"; {blame(c)}" if blame is not None else ""))
+                    if c == "":
+                        raise DataError(f"the text encoder's embedding of the empty caption "
+                                        f"(the null condition) is {why}: the text encoder "
+                                        f"({encoder_id[:12]}) is broken; download it again")
+                    bad[c] = why
+                    got[c] = torch.zeros(shape)
+                    continue  # never cached
             got[c] = e[j].clone()
             if store is not None:
                 store.save(keys[c], got[c], {"encoder_id": encoder_id, "caption": c})
@@ -572,7 +742,8 @@ def encode_texts(captions: Sequence[str],
     contexts = (torch.stack([got[c] for c in unique]) if unique
                 else torch.empty((0, *got[""].shape)))
     return TextResult(contexts=contexts, captions=unique, caption_index=index, null=got[""],
-                      hits=hits, misses=misses, seconds=time.perf_counter() - t0)
+                      hits=hits, misses=misses, seconds=time.perf_counter() - t0,
+                      reencoded=reencoded, bad=bad)
 
 
 # --------------------------------------------------------------------------- conditioning
@@ -624,7 +795,8 @@ class ConditioningResult:
 
 
 def encode_conditioning(dataset: Dataset, *, prep: str, cache_dir: Path | str | None,
-                        progress: bool = False) -> ConditioningResult:
+                        progress: bool = False,
+                        stop: Callable[[], bool] | None = None) -> ConditioningResult:
     """Prepare and cache every conditioning image of a paired image folder (see
     :class:`ConditioningResult`); for a user dataset, nothing (it is read when drawn).
 
@@ -633,6 +805,7 @@ def encode_conditioning(dataset: Dataset, *, prep: str, cache_dir: Path | str | 
             ``conditioning_path_of(i)``, or a user dataset with ``conditioning(i)``.
         prep: the preparation (size, crop, channels): another is another entry.
         cache_dir: the cache root (None: decode on every draw).
+        stop: asked before each image; True ends the call with :class:`CachingStopped`.
 
     Returns:
         The result; a file that cannot be decoded is quarantined (its image with it).
@@ -643,8 +816,10 @@ def encode_conditioning(dataset: Dataset, *, prep: str, cache_dir: Path | str | 
     if not callable(pixels) or cache_dir is None:
         return res
     n = len(dataset)
-    store = _Store(Path(cache_dir) / "conditioning", "conditioning")
+    store = _Store(check_cache_dir(cache_dir) / "conditioning", "conditioning")
+    store.sweep()
     paths = [str(dataset.conditioning_path_of(i)) for i in range(n)]
+    _check_names(paths)
     layout = bucket_layout(dataset)
     item_prep = ([f"{prep},bucket={c.target_size[1]}x{c.target_size[0]},"
                   f"crop={c.crop_top_left[0]},{c.crop_top_left[1]}" for c in layout.crops]
@@ -656,6 +831,8 @@ def encode_conditioning(dataset: Dataset, *, prep: str, cache_dir: Path | str | 
         if store.load(res.keys[i], 3, torch.uint8) is not None:
             res.hits += 1
             continue
+        if stop is not None and stop():
+            raise CachingStopped("conditioning images", res.misses, n - i)
         try:
             t = pixels(i)
         except DataError as e:

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import stat
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -56,6 +57,11 @@ METADATA_FILE = "metadata.jsonl"
 TEXT_KEYS: tuple[str, ...] = ("text", "caption")
 # Missing or unknown files listed by name in an error message; the rest are counted.
 _LIST = 5
+# The longest caption accepted, in UTF-8 bytes: CLIP reads 77 tokens and T5 (SD3, FLUX) 256
+# or 512, a few hundred to ~2,000 characters of English; 8 KiB leaves room for long tag lists
+# and bounds the memory and time of reading and tokenizing a caption (a 10 MB one took 7 GB in
+# the overflow check). A longer caption file or metadata entry is a DataError naming it.
+CAPTION_MAX_BYTES = 8192
 
 # Domain tag for the phrasing draw (see :func:`derive_seed`); changing it changes every
 # class-name run's captions: don't.
@@ -79,13 +85,49 @@ PHRASINGS: tuple[str, ...] = ("a photo of a {}", "a {}", "a picture of a {}", "{
 # --------------------------------------------------------------------------- reading files
 
 
-def _read_text(path: Path, what: str) -> str:
-    """A whole file as UTF-8 (a BOM dropped); unreadable or non-UTF-8 is a DataError."""
+def _read_text(path: Path, what: str, root: Path | None = None,
+               follow_symlinks: bool = False, limit: int | None = None) -> str:
+    """A whole file as UTF-8 (a BOM dropped), read under the data-folder rules images obey.
+
+    * a symlink whose target resolves outside ``root`` is refused (unless
+      ``follow_symlinks``), as :class:`~steadydiff.data.ImageFolderDataset` skips such images;
+    * only a regular file is read: a FIFO, socket or device (``/dev/zero``) is refused. The
+      file is opened non-blocking, so a FIFO with no writer cannot hang the open, and checked
+      with ``fstat`` on the open descriptor, so a swap between check and read cannot slip one in;
+    * at most ``limit`` bytes are read (a file that is larger, or grows, is refused).
+
+    Unreadable, non-UTF-8, or any of the above is a DataError naming the file.
+    """
+    if root is not None and not follow_symlinks and os.path.islink(path):
+        target = os.path.realpath(path)
+        if not _within(target, os.path.realpath(root)):
+            raise DataError(f"{path}: the {what} is a symlink to {target}, outside the data "
+                            f"folder {str(root)!r}; captions obey the rule images obey: copy "
+                            f"the file into the folder, or set data.follow_symlinks=true")
     try:
-        raw = path.read_bytes()
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise DataError(f"{path}: cannot read {what} ({e.strerror or e}); check that it is a "
                         f"readable file") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{path}: the {what} is {_kind(st.st_mode)}, not a regular file; "
+                            f"it must be a plain text file")
+        if limit is not None and st.st_size > limit:
+            raise DataError(f"{path}: the {what} is {st.st_size:,} bytes; captions are limited "
+                            f"to {limit:,} bytes (CAPTION_MAX_BYTES; the text encoders read at "
+                            f"most a few hundred tokens): shorten it")
+        with os.fdopen(os.dup(fd), "rb") as f:  # a regular file: reads end at EOF
+            raw = f.read() if limit is None else f.read(limit + 1)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read {what} ({e.strerror or e}); check that it "
+                        f"is a readable file") from None
+    finally:
+        os.close(fd)
+    if limit is not None and len(raw) > limit:
+        raise DataError(f"{path}: the {what} grew past {limit:,} bytes while being read; "
+                        f"captions are limited to {limit:,} bytes (CAPTION_MAX_BYTES)")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -93,6 +135,30 @@ def _read_text(path: Path, what: str) -> str:
         raise DataError(f"{path}: {what} is not valid UTF-8 (byte offset {e.start}, line "
                         f"{line}: {e.reason}, byte 0x{raw[e.start]:02x}); re-save it as "
                         f"UTF-8 (e.g. `iconv -f latin1 -t utf-8`)") from None
+
+
+def _kind(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    for test, word in ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a folder")):
+        if test(mode):
+            return word
+    return "not a regular file"
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _check_length(caption: str, where: str) -> str:
+    """``caption`` unless its UTF-8 form is longer than :data:`CAPTION_MAX_BYTES`."""
+    n = len(caption.encode("utf-8"))
+    if n > CAPTION_MAX_BYTES:
+        raise DataError(f"{where}: the caption is {n:,} bytes; captions are limited to "
+                        f"{CAPTION_MAX_BYTES:,} bytes (CAPTION_MAX_BYTES; the text encoders "
+                        f"read at most a few hundred tokens): shorten it")
+    return caption
 
 
 def _clean(text: str) -> str:
@@ -114,11 +180,12 @@ def _rel(path: str | os.PathLike[str], root: Path) -> str:
     return _norm(rel)
 
 
-def _read_metadata(path: Path, folder_rel: str,
-                   out: dict[str, tuple[str, str]]) -> None:
+def _read_metadata(path: Path, folder_rel: str, out: dict[str, tuple[str, str]],
+                   root: Path | None = None, follow_symlinks: bool = False) -> None:
     """Add the entries of one metadata.jsonl to ``out``: key (image path relative to the
-    data root) -> (caption, "file:line")."""
-    text = _read_text(path, "the metadata file")
+    data root) -> (caption, "file:line"). The file obeys the data-folder rules
+    (:func:`_read_text`), each caption the size limit (:data:`CAPTION_MAX_BYTES`)."""
+    text = _read_text(path, "the metadata file", root, follow_symlinks)
     valid = (f"each line must be a JSON object with \"file_name\" (the image path relative to "
              f"{path.parent}) and \"text\" (or \"caption\"), e.g. "
              f"{{\"file_name\": \"cat.png\", \"text\": \"a photo of a cat\"}}")
@@ -149,7 +216,7 @@ def _read_metadata(path: Path, folder_rel: str,
         if not isinstance(caption, str):
             raise DataError(f"{where}: \"{key}\" is a JSON {type(caption).__name__} "
                             f"({caption!r:.40}); expected a string (\"\" for no caption)")
-        caption = _clean(caption)
+        caption = _clean(_check_length(caption, where))
         if os.path.isabs(name):
             raise DataError(f"{where}: \"file_name\" {name!r} is an absolute path; write it "
                             f"relative to {path.parent}")
@@ -169,14 +236,19 @@ def metadata_files(root: Path, rels: Sequence[str]) -> list[tuple[str, Path]]:
     for rel in rels:
         parts = rel.split("/")[:-1]
         folders.update("/".join(parts[:k]) for k in range(1, len(parts) + 1))
+    # lexists, not is_file: a metadata.jsonl that is a FIFO, a device or a link leading out
+    # is refused by name when read (:func:`_read_text`), never silently passed over.
     return [(d, root / d / METADATA_FILE) for d in sorted(folders)
-            if (root / d / METADATA_FILE).is_file()]
+            if os.path.lexists(root / d / METADATA_FILE)
+            and not (root / d / METADATA_FILE).is_dir()]
 
 
-def read_jsonl_lines(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+def read_jsonl_lines(path: Path, root: Path | None = None, follow_symlinks: bool = False
+                     ) -> Iterator[tuple[str, dict[str, Any]]]:
     """``("file:line", object)`` for each non-blank line of a metadata.jsonl; a line that is
-    not a JSON object is a DataError naming the file and line."""
-    text = _read_text(path, "the metadata file")
+    not a JSON object is a DataError naming the file and line. The file obeys the
+    data-folder rules of ``root`` (:func:`_read_text`)."""
+    text = _read_text(path, "the metadata file", root, follow_symlinks)
     for n, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
@@ -215,7 +287,8 @@ def _unknown_entries(root: Path, unknown: list[tuple[str, str]]) -> DataError:
 
 def _read_all(root: str | os.PathLike[str], paths: Sequence[str | os.PathLike[str]],
               source: CaptionSource, missing: MissingCaption,
-              skipped: dict[str, str] | None = None) -> tuple[list[str], list[str | None]]:
+              skipped: dict[str, str] | None = None, follow_symlinks: bool = False
+              ) -> tuple[list[str], list[str | None]]:
     """:func:`read_captions`, plus where each caption came from ("txt", "jsonl" or None)."""
     if source not in ("auto", "txt", "jsonl"):
         raise DataError(f"read_captions: source {source!r} reads no caption files; valid: "
@@ -231,7 +304,7 @@ def _read_all(root: str | os.PathLike[str], paths: Sequence[str | os.PathLike[st
     if source != "txt":
         for d, f in metadata_files(root, rels):
             n_meta += 1
-            _read_metadata(f, d, meta)
+            _read_metadata(f, d, meta, root, follow_symlinks)
         used = set(rels)
         # Entries for files the folder dropped as unreadable are no error: the image was
         # already logged and skipped, and one bad file must not stop the run.
@@ -245,7 +318,8 @@ def _read_all(root: str | os.PathLike[str], paths: Sequence[str | os.PathLike[st
         if source != "jsonl":
             txt = Path(os.path.splitext(p)[0] + ".txt")
             if txt.exists():  # a folder or unreadable file named NAME.txt is reported
-                captions.append(_clean(_read_text(txt, "caption file")))
+                captions.append(_clean(_read_text(txt, "caption file", root, follow_symlinks,
+                                                  CAPTION_MAX_BYTES)))
                 origin.append("txt")
                 continue
         if rel in meta:
@@ -284,7 +358,8 @@ _SOURCE_WORDS = {"txt": "no .txt beside it", "jsonl": f"no {METADATA_FILE} entry
 
 def read_captions(root: str | os.PathLike[str], paths: Sequence[str | os.PathLike[str]],
                   source: CaptionSource, missing: MissingCaption = "error", *,
-                  skipped: dict[str, str] | None = None) -> list[str]:
+                  skipped: dict[str, str] | None = None,
+                  follow_symlinks: bool = False) -> list[str]:
     """The caption of each image of a folder, in the order of ``paths``.
 
     Conventions (see the module docstring):
@@ -309,6 +384,13 @@ def read_captions(root: str | os.PathLike[str], paths: Sequence[str | os.PathLik
         skipped: ``{path: reason}`` of images the folder dropped as unreadable
             (``ImageFolderDataset.bad_paths``): metadata entries naming them are ignored
             rather than reported as unknown.
+        follow_symlinks: read caption files that are symlinks leading outside ``root``
+            (``data.follow_symlinks``, as for images); otherwise they are an error.
+
+    Caption files obey the rules images obey: a symlink leading outside ``root`` is refused
+    (unless ``follow_symlinks``), only regular files are read (a FIFO or a device such as
+    ``/dev/zero`` is refused without being read), and a caption longer than
+    :data:`CAPTION_MAX_BYTES` (a .txt file or a metadata.jsonl entry) is refused.
 
     Returns:
         One caption per path.
@@ -317,10 +399,11 @@ def read_captions(root: str | os.PathLike[str], paths: Sequence[str | os.PathLik
         DataError: naming the file (and line) when a metadata.jsonl line is not JSON, not an
             object, lacks ``file_name`` or the text, has a non-string text, names a file that
             is not among the images, or conflicts with another entry for the same image; a
-            caption file that is not UTF-8 (with the byte offset) or cannot be read; images
+            caption file that is not UTF-8 (with the byte offset) or cannot be read, that is
+            not a regular file, leads outside ``root``, or is over the size limit; images
             without a caption under ``missing="error"``.
     """
-    return _read_all(root, paths, source, missing, skipped)[0]
+    return _read_all(root, paths, source, missing, skipped, follow_symlinks)[0]
 
 
 # --------------------------------------------------------------------------- folder
@@ -361,7 +444,7 @@ class CaptionedImageFolder(Dataset):
             raise DataError(f"image folder {str(folder.root)!r}: no images selected")
         self.paths: list[Path] = [folder.paths[j] for j in self.index]
         self.captions, self._origin = _read_all(folder.root, self.paths, source, missing,
-                                                folder.bad_paths)
+                                                folder.bad_paths, folder.follow_symlinks)
         # folder index -> our item, to caption a replacement image (which may lie outside a
         # subset: then our own next item is taken instead).
         self._item_of = {j: k for k, j in enumerate(self.index)}
@@ -664,9 +747,15 @@ def token_overflow(captions: Sequence[str], count: Callable[[list[str]], list[in
     """The captions longer than ``limit`` tokens: ``[(name, tokens)]`` in item order, one per
     distinct name. ``count`` returns each caption's token count (start/end tokens included,
     as the tokenizer's ``model_max_length`` counts them); ``names`` name the items (their
-    files), else the caption's start is the name."""
+    files), else the caption's start is the name.
+
+    Bounded: each caption is counted on its first :data:`CAPTION_MAX_BYTES` characters (the
+    longest caption read from files; a trigger word adds a few), so no caption, wherever it
+    came from, has megabytes tokenized; a longer one is reported with the count of that
+    prefix, already far past any encoder's limit."""
     distinct = list(dict.fromkeys(captions))
-    n = dict(zip(distinct, count(distinct))) if distinct else {}
+    n = (dict(zip(distinct, count([c[:CAPTION_MAX_BYTES] for c in distinct])))
+         if distinct else {})
     out: list[tuple[str, int]] = []
     seen: set[str] = set()
     for k, c in enumerate(captions):
@@ -742,7 +831,7 @@ def build_captioned(cfg: DataConfig, data: Dataset, seed: int = 0) -> Dataset:
 
 
 __all__ = [
-    "CLASS_NAMES", "METADATA_FILE", "PHRASINGS", "TEXT_KEYS", "CaptionVariants",
+    "CAPTION_MAX_BYTES", "CLASS_NAMES", "METADATA_FILE", "PHRASINGS", "TEXT_KEYS", "CaptionVariants",
     "CaptionedImageFolder", "ClassCaptions", "build_captioned", "join_tags", "metadata_files",
     "overflow_message", "phrase", "phrasing_ids", "prompt_for", "read_captions", "read_jsonl_lines", "split_tags",
     "token_overflow", "with_trigger",

@@ -97,7 +97,7 @@ def _column_entries(root: Path, rels: Sequence[str] | None, column: str
         files = metadata_files(root, rels)
     out: dict[str, tuple[Path, str]] = {}
     for d, f in files:
-        for where, obj in read_jsonl_lines(f):
+        for where, obj in read_jsonl_lines(f, root):
             if column not in obj:
                 continue
             name, value = obj.get("file_name"), obj[column]

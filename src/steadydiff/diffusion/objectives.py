@@ -254,16 +254,20 @@ class Draws:
     """The random draws of one loss evaluation: the levels t (N,) as :func:`sample_levels`
     draws them (ddpm: long timesteps; flow, edm: float32), noise like x0, uniforms u (N,) for
     label dropout (dropped where u < cfg_dropout), and with ``diffusion.noise_offset`` the
-    offsets (N, C, 1, 1) added to the noise."""
+    offsets (N, C, 1, 1) added to the noise. ``weight`` (N,), not a draw: each sample's
+    data weight (a DreamBooth regularization image's ``data.prior_loss_weight``; None: 1),
+    riding with the draws so every micro-batch, replay and rerun slices it alike."""
 
     t: Tensor
     noise: Tensor
     u: Tensor
     offset: Tensor | None = None
+    weight: Tensor | None = None
 
     def __getitem__(self, s: slice) -> "Draws":
         return Draws(self.t[s], self.noise[s], self.u[s],
-                     None if self.offset is None else self.offset[s])
+                     None if self.offset is None else self.offset[s],
+                     None if self.weight is None else self.weight[s])
 
 
 def draw(n: int, shape: tuple[int, ...], cfg: DiffusionConfig, T: int,
@@ -350,4 +354,6 @@ def diffusion_loss(model: nn.Module, x0: Tensor, y: Tensor | None, schedule: Any
             per_sample = per_sample * flow.loss_weight(cfg.loss_weighting, lv)
         else:
             per_sample = per_sample * loss_weights(cfg, schedule.snr(lv))
+    if draws.weight is not None:  # prior preservation: mean_i(w_i loss_i), kohya's form
+        per_sample = per_sample * draws.weight.to(per_sample.device, per_sample.dtype)
     return LossOutput(loss=per_sample.mean(), per_sample=per_sample, t=schedule.bucket(lv))

@@ -44,9 +44,11 @@ def save_grid(x: torch.Tensor, path: str | Path, nrow: int | None = None,
     scale = upscale or max(1, 64 // x.shape[-1])
     if scale > 1:
         img = img.resize((img.width * scale, img.height * scale), Image.NEAREST)
+    from ..files import atomic_output
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
+    with atomic_output(path) as tmp:
+        img.save(tmp, format="PNG")
     return path
 
 
@@ -55,7 +57,9 @@ def save_npz(x: torch.Tensor, path: str | Path, labels: torch.Tensor | None = No
     arrays = {"samples": x.detach().float().clamp(-1, 1).cpu().numpy().astype(np.float32)}
     if labels is not None:
         arrays["labels"] = labels.cpu().numpy().astype(np.int64)
+    from ..files import atomic_output
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.savez(path, **arrays)
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+        np.savez(f, **arrays)
     return path

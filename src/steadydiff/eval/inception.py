@@ -217,9 +217,11 @@ def load_inception(path: str | Path) -> FIDInceptionV3:
     try:
         sd = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:
-        first = (str(e).splitlines() or [""])[0]
+        from ..trainer.safe_dcp import why_refused
+
         raise InceptionWeightsError(f"{p}: cannot be loaded as a tensor state dict "
-                                    f"({type(e).__name__}: {first})") from None
+                                    f"({type(e).__name__}: {why_refused(e)}); it was not "
+                                    f"unpickled") from None
     if not isinstance(sd, dict):
         raise InceptionWeightsError(f"{p}: holds a {type(sd).__name__}, expected a state dict")
     net = FIDInceptionV3()

@@ -34,11 +34,13 @@ IncidentKind = Literal[
     "attention_logit_growth", "attention_entropy_collapse", "norm_eps_dominated",
     "norm_affine_exploded",
     "adapter_base_modified", "adapter_delta_clamp", "resolution_change",
+    "base_corrupt", "encoder_fallback",
 ]
 # What the guard did about an incident (the row's ``action``; a healthy step writes no row).
 IncidentAction = Literal["skip", "rollback", "abort", "warn", "attention_upcast",
                          "precision_fallback", "microbatch_backoff", "resync", "rescale_delta",
-                         "drop_samples", "quarantine", "rerun", "restart_statistics"]
+                         "drop_samples", "quarantine", "rerun", "restart_statistics",
+                         "restore_base", "reencode"]
 # fatal: state or batch unusable; spike: this update is suspect; trend: a slow problem;
 # warn: a health warning only; info: a deliberate change, recorded (resolution_change).
 FindingSeverity = Literal["fatal", "spike", "trend", "warn", "info"]
@@ -974,6 +976,74 @@ class AdapterDeltaClamp(Finding):
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
         return self.RECOMMENDATION
+
+
+class BaseCorrupt(Finding):
+    """A frozen (base) weight of a LoRA/adapter/ControlNet run turned non-finite during
+    training (integrations/sd/frozen.py ``FrozenWatch``): corruption of the base model,
+    not an LR problem. Restored from the files on disk (action ``restore_base``), or the
+    run stops naming the file to download again (``abort``)."""
+
+    KIND = "base_corrupt"
+    serious = True
+
+    @classmethod
+    def new(cls, *, parameter: str, parameters: list[str], count: int, part: str,
+            values: str, file: str, repaired: bool, why: str | None = None) -> BaseCorrupt:
+        return cls(cls.KIND, "fatal", {"parameter": parameter, "parameters": parameters,
+                                       "count": count, "part": part, "values": values,
+                                       "file": file, "repaired": repaired,
+                                       **({"why": why} if why else {})})
+
+    def _facts(self) -> list[str]:
+        n = self._n("count") or 1
+        fix = ("restored from " + str(self.evidence.get("file"))
+               if self.evidence.get("repaired") else
+               f"not repaired: {self.evidence.get('why')}")
+        return [f"frozen base weight {self.evidence.get('parameter')} non-finite "
+                f"({self.evidence.get('values')}; {int(n)} tensor(s)); {fix}"]
+
+    def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
+        f = self.evidence.get("file")
+        if self.evidence.get("repaired"):
+            return (f"a frozen base weight was corrupted in memory and restored from {f}: not "
+                    "the LR or the data. If it recurs, test the device's memory (a hardware "
+                    "fault) or look for code that writes into the base's weights")
+        return (f"the base model's file is damaged: download or copy {f} again, then rerun "
+                "the same command (not the LR, not the data; no LR change needed)")
+
+
+class EncoderFallback(Finding):
+    """A frozen encoder's output was non-finite in its run dtype and was computed again in
+    fp32 from the weights on disk (integrations/sd: the VAE's latents, the text encoders'
+    embeddings); action ``reencode``. Items still non-finite in fp32 are quarantined."""
+
+    KIND = "encoder_fallback"
+
+    @classmethod
+    def new(cls, *, part: str, dtype: str, count: int, total: int, key: str,
+            sources: list[str], why: str, quarantined: int = 0,
+            tokens: list[str] | None = None) -> EncoderFallback:
+        return cls(cls.KIND, "warn", {"part": part, "dtype": dtype, "count": count,
+                                      "total": total, "key": key, "sources": sources[:20],
+                                      "why": why, "quarantined": quarantined,
+                                      **({"tokens": tokens} if tokens else {})})
+
+    def _facts(self) -> list[str]:
+        return [f"{self.evidence.get('part')}: {int(self._n('count') or 0)} of "
+                f"{int(self._n('total') or 0)} item(s) non-finite in "
+                f"{self.evidence.get('dtype')}, re-encoded in fp32 ({self.evidence.get('why')})"
+                + (f"; {int(self._n('quarantined') or 0)} still non-finite, left out"
+                   if self._n("quarantined") else "")
+                + (f"; token(s) to blame: {', '.join(self.evidence['tokens'][:5])}"
+                   if self.evidence.get("tokens") else "")]
+
+    def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
+        key = self.evidence.get("key")
+        return (f"set {key}=fp32 to encode in fp32 from the start (no fallback); the "
+                f"{self.evidence.get('part')}'s {self.evidence.get('dtype')} outputs overflow"
+                + ("; the token(s) named have broken embedding rows in the base's text "
+                   "encoder: download it again" if self.evidence.get("tokens") else ""))
 
 
 # --------------------------------------------------------------------------- deliberate changes

@@ -55,6 +55,7 @@ from .findings import FindingSeverity, IncidentAction, IncidentKind, finding_fro
 from .policy import Action, History
 from .snapshots import Snapshot, SnapshotRing, restore_into
 from .update import Progress, ProgressLike, Update
+from . import basewatch
 from .window import Mark, Marks, rng_states
 
 DecisionKind = Literal["step", "skip", "rollback", "abort"]
@@ -262,6 +263,8 @@ class Guard:
         self.optimizer = optimizer
         self.ema = self.update.ema
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        # the frozen base's watch (guard/basewatch.py; set by the SD path's adapter runs)
+        self.frozen: Any = None
         self.T = num_timesteps
         self.progress: ProgressLike = progress if progress is not None else Progress(
             precision=precision or ("fp16" if scaler is not None else "fp32"), scaler=scaler)
@@ -424,6 +427,11 @@ class Guard:
         if finding is None:
             finding = self._inspect(seen, inputs is not None, replay, num_micro,
                                     after_backward)
+        if finding is not None and self.frozen is not None \
+                and finding.kind in basewatch.SYMPTOMS:  # a corrupt frozen base, not the LR
+            d = basewatch.check(self, seen)
+            if d is not None:
+                return d
         lr_now = max(g["lr"] for g in self.optimizer.param_groups) * factor
         if finding is None and self.max_lr > 0 and lr_now > c.lr_jump * self.max_lr:
             # an LR far above anything applied before (warm-up and restarts stay below the

@@ -78,7 +78,11 @@ class EMAHandle:
             return list(e.shadow_params)
         module = e.module if hasattr(e, "num_updates") else e
         posthoc = getattr(e, "posthoc", None)
-        return [p for p in module.parameters()] + (posthoc.tensors() if posthoc else [])
+        # an adapter run's frozen base is shared with the model, not averaged (EMA.shared):
+        # not the EMA's to check (and an 8-bit base has no float norm)
+        shared = getattr(e, "shared", ())
+        return [p for n, p in module.named_parameters() if n not in shared] + \
+            (posthoc.tensors() if posthoc else [])
 
     def mutable_tensors(self) -> list[torch.Tensor]:
         """The tensors an update changes (a speculative window's mark copies these): the

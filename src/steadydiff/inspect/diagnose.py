@@ -55,7 +55,7 @@ def diagnose(path: str | Path, *, probe: bool = True,
         candidates = [path]
         run = RunDir.of_checkpoint(path)
         d.run_dir = run.root if run is not None else None
-    elif (run := RunDir(path)).is_run():
+    elif (run := RunDir(path)).has_run_files():  # the doctor writes nothing into it
         d.run_dir = path
         candidates = run.checkpoint_candidates()
     else:
@@ -159,13 +159,20 @@ def examine(d: Diagnosis, model: nn.Module, cfg: Config,
         d.notes.append("probe forward pass: skipped, the model weights are non-finite "
                        "(every activation would be NaN)")
         return
-    if batch is None:
-        x0, y, source = probe_checks.probe_batch(cfg)
-    else:
-        x0, y = batch
-        source = f"{x0.shape[0]} given images"
+    latent = False
     try:
-        stats: dict[str, Any] = probe_checks.run_probe(model, cfg, x0, y)
+        if batch is None and (cfg.model.pretrained or cfg.model.text_encoder):
+            # a text-to-image run: its images through its VAE, its captions through its
+            # text encoders (the denoiser takes latents and a text condition)
+            from ..integrations.sd.probe import text_probe_batch
+
+            x0, y, source, latent = text_probe_batch(cfg, model)
+        elif batch is None:
+            x0, y, source = probe_checks.probe_batch(cfg)
+        else:
+            x0, y = batch
+            source = f"{x0.shape[0]} given images"
+        stats: dict[str, Any] = probe_checks.run_probe(model, cfg, x0, y, latent=latent)
     except Exception as e:  # a probe failure is a finding about the tool, not the run
         d.notes.append(f"probe forward pass failed: {type(e).__name__}: {e}")
         return

@@ -58,6 +58,8 @@ def model_from_checkpoint(path: Path, device: str | torch.device = "cpu") -> Che
         c = ckpt.load_checkpoint(path, "cpu", weights_only=True, allow_nonfinite=True)
         step = c.step
         cfg = checkpoint_config(c)
+    except ckpt.UnsafeCheckpointError:
+        raise  # a file that would run code is refused input, not a diagnosis (exit 2)
     except Exception as e:
         raise UnusableCheckpoint(f"checkpoint {path.name} cannot be read",
                                  f"{type(e).__name__}: {e}", "use an earlier checkpoint",

@@ -64,7 +64,7 @@ def probe_batch(cfg: Any, n: int = 8, *, seed: int = 0) -> tuple[torch.Tensor, t
 
 @torch.no_grad()
 def run_probe(model: nn.Module, cfg: Any, x0: torch.Tensor, y: torch.Tensor | None, *,
-              seed: int = 0) -> dict[str, Any]:
+              seed: int = 0, latent: bool = False) -> dict[str, Any]:
     """One forward pass of ``model`` on ``x0`` noised at levels spread over the objective's
     training range (ddpm: timesteps over [0, T); flow, edm: :meth:`spread`), with
     the guard's attention/normalization probes and per-module activation hooks.
@@ -83,11 +83,15 @@ def run_probe(model: nn.Module, cfg: Any, x0: torch.Tensor, y: torch.Tensor | No
     x0 = x0.to(device)
     noise = torch.randn(x0.shape, generator=g, device=device)
     # the network's input and time as the objective trains it (edm: c_in·x at T·¼ln σ)
-    xt = sched.model_input(q_sample(x0.clamp(-1, 1), alpha, sigma, noise), lv)
+    # latents (a latent-space run: integrations/sd/probe.py) are not bounded to [-1, 1]
+    xt = sched.model_input(q_sample(x0 if latent else x0.clamp(-1, 1), alpha, sigma, noise),
+                           lv)
     t = sched.model_time(lv)
     if getattr(model, "num_classes", 0):
         y = (y.to(device).clamp(0, model.num_classes) if y is not None else
              torch.full((n,), model.num_classes, device=device, dtype=torch.long))
+    elif y is not None and y.is_floating_point():  # a text condition (N, L, D)
+        y = y.to(device)
     else:
         y = None
 
@@ -127,7 +131,8 @@ def run_probe(model: nn.Module, cfg: Any, x0: torch.Tensor, y: torch.Tensor | No
         model.train(was)
     stats["act"] = act
     stats["producer"] = producer
-    stats["input_max"] = float(x0.abs().max())
+    if not latent:  # the [-1, 1] range check is for pixels (latents are unbounded)
+        stats["input_max"] = float(x0.abs().max())
     return stats
 
 

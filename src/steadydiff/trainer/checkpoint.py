@@ -21,8 +21,9 @@ A sharded run (``train.parallel=fsdp``) writes the same directory with the tenso
 
 It is written to the same kind of hidden temporary directory and renamed into place by rank 0
 only after every rank has reported its files, so a rank that dies mid-write leaves a
-temporary directory that is never used. DCP's ``.metadata`` is a pickle: it is read only
-after the manifest verified it, and only from runs you trust (docs/distributed.md). A sharded
+temporary directory that is never used. DCP's ``.metadata`` is a pickle: it is read through an
+allow-list unpickler that builds DCP's own records only, and non-tensor items load
+``weights_only=True`` (:mod:`.safe_dcp`): a doctored folder is refused, nothing in it runs. A sharded
 checkpoint loads on any number of processes (DCP reshards), and on one process without a
 process group (consolidated: :func:`load_checkpoint`).
 
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 import logging
 import os
 import random
@@ -73,6 +75,12 @@ SHARDED_FILES = ("rng.pt", "state.json", f"{DCP_DIR}/.metadata")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used (corrupt, incomplete, non-finite, or unsafe)."""
+
+
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint file that would run code if loaded (a pickle payload, DCP metadata
+    naming anything but DCP's own records): refused, never unpickled. Not a finding about a
+    run's health: every command, ``doctor`` included, stops on it (exit 2)."""
 
 
 # --------------------------------------------------------------------------- helpers
@@ -109,25 +117,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _umask() -> int:
-    """The process umask. Linux reports it in /proc; elsewhere reading it means setting it
-    (process-wide, for an instant: other threads could create a file under the stand-in)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _follow_umask(path: Path) -> None:
-    """Give ``path`` the mode a plain ``open()`` would: safetensors writes through a
-    temporary file, which is created 0600 whatever the umask."""
-    os.chmod(path, 0o666 & ~_umask())
+    """Give ``path`` the mode a plain ``open()`` would (files.py owns the rule)."""
+    from ..files import follow_umask
+
+    follow_umask(path)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -139,18 +133,11 @@ def save_tensors_atomic(path: Path, tensors: dict[str, torch.Tensor],
     """Write ``tensors`` to the safetensors file ``path`` atomically: a temporary file in the
     same folder, fsynced, renamed over ``path``, the folder fsynced. A kill leaves the old file
     or the new one, never half of one. Returns ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".tmp-{path.name}-{os.getpid()}"
-    try:
+    from ..files import atomic_output
+
+    with atomic_output(path) as tmp:
         save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp),
                   metadata=metadata)
-        _follow_umask(tmp)
-        _fsync_file(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
     return path
 
 
@@ -342,6 +329,11 @@ def candidates(root: Path) -> list[Path]:
     return found
 
 
+# what this module's writers name their temporaries (a checkpoint, ``latest``): rotation
+# sweeps these and nothing else a user may have put under checkpoints/
+_TEMPORARY = re.compile(r"^\.(tmp-step_\d{8,}|old-step_\d{8,}|latest)-\d+$")
+
+
 def _rotate(root: Path, keep: int, protect: str) -> None:
     # Only complete (manifest-bearing) checkpoints count toward `keep`; the one just written
     # is always among them, so the last good checkpoint is never deleted first.
@@ -349,8 +341,8 @@ def _rotate(root: Path, keep: int, protect: str) -> None:
     for p in complete[keep:]:
         if p.name != protect:
             shutil.rmtree(p, ignore_errors=True)
-    for p in root.iterdir():  # temporaries left by a killed writer
-        if p.name.startswith((".tmp-", ".old-")) and not p.name.endswith(f"-{os.getpid()}"):
+    for p in root.iterdir():  # temporaries left by a killed writer, named as we name them
+        if _TEMPORARY.match(p.name) and not p.name.endswith(f"-{os.getpid()}"):
             shutil.rmtree(p, ignore_errors=True)
 
 
@@ -458,14 +450,18 @@ def load_checkpoint(path: Path, device: torch.device | str = "cpu", *,
         try:
             return load(path / name)
         except Exception as e:  # a doctored file: refuse it, say which and why
-            first = str(e).strip().splitlines()
             # torch's own advice ("re-run with weights_only=False") is exactly wrong for a
-            # hostile file: keep only the line that says what was refused
-            why = next((ln.strip() for ln in first if "Unsupported global" in ln),
-                       first[0] if first else "")
-            raise CheckpointError(f"{path / name}: cannot be loaded safely ({type(e).__name__}: "
-                                  f"{why}); it was not unpickled. Do not load this file with "
-                                  f"weights_only=False unless you made it yourself.") from None
+            # hostile file: keep only what was refused
+            from .safe_dcp import UnsafeCheckpoint, why_refused
+
+            why = why_refused(e)
+
+            kind = (UnsafeCheckpointError if isinstance(e, (pickle.UnpicklingError,
+                                                            UnsafeCheckpoint))
+                    else CheckpointError)
+            raise kind(f"{path / name}: cannot be loaded safely ({type(e).__name__}: {why}); "
+                       f"it was not unpickled. Load it only through steadydiff, or not at "
+                       f"all, unless you made it yourself.") from None
 
     state = safely("state.json", lambda p: json.loads(p.read_text()))
     if is_sharded_checkpoint(path):
@@ -658,16 +654,14 @@ def _load_sharded(path: Path, dev: str, state: dict[str, Any], safely, *, weight
 def read_sharded(folder: Path) -> dict[str, Any]:
     """Every tensor of a DCP folder, whole, in this process (no process group needed): the
     consolidated ``{"model", "ema", "optimizer"}`` of a sharded checkpoint, on the CPU.
-    DCP's ``.metadata`` is unpickled here: call it on verified checkpoints only."""
+    DCP's ``.metadata`` and non-tensor items go through :mod:`.safe_dcp` (an allow-list
+    unpickler, ``weights_only=True``): a doctored folder is refused, nothing in it runs."""
     # DCP's own consolidation (what its dcp_to_torch_save does, without the extra file):
     # the empty-state planner reads every tensor in the metadata, whole
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    from . import safe_dcp
 
     out: dict[str, Any] = {}
-    _load_state_dict(out, storage_reader=FileSystemReader(str(folder)),
-                     planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    safe_dcp.load(out, folder, consolidate=True, no_dist=True)
     return out
 
 
@@ -677,14 +671,18 @@ def load_sharded_into(folder: Path, *, model: torch.nn.Module, ema: torch.nn.Mod
     whatever their layout: FSDP over any number of ranks (DCP reads each rank's part,
     resharding), or a plain model in one process or under DDP (full tensors). Every rank
     of the run calls it."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                          set_optimizer_state_dict)
 
     from .. import distributed
 
+    from . import safe_dcp
+
     want = _dcp_state(model, ema, optimizer)
-    dcp.load(want, checkpoint_id=str(folder), no_dist=not distributed.group_exists())
+    try:
+        safe_dcp.load(want, folder, consolidate=False, no_dist=not distributed.group_exists())
+    except safe_dcp.UnsafeCheckpoint as e:
+        raise UnsafeCheckpointError(f"{folder}: cannot be loaded safely: {e}") from None
     set_model_state_dict(model, want["model"])
     set_model_state_dict(ema, want["ema"])
     set_optimizer_state_dict(model, optimizer, want["optimizer"])

@@ -46,6 +46,7 @@ class CheckpointIO:
             "guard": s.guard.state_dict() if s.guard else None,
             "eval": s.evaluator.state_dict(),
             "adapter": s.weights.info(),
+            "base": s.base,  # model.pretrained's identity (integrations/sd/identity.py)
             "config": s.cfg.to_dict(), "torch": torch.__version__,
             "world_size": s.world_size,
         }
@@ -82,7 +83,8 @@ class CheckpointIO:
         s = self.state
         # the AdamW kernel is this run's (optim.fused, a speed key safe to change on resume),
         # not the checkpoint's: load_state_dict would put the saved groups' choice back
-        kernel = [{k: g[k] for k in ("fused", "foreach") if k in g}
+        # so are its groups' LR scales (optim.lr_text_encoder, layer decay): this run's
+        kernel = [{k: g[k] for k in ("fused", "foreach", "lr_scale") if k in g}
                   for g in s.optimizer.param_groups]
         if c.sharded is not None:  # DCP: into this run's layout, sharded or not (resharded)
             ckpt.load_sharded_into(c.sharded, model=s.model, ema=s.ema.module,
@@ -91,6 +93,14 @@ class CheckpointIO:
             ckpt.load_full_into(c, model=s.model, ema=s.ema.module, optimizer=s.optimizer)
         else:
             s.weights.restore(s, c)
+            saved = len((c.optimizer or {}).get("param_groups", []))
+            if saved != len(s.optimizer.param_groups):  # a part given its own LR, or no more
+                raise ckpt.CheckpointError(
+                    f"{c.path}: its optimizer has {saved} parameter group(s), this run's "
+                    f"{len(s.optimizer.param_groups)}: optim.lr_text_encoder (or another "
+                    "setting that groups the parameters: optim.weight_decay, "
+                    "optim.layer_decay) changed between equal and unequal to the checkpoint's;"
+                    " set it as it was, or start a new run")
             s.optimizer.load_state_dict(c.optimizer)
         for g, k in zip(s.optimizer.param_groups, kernel):
             g.update(k)

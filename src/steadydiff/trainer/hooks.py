@@ -123,6 +123,11 @@ class Weights:
         (a Stable Diffusion LoRA as diffusers' file; None: nothing to write)."""
         return None
 
+    def mark_best(self, state: TrainState, root: Path, info: dict[str, Any]) -> Path | None:
+        """After the best evaluation's checkpoint: mark the exported files of this step as
+        the best (an SD adapter's numbered files; None: nothing to mark)."""
+        return None
+
 
 FULL_WEIGHTS = Weights()
 

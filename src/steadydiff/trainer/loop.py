@@ -31,7 +31,7 @@ from typing import Any, Callable, Literal
 import torch
 from tqdm import tqdm
 
-from .. import distributed, preflight, seeding, sharding
+from .. import distributed, preflight, quiet, seeding, sharding
 from ..adapters import AdapterRun
 from ..config import Config, ConfigError, config_diff, validate
 from ..data import make_loader, source_of
@@ -57,7 +57,9 @@ from .checkpoint_io import CheckpointIO
 from .compilation import compile_failure, compile_forward, training_module
 from .ema import EMA
 from .hooks import FULL_WEIGHTS, PIXELS
-from .optim import build_optimizer, lr_at, set_lr
+from .optim import build_optimizer, describe_lrs, lr_at, set_lr
+from ..data.cache import CachingStopped
+from ..integrations.sd import identity as sd_identity
 from .preempt import StopSignals, TrainingInterrupted, signal_name
 from .resolution import GROW_KEYS, Growth, apply_growth, grow_from_checkpoint
 from .state import StepOutput, TrainState
@@ -69,9 +71,13 @@ __all__ = ["RunResult", "StepOutput", "TrainState", "attach_guard", "build_state
            "train_step"]
 
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
-RESUME_SAFE = ("train.steps", "train.checkpoint_every", "train.keep_checkpoints",
+RESUME_SAFE = ("train.steps", "train.epochs", "train.checkpoint_every",
+               "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
                "data.path", "data.cache_dir", "train.on_save_error", "train.max_time",
+               # where the base lies: its identity (the files' sha256) is what is checked
+               # (integrations/sd/identity.py); a moved base is the same base
+               "model.pretrained", "model.single_file_config",
                "sample.", "logging.",
                "faults", "eval.",
                "train.dist_timeout", "train.watchdog_timeout", "guard.rank_check_every",
@@ -175,6 +181,8 @@ def train_step(state: TrainState, batch: tuple[torch.Tensor, ...]) -> StepOutput
     set_lr(state.optimizer, lr)
 
     draws, total = step_draws(state, step, x)
+    if state.sample_weights is not None and idx is not None:  # prior preservation
+        draws.weight = state.sample_weights[idx].to(state.device)
     while True:  # retried only after an out-of-memory backoff
         try:
             xs, ys, ds, weights, per_sample, t_all = _forward_backward(state, x, y, draws,
@@ -351,7 +359,8 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
     if cfg.train.channels_last:  # conv weights NHWC (4-D tensors only), before EMA copies
         model = model.to(memory_format=torch.channels_last)
     fsdp = cfg.train.parallel == "fsdp"
-    if fsdp and ctx.enabled:  # every rank shards rank 0's weights (DDP broadcasts its own)
+    meta = sharding.on_meta(model)  # built without storage: read shard by shard below
+    if fsdp and ctx.enabled and not meta:  # every rank shards rank 0's weights
         distributed.broadcast_tensors(list(model.parameters()) + list(model.buffers()))
     ema = EMA.from_config(model, cfg.train)
     sharded = None
@@ -362,6 +371,15 @@ def build_state(cfg: Config, num_classes_in_data: int, device: torch.device,
         sharded = (f"FSDP2 over {ctx.world_size} rank(s), {units} blocks + the root"
                    + (f", {t.precision} gathered weights" if t.precision == "bf16" else "")
                    + (", shards offloaded to CPU memory" if t.fsdp_offload else ""))
+        if meta:  # each rank reads its own shards (no rank held the whole model)
+            whole = sum(p.numel() * 4 for p in model.parameters())
+            read = weights.materialize(model, device)
+            weights.materialize(ema.module, device)
+            sharded += (f", built on the meta device: this rank read {read / 2**20:.2f} of "
+                        f"the {whole / 2**20:.2f} MiB of weights (and as much for the EMA)")
+    elif meta:
+        raise RuntimeError("a model built on the meta device is materialized by FSDP "
+                           "sharding (train.parallel=fsdp)")
     optimizer = build_optimizer(model, cfg.optim)
     return TrainState(
         cfg=cfg, model=model, ema=ema, weights=weights, optimizer=optimizer,
@@ -392,6 +410,7 @@ def attach_guard(state: TrainState, run_dir: Path | None,
                         device=state.device, update=state.update,
                         sample_source=(lambda i: source_of(data, i)) if data is not None
                         else None, defer=defer)
+    state.guard.frozen = getattr(state.weights, "frozen", None)  # a frozen base, watched
     return state.guard
 
 
@@ -408,7 +427,7 @@ def save(state: TrainState, run: RunDir | Path) -> Path | None:
     rank writes its own shards and the outcome is agreed in the writer."""
     run = run if isinstance(run, RunDir) else RunDir(run)
     if state.world_size == 1 or state.sharded:  # FSDP: every rank writes its shards, and
-        return _save(state, run)                # every rank gets the same outcome
+        return _guard_knows(state, _save(state, run))  # every rank gets the same outcome
     outcome: tuple[str, Any] | None = None
     if state.rank == 0:
         try:
@@ -418,7 +437,19 @@ def save(state: TrainState, run: RunDir | Path) -> Path | None:
     kind, value = distributed.broadcast_object(outcome)
     if kind == "error":
         raise value
-    return value
+    return _guard_knows(state, value)
+
+
+def _guard_knows(state: TrainState, path: Path | None) -> Path | None:
+    """A verified checkpoint was written at this step (every rank calls this): the guard's
+    ring gets a snapshot of it, so a later rollback restores this state, or a newer one,
+    and never throws away the checkpoint's progress for an older snapshot."""
+    guard = state.guard
+    if path is not None and guard is not None:
+        newest = guard.ring.newest()
+        if newest is None or newest.step < state.step:
+            guard.snapshot()
+    return path
 
 
 def _save(state: TrainState, run: RunDir) -> Path | None:
@@ -435,10 +466,18 @@ def _save(state: TrainState, run: RunDir) -> Path | None:
             f"{e}; the model diverged and the guard is "
             f"{'on but could not recover it' if state.guard else 'off (guard.enabled=false)'}"
             f"; the last good checkpoint is {prev or 'none'}") from None
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - only storage failures are handled here
+        from ..files import failure_reason, write_failure
+
+        # a full disk reaches us as OSError, as safetensors' SafetensorError ("IoError")
+        # or as torch's "[enforce fail ...] file write failed" RuntimeError
+        if write_failure(e) is None:
+            raise
         prev = run.latest_good()
-        msg = (f"could not write checkpoint at step {state.step}: {e}; the previous "
-               f"checkpoint ({prev or 'none'}) is intact")
+        msg = (f"could not write checkpoint at step {state.step}: "
+               f"{failure_reason(run.checkpoints, e)} ({type(e).__name__}: "
+               f"{str(e).strip().splitlines()[0][:200] if str(e).strip() else ''}); "
+               f"the previous checkpoint ({prev or 'none'}) is intact")
         if state.cfg.train.on_save_error == "stop":
             raise CheckpointSaveError(msg + " (train.on_save_error=stop)") from None
         log.error("%s; training continues and retries at the next checkpoint "
@@ -447,8 +486,16 @@ def _save(state: TrainState, run: RunDir) -> Path | None:
         return None
 
 
+def _cause_not_lr(inc: Any) -> bool:
+    """An abort whose cause the guard named and that no LR change fixes (a corrupt or
+    modified frozen base): its resume advice keeps optim.lr."""
+    return inc is not None and (inc.kind in ("base_corrupt", "adapter_base_modified")
+                                or (inc.diagnosis or {}).get("cause") == "base")
+
+
 def abort_point(state: TrainState, run: RunDir, reason: str,
-                say: Callable[[str], None] = print, write: bool = True) -> dict[str, Any]:
+                say: Callable[[str], None] = print, write: bool = True,
+                lr_cause: bool = True) -> dict[str, Any]:
     """What an aborted run leaves to resume from (rank 0; the run is over).
 
     The guard's newest verified snapshot (weights and EMA checked finite when it was taken)
@@ -466,6 +513,8 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
 
     Args:
         write: False only suggests (the weights' own check refused the state).
+        lr_cause: False when the guard named a cause that is not the LR (a corrupt base):
+            the suggestion keeps ``optim.lr``.
 
     Returns:
         ``{step, reason, checkpoint (None when none was written), checkpoint_step,
@@ -481,6 +530,8 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
                               "was not backing the LR off: half)")
     if cap is not None and cap < lr:  # lr_too_high capped the LR for good
         lr, factor, why = cap, cap / base, f"the guard's LR cap {cap:.3g} (lr_too_high)"
+    if not lr_cause:  # the guard named a cause no LR change fixes: keep optim.lr
+        lr, factor, why = base, 1.0, "optim.lr unchanged: the cause is not the LR"
     lr = float(f"{lr:.3g}")
     info: dict[str, Any] = {
         "step": state.step, "reason": reason, "checkpoint": None, "checkpoint_step": None,
@@ -531,7 +582,12 @@ def save_best(state: TrainState, run: RunDir) -> Path | None:
     """The best evaluation's checkpoint (``checkpoints/best``, one kept): the same writer as
     every other checkpoint. A failure is reported and never takes the run down."""
     try:
-        return CheckpointIO(state).save(run.best, keep=1)
+        path = CheckpointIO(state).save(run.best, keep=1)
+        ev = state.evaluator  # eval/during.py's: its config and early-stopping record
+        state.weights.mark_best(state, run.root, {
+            "metric": getattr(getattr(ev, "ecfg", None), "metric", None),
+            "value": getattr(getattr(ev, "stop", None), "best", None)})
+        return path
     except (ckpt.CheckpointError, OSError) as err:
         log.warning("could not write the best checkpoint at step %d: %s", state.step, err)
         print(f"warning: could not write the best checkpoint at step {state.step}: {err}")
@@ -634,6 +690,8 @@ def run(cfg: Config, *, run_dir: str | Path, dataset: torch.utils.data.Dataset |
     if grow_resolution and (restart or resume is False):
         raise ConfigError("--grow-resolution continues a checkpoint at a larger size; "
                           f"{'--restart' if restart else '--no-resume'} starts over: choose one")
+    if dataset is None:  # the folder of data.path is what is read
+        check_out_outside_data(cfg, run_dir)
     owned = not (torch.distributed.is_available() and torch.distributed.is_initialized())
     ctx, device = distributed.setup(cfg.train.device, cfg.train.dist_timeout,
                                     group_of_one=cfg.train.parallel == "fsdp")
@@ -664,6 +722,29 @@ def _is_collective_failure(e: RuntimeError) -> bool:
                                    "timed out", "connection reset"))
 
 
+def check_out_outside_data(cfg: Config, run_dir: str | Path) -> None:
+    """Refuse a run directory inside the image folder it trains on: its sample grids and
+    report images would be read as training data by the next run (or a rescan). A hidden
+    folder inside it (``DATA/.runs/x``) is fine: the folder's scan skips hidden entries.
+
+    Raises:
+        ConfigError: naming both paths and what would be valid.
+    """
+    if cfg.data.dataset != "folder" or not cfg.data.path:
+        return
+    data = os.path.realpath(Path(cfg.data.path).expanduser())
+    out = os.path.realpath(Path(run_dir).expanduser())
+    if out != data and not out.startswith(data.rstrip(os.sep) + os.sep):
+        return
+    rel = Path(os.path.relpath(out, data)).parts
+    if any(part.startswith(".") and part not in (".", "..") for part in rel):
+        return
+    raise ConfigError(f"--out {run_dir} is inside data.path {cfg.data.path} (the image "
+                      f"folder trained on): the run's sample images would become training "
+                      f"data. Choose an --out outside {data} (or a hidden folder in it, "
+                      f"e.g. {Path(data) / '.runs' / Path(out).name})")
+
+
 @contextlib.contextmanager
 def _claim(run: RunDir, main: bool):
     """Hold the run directory for the life of the run: rank 0 checks that it may be trained
@@ -674,6 +755,7 @@ def _claim(run: RunDir, main: bool):
         try:
             run.check_target()
             lock, outcome = run.lock()
+            run.mark()  # a run from now on: only a marked folder is ever written into
         except RunDirError as e:
             outcome = e
         except OSError as e:  # e.g. a read-only parent: every rank must hear it, not hang
@@ -762,9 +844,21 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
     main = ctx.is_main
     say = print if main else (lambda *a, **k: None)  # rank 0 speaks and writes
     run = RunDir(run_dir)
+    if main:  # the third-party lines kept off the console go to RUN/third_party.log
+        quiet.log_to(run.root)
+    if cfg.model.pretrained:  # recorded absolute: a later command from elsewhere finds it
+        cfg = sd_identity.absolute(cfg)
     cfg, notes = preflight.resolve(cfg)  # a model family's folder decides its recipe
     for note in notes:
         say(f"model: {note}")
+    cfg, notes = preflight.resolve_data(cfg)  # a kohya dataset TOML's resolution, batch
+    for note in notes:
+        say(f"data: {note}")
+    if cfg.model.pretrained:  # once: defaults unlike kohya's, a size below the native one
+        from ..integrations.sd.advice import start_notes
+
+        for note in start_notes(cfg):
+            say(note)
     cfg, chosen = speed.resolve(cfg, device)  # every `auto` speed setting, once, for device
     if chosen:
         say(speed.describe(chosen, device))
@@ -787,20 +881,41 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         elif saved.data.image_size != cfg.data.image_size:
             check_resume_config(saved, cfg, allow_config_change
                                 or int(state_json["step"]) >= cfg.train.steps)
+    base_id = None
+    if cfg.model.pretrained:  # the base's identity: recorded at the first start, then checked
+        recorded = state_json.get("base") if source is not None else None
+        base_id = sd_identity.check_base(recorded, cfg, f"the checkpoint {source}")
+        say(f"base model {base_id['path']}: identity sha256 {base_id['sha256'][:16]}... "
+            f"({len(base_id['files'])} files)"
+            + (", the one the checkpoint was trained on" if recorded else ""))
     for warning in lint(cfg, device):  # dangerous but legal settings: say why, at start
         say(f"warning: {warning}")
     configure_runtime(cfg, device, ctx)
 
     # ---- setup: the dry run's checks (precision, the model on the meta device, the data),
     # then the real thing
+    if cfg.data.num_class_images and dataset is None:  # DreamBooth: before the data is read
+        from ..integrations.sd.dreambooth import ensure_class_images
+
+        if main:
+            ensure_class_images(cfg, device, say)
+        if ctx.enabled:
+            distributed.barrier()
     pre = preflight.check(cfg, dataset, device=device)
     data = pre.data
+    cfg, notes = preflight.resolve_epochs(cfg, data)  # train.epochs -> train.steps
+    for note in notes:
+        say(note)
     for line in pre.header(cfg, run.root):  # the full config goes to RUN/config.yaml
         say(line)
     skipped_at_scan = getattr(data, "skipped", 0)  # files dropped before training began
     state = build_state(cfg, pre.num_classes_in_data, device, ctx)
+    state.base = base_id
     if state.checkpointing:
         say(f"gradient checkpointing: {state.checkpointing}")
+    lrs = describe_lrs(state.model, cfg.optim)  # optim.lr_text_encoder: each part's LR
+    if lrs:
+        say(f"optim: {lrs}")
     state.evaluator = make_evaluator(cfg, run_dir)
     encoded = None
     if state.media.text:  # latents and text contexts, cached and checked finite
@@ -814,7 +929,14 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
             state.weights.recipe = getattr(data, "recipe", None)  # state.json records it
         cache = Path(cfg.data.cache_dir).expanduser() if cfg.data.cache_dir \
             else run.root / "cache"
-        data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say)
+        try:  # a stop signal ends the caching at the next item (the cache stays valid)
+            data = encoded = sd_setup.encode_data(state.media, data, cfg, cache, say,
+                                                  stop=lambda: signals.requested is not None)
+        except CachingStopped as e:
+            say(str(e))
+            raise TrainingInterrupted(signal_name(signals.requested or 15), state.step,
+                                      None) from None
+        state.sample_weights = getattr(data, "loss_weights", None)  # kohya's is_reg images
     # data.buckets: the histogram (printed in the header above) for the report
     layout = bucket_layout(data)
 
@@ -907,7 +1029,8 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         if main or state.sharded:  # FSDP: the abort point's checkpoint is every rank's
             # a changed adapter base is refused by every save: no abort point to write
             keep = e.incident is None or e.incident.kind != "adapter_base_modified"
-            e.abort_point = abort_point(state, run, str(e), say, write=keep)
+            e.abort_point = abort_point(state, run, str(e), say, write=keep,
+                                        lr_cause=not _cause_not_lr(e.incident))
         if main:
             _finish(state, run, "aborted", reason=str(e), tb=out.tb, abort=e.abort_point)
         # torchrun ends the group as soon as one worker exits non-zero: every rank waits

@@ -26,12 +26,19 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
     """Split the model's trainable parameters into AdamW groups.
 
     Each group carries ``lr_scale`` (layer-wise LR decay, BEiT-style: ``decay ** (max_depth -
-    depth)`` when the model exposes ``param_depth``) and its weight decay (0 for norms, biases
+    depth)`` when the model exposes ``param_depth``; times a text encoder's own LR over
+    ``optim.lr`` where ``optim.lr_text_encoder`` sets one and the model names its text
+    encoders' parameters, ``text_encoder_of``) and its weight decay (0 for norms, biases
     and embeddings). Returns a list of dicts for ``torch.optim.AdamW``.
+
+    Raises:
+        ConfigError: ``optim.lr_text_encoder`` for a model without trained text encoders,
+            or a list of another length than the model's text encoders.
     """
     owners = {f"{mn}.{pn}" if mn else pn: m
               for mn, m in model.named_modules() for pn, _ in m.named_parameters(recurse=False)}
     use_depth = cfg.layer_decay < 1.0 and hasattr(model, "param_depth")
+    part_scale = _text_encoder_scales(model, cfg)
     groups: dict[tuple[float, float], dict] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -40,11 +47,48 @@ def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
         scale = 1.0
         if use_depth:
             scale = cfg.layer_decay ** (model.max_depth - model.param_depth(name))
+        if part_scale:
+            i = model.text_encoder_of(name)
+            if i is not None:
+                scale *= part_scale[i]
         g = groups.setdefault((wd, scale), {"params": [], "names": [], "weight_decay": wd,
                                             "lr_scale": scale})
         g["params"].append(p)
         g["names"].append(name)
     return list(groups.values())
+
+
+def _text_encoder_scales(model: nn.Module, cfg: OptimConfig) -> list[float] | None:
+    """Each text encoder's LR over ``optim.lr`` (``optim.lr_text_encoder``), or None."""
+    te = cfg.lr_text_encoder
+    if te is None:
+        return None
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    which = getattr(model, "text_encoder_of", None)
+    trained = sorted({i for n in names if which and (i := which(n)) is not None})
+    if not trained:
+        raise ConfigError(f"optim.lr_text_encoder={te}, but no text encoder is trained in "
+                          "this run: set adapter.text_encoder=true (a LoRA on the text "
+                          "encoders too), or remove optim.lr_text_encoder")
+    count = model.text_encoder_count
+    lrs = te if isinstance(te, list) else [te] * count
+    if len(lrs) != count:
+        raise ConfigError(f"optim.lr_text_encoder has {len(lrs)} learning rates; this model "
+                          f"has {count} text encoder(s): give one, or one per text encoder")
+    return [x / cfg.lr for x in lrs]
+
+
+def describe_lrs(model: nn.Module, cfg: OptimConfig) -> str | None:
+    """The learning rate of each trained part, printed at start where they differ:
+    ``unet 0.0001, text_encoder 5e-05``; None where every part has ``optim.lr``."""
+    scales = _text_encoder_scales(model, cfg)
+    if scales is None:
+        return None
+    parts = [f"{model.family.denoiser} {cfg.lr:g}"]
+    parts += [f"{spec.part} {cfg.lr * s:g}" for spec, s in zip(model.family.text, scales)
+              if any(p.requires_grad for p in (getattr(model, spec.part, None) or
+                                                nn.Module()).parameters())]
+    return "learning rates: " + ", ".join(parts) + " (warmup and decay scale each alike)"
 
 
 class OptimizerError(ConfigError):

@@ -18,8 +18,9 @@ then exits ``EXIT_INTERRUPTED``; rerunning it resumes bit for bit.
   collective as the time budget's clock), so the ranks agree before anyone acts (the design
   rule of distributed.py).
 - **Nothing is clobbered for good**: handlers are installed only in the main thread (Python
-  allows no other), and the previous ones are restored when the loop ends. A forked data
-  loader worker inherits the handler and ignores the signal (the main process stops it).
+  allows no other), and the previous ones are restored when the loop ends. Data-loader
+  workers ignore the stop signals (:func:`ignore_in_worker`, their ``worker_init_fn``), so a
+  signal to the whole process group, as launchers send it, stops the run the same way.
 
 The handler writes with ``os.write`` (async-signal-safe, and no re-entrant ``print`` into a
 stream the main thread may be in the middle of), starting on a new line so the message is
@@ -118,6 +119,23 @@ class StopSignals:
         return int(signum) or None, agreed_seconds
 
 
+def ignore_in_worker() -> None:
+    """Make this process (a data-loader worker) ignore the stop signals.
+
+    A launcher's stop (SLURM ``scancel``, Kubernetes, ``kill -- -PGID``, Ctrl-C in a
+    terminal) reaches every process of the job, the data-loader workers too. torch's worker
+    loop installs its own SIGTERM handler, which ends the worker unless its parent sent the
+    signal, and the main process then fails with "DataLoader worker ... killed by signal:
+    Terminated" instead of checkpointing; a spawned worker would die of SIGUSR1 (default
+    action) or raise KeyboardInterrupt on SIGINT. Called from the loader's
+    ``worker_init_fn``, after torch installed its handlers, so the main process alone acts on
+    the signal (:class:`StopSignals`) and ends the workers as it always does. A worker whose
+    main process is gone still exits: torch's worker loop watches its parent.
+    """
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
@@ -130,4 +148,4 @@ def _say(text: str) -> None:
 
 
 __all__ = ["EXIT_INTERRUPTED", "STOP_SIGNALS", "StopSignals", "TrainingInterrupted",
-           "signal_name"]
+           "ignore_in_worker", "signal_name"]

@@ -60,8 +60,13 @@ class TrainState:
     media: Media = PIXELS                    # pixels; or latents and text (text-to-image)
     prompts: list[Any] = field(default_factory=list)  # validation prompts (validation.Prompt)
     control: list[Any] | None = None  # a ControlNet run: each prompt's conditioning image
+    # (N,) per-sample loss weight by dataset index (data/kohya.py: regularization images
+    # weigh data.prior_loss_weight); None: every sample 1
+    sample_weights: torch.Tensor | None = None
     # train.gradient_checkpointing: what is recomputed in the backward (for the log); None off
     checkpointing: str | None = None
+    # model.pretrained's identity (integrations/sd/identity.py), recorded in state.json
+    base: dict[str, Any] | None = None
 
 
 @dataclass

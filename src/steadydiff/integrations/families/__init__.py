@@ -22,12 +22,13 @@ from .flux import Flux
 from .sd import SD
 from .sd3 import SD3
 from .sdxl import SDXL
+from .zimage import ZImage
 
 __all__ = ["FAMILIES", "Family", "Layout", "Parts", "SDFolderError", "TextEncoder", "get",
            "names", "of_index", "of_folder", "of_module", "read_json", "expected"]
 
 #: The table: one instance per family (order: what error messages list).
-FAMILIES: tuple[Family, ...] = (SD(), SDXL(), SD3(), Flux())
+FAMILIES: tuple[Family, ...] = (SD(), SDXL(), SD3(), Flux(), ZImage())
 
 
 def names() -> tuple[str, ...]:

@@ -26,6 +26,7 @@ file, single_file.py). The scheduler's config decides the training recipe
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from ..families import Family, Parts, SDFolderError, expected, of_index, read_js
 from ..families.base import load_part
 
 __all__ = ["SDFolderError", "check_folder", "read_json", "diffusion_settings", "family_of",
-           "load_folder_parts", "load_text_parts", "load_vae"]
+           "load_folder_parts", "load_text_parts", "load_vae", "part_reader"]
 
 
 def family_of(path: str | Path) -> Family:
@@ -62,6 +63,8 @@ def check_folder(path: str | Path, parts: tuple[str, ...] | None = None, *,
             (its folder, config or safetensors weights).
     """
     root = Path(path).expanduser()
+    if not root.exists() and is_hub_id(str(path)):
+        raise SDFolderError(hub_id_message(str(path)))
     if not root.exists():
         raise SDFolderError(f"model.pretrained: {root} does not exist; expected a diffusers "
                             "model folder (model_index.json and its parts' folders, e.g. "
@@ -107,6 +110,54 @@ def check_folder(path: str | Path, parts: tuple[str, ...] | None = None, *,
                     "must hold the other parts' weights)" if isinstance(weights, tuple) else "")
             raise SDFolderError(f"{sub}/ has no .safetensors weights{hint}{also}")
     return root
+
+
+# a Hugging Face hub repository id: owner/name, each of letters, digits, '-', '_', '.'
+_HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}")
+
+
+def is_hub_id(path: str) -> bool:
+    """Whether ``path`` (a ``model.pretrained`` that is not on disk) reads as a hub
+    repository id (``stable-diffusion-v1-5/stable-diffusion-v1-5``) rather than a path."""
+    return bool(_HUB_ID.fullmatch(path)) and not path.endswith((".safetensors", ".ckpt"))
+
+
+def hub_download_command(repo_id: str, local_dir: str, *, include: tuple[str, ...] = (),
+                         exclude: tuple[str, ...] = ()) -> str:
+    """The command that downloads hub repository ``repo_id`` (the files ``include``
+    matches, less those ``exclude`` matches; globs) to ``local_dir`` with the installed
+    huggingface_hub's CLI: ``hf download`` from 1.0 on (a pattern per ``--include``),
+    before it ``huggingface-cli download`` (several patterns after one ``--include``)."""
+    try:
+        from huggingface_hub import __version__ as v
+        new = int(v.split(".")[0]) >= 1
+    except (ImportError, ValueError):
+        new = True
+    cmd = [("hf" if new else "huggingface-cli"), "download", repo_id, "--local-dir", local_dir]
+    for flag, pats in (("--include", include), ("--exclude", exclude)):
+        if pats and new:
+            cmd += [f'{flag} "{p}"' for p in pats]
+        elif pats:
+            cmd += [flag, *(f'"{p}"' for p in pats)]
+    return " ".join(cmd)
+
+
+def hub_id_message(repo_id: str) -> str:
+    """What to do with a hub id given as ``model.pretrained``: steadydiff never downloads;
+    the exact command that makes a local copy (its pickled weights left out: never read),
+    and the single-file alternative (a file plus a folder of the configs alone)."""
+    name = repo_id.split("/")[1]
+    folder = hub_download_command(repo_id, f"models/{name}",
+                                  exclude=("*.bin", "*.ckpt", "*.pt", "*.pth"))
+    configs = hub_download_command(repo_id, f"models/{name}-configs",
+                                   include=("*.json", "*.txt"))
+    return (f"model.pretrained: {repo_id!r} is not a local path; it reads as a Hugging Face "
+            "hub id, and steadydiff never downloads (a run reads only local files). Make a "
+            f"local copy once:\n  {folder}\nthen set model.pretrained: models/{name}. Or "
+            "use a single-file checkpoint you already have (the .safetensors A1111 and "
+            "ComfyUI load, e.g. v1-5-pruned-emaonly.safetensors): model.pretrained: "
+            "FILE.safetensors with model.single_file_config: a local folder of the same "
+            f"model's configs (a few MB):\n  {configs}\n(docs/sd.md#hub-ids)")
 
 
 def _check_tokenizer(sub: Path) -> None:
@@ -165,8 +216,53 @@ def load_text_parts(path: str | Path):
     return tok, te
 
 
-def load_folder_parts(path: str | Path) -> Parts:
+def load_folder_parts(path: str | Path, denoiser: bool = True) -> Parts:
     """Every part of the diffusers folder at ``path`` (checked first), fp32 on the CPU;
-    the caller moves them and sets their dtypes."""
+    the caller moves them and sets their dtypes. ``denoiser`` false: all but the denoiser
+    (``Parts.denoiser`` None; FSDP's meta-device init reads it shard by shard)."""
     root = check_folder(path)
-    return family_of(root).load(root)
+    return family_of(root).load(root, denoiser=denoiser)
+
+
+def part_reader(sub: Path, shapes: dict[str, tuple[int, ...]]):
+    """``read(name, start, stop) -> rows [start, stop) of dim 0`` (None, None: the whole
+    tensor), fp32, of a part folder's safetensors weights (one file, or the shards an
+    ``*.safetensors.index.json`` lists), reading only those rows' bytes from the file (the
+    FSDP meta-device init's source: :func:`steadydiff.sharding.materialize`). Checked first
+    against ``shapes`` (name -> the model's shape).
+
+    Raises:
+        SDFolderError: no weights, a tensor the model has that the files lack, or of
+            another shape (named).
+    """
+    from safetensors import safe_open
+
+    index = sorted(sub.glob("*.safetensors.index.json"))
+    if index:
+        where = {k: sub / f for k, f in read_json(index[0], "the weights' index")
+                 .get("weight_map", {}).items()}
+    else:
+        files = sorted(sub.glob("*.safetensors"))
+        if not files:
+            raise SDFolderError(f"{sub}/ has no .safetensors weights")
+        where = {}
+        for f in files:
+            with safe_open(str(f), "pt") as h:
+                where.update({k: f for k in h.keys()})
+    for name, shape in shapes.items():
+        if name not in where:
+            raise SDFolderError(f"{sub}: the weights have no {name} (the config describes "
+                                "another model?)")
+        with safe_open(str(where[name]), "pt") as h:
+            have = tuple(h.get_slice(name).get_shape())
+        if have != tuple(shape):
+            raise SDFolderError(f"{sub}: {name} has shape {have}; the config's model takes "
+                                f"{tuple(shape)}")
+
+    def read(name: str, start: int | None, stop: int | None):
+        with safe_open(str(where[name]), "pt") as h:
+            sl = h.get_slice(name)
+            t = sl[:] if start is None else sl[start:stop]
+        return t.float()
+
+    return read

@@ -32,6 +32,7 @@ from ...adapters.core import clamp_deltas
 from ...adapters.layers import AdapterModule
 from ...trainer.checkpoint import Checkpoint, CheckpointError
 from .model import _SDWeights, _trainable
+from .numbered import mark_best, numbered_files, prune, publish
 
 __all__ = ["ACTIVATIONS", "HypernetworkModule", "SDHypernetwork", "HyperKV",
            "add_hypernetwork", "HypernetworkWeights", "hypernetwork_file", "HYPER_FILE"]
@@ -63,12 +64,34 @@ class HypernetworkModule(nn.Module):
             nn.init.normal_(m.weight, std=0.01)
             nn.init.zeros_(m.bias)
         nn.init.zeros_(lins[-1].weight)  # ... but the last layer zero: exact base at step 0
+        # the last real context seen in training (one sample, detached; not state): what
+        # the delta guard measures the change on
+        self.probe: Tensor | None = None
 
     def linears(self) -> list[nn.Linear]:
         return [m for m in self.linear if isinstance(m, nn.Linear)]
 
     def forward(self, c: Tensor) -> Tensor:
+        if self.training:
+            self.probe = c.detach()[:1]
         return self.linear(c)
+
+    @torch.no_grad()
+    def change_ratio(self, c: Tensor | None = None) -> Tensor:
+        """‖mlp(c)‖ / ‖c‖ (Frobenius over the context's rows), the relative change the
+        hypernetwork makes to the keys' and values' input ``c + mlp(c)``, on ``c``: the
+        last real context seen in training, else a fixed N(0, 1) context of 8 rows (the
+        same every call). 0-dim fp32 on the weights' device, no host sync."""
+        w = self.linears()[0].weight
+        if c is None:
+            c = self.probe
+        if c is None:
+            g = torch.Generator(device="cpu").manual_seed(0)
+            c = torch.randn(8, w.shape[1], generator=g).to(w.device)
+        c = c.reshape(-1, c.shape[-1]).to(w.device, w.dtype)
+        with torch.autocast(w.device.type, enabled=False):
+            out = self.linear(c).float()
+        return out.norm() / c.float().norm().clamp_min(1e-12)
 
     @torch.no_grad()
     def gain_bound(self) -> Tensor:
@@ -82,8 +105,11 @@ class HypernetworkModule(nn.Module):
         return g * self.lipschitz ** (len(lins) - 1)
 
     def delta_ratio(self) -> Tensor:
-        """What the delta guard reads: :meth:`gain_bound` (training runs at scale 1)."""
-        return self.gain_bound()
+        """What the delta guard reads: :meth:`change_ratio` on real contexts (training runs
+        at scale 1). Not :meth:`gain_bound`: at A1111's N(0, 0.01) initialisation that bound
+        is about 10 for a 768-wide MLP while the real change is about 0.08, so a limit of 1
+        fired on every healthy step."""
+        return self.change_ratio()
 
     @torch.no_grad()
     def shrink(self, factor: float) -> None:
@@ -134,7 +160,7 @@ class HyperKV(AdapterModule):
         return self.base(c + (d * self.scale).to(c.dtype))
 
     def delta_ratio(self) -> Tensor:
-        return self.mlp.gain_bound() * abs(self.scale)
+        return self.mlp.change_ratio() * abs(self.scale)
 
     def shrink(self, factor: float) -> None:
         self.mlp.shrink(factor)
@@ -199,10 +225,10 @@ def hypernetwork_file(net: SDHypernetwork, path: Path, *, name: str, step: int,
             "is_layer_norm": "False", "weight_initialization": "Normal",
             "use_dropout": "False", "activate_output": "False",
             "sizes": str(sorted(int(d) for d in net.layers)), "sd_checkpoint_name": base}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(sd, str(tmp), metadata=meta)
-    tmp.replace(path)
+    from ...files import atomic_output
+
+    with atomic_output(path) as tmp:
+        save_file(sd, str(tmp), metadata=meta)
     return path
 
 
@@ -252,10 +278,36 @@ class HypernetworkWeights(_SDWeights):
 
     def after_update(self, state: Any) -> None:
         if self.reads_at(state.step):
-            clamp_deltas(self, state, state.model.hypernetwork.guarded(),
-                         state.ema.module.hypernetwork.guarded())
+            model = state.model.hypernetwork.guarded()
+            ema = state.ema.module.hypernetwork.guarded()
+            for n, m in ema.items():  # the EMA's MLPs measured on the same real contexts
+                m.probe = model[n].probe
+            clamp_deltas(self, state, model, ema)
 
     def export(self, state: Any, root: Path, final: bool) -> Path | None:
         model = state.ema.module if state.cfg.sample.use_ema else state.model
-        return hypernetwork_file(model.hypernetwork, root / "hypernetwork" / HYPER_FILE,
-                                 name=root.name, step=state.step, base=self.base.name)
+        files = self.write(model, state.cfg, state.step, state.precision, root / "hypernetwork",
+                           root.name)
+        # RUN/hypernetwork/<name>-stepNNNNNNNN.safetensors, kept per adapter.keep_files
+        publish(files, root / "hypernetwork", state.step)
+        prune(root / "hypernetwork", set(files.values()), state.cfg.adapter.keep_files)
+        return next(iter(files))
+
+    def mark_best(self, state: Any, root: Path, info: dict[str, Any]) -> Path | None:
+        folder, stems = root / "hypernetwork", self.stems(state.cfg, root.name)
+        have = numbered_files(folder, stems).get(state.step)
+        if not have:
+            self.export(state, root, False)
+            have = numbered_files(folder, stems).get(state.step, [])
+        return mark_best(folder, state.step, have, info)
+
+    @staticmethod
+    def stems(cfg: Any, name: str) -> dict[str, str]:
+        return {name: "a1111"}
+
+    def write(self, model: nn.Module, cfg: Any, step: int, precision: str, out: Path,
+              name: str) -> dict[Path, str]:
+        """Write ``out/hypernetwork.safetensors``; returns ``{file: the numbered stem}``."""
+        path = hypernetwork_file(model.hypernetwork, out / HYPER_FILE, name=name, step=step,
+                                 base=self.base.name)
+        return {path: name}

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -263,18 +261,11 @@ def save_kohya(path: str | Path, unet: nn.Module, text_encoders: list[nn.Module 
     meta.update({k: str(v) for k, v in (metadata or {}).items() if v is not None})
     meta["sshs_model_hash"] = _tensor_hash(save(sd))
     blob = save(sd, metadata=meta)
+    from ...files import atomic_output
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_output(path) as tmp:
+        tmp.write_bytes(blob)
     return path
 
 
@@ -432,8 +423,10 @@ def load_lora_file(path: str | Path, unet: nn.Module,
         ``{"loaded": layers set from the file, "fresh": our layers the file does not have}``.
 
     Raises:
-        LoraFileError: a key naming no LoRA layer of the model (a few are listed), a rank or
-            alpha other than the run's, or a shape that does not fit the layer.
+        LoraFileError: a key naming no LoRA layer of the model (a few are listed), a rank
+            other than the run's, a kohya file's alpha other than the run's (a diffusers
+            file's is rescaled to the run's: the same delta), or a shape that does not fit
+            the layer.
     """
     lf = read_lora_file(path)
     family = _family(unet)
@@ -481,6 +474,13 @@ def load_lora_file(path: str | Path, unet: nn.Module,
         raise LoraFileError(f"{lf.path}: its LoRA has rank {sorted(ranks)} "
                             f"(ss_network_dim={lf.metadata.get('ss_network_dim')}); the run's "
                             f"adapter.rank is {rank}: set adapter.rank={max(ranks)}")
+    if lf.format == "diffusers":
+        # a diffusers file's alpha is its metadata's (ours: rank, alpha folded into the up
+        # weights), else diffusers' default, the rank: the same delta at the run's alpha
+        # is the up weights times file alpha / run alpha (exact: not a bit-exact copy)
+        fills = [(n, m, d, u if (a if a is not None else rank) == alpha
+                  else u * ((a if a is not None else rank) / alpha), alpha)
+                 for n, m, d, u, a in fills]
     alphas = {a for *_, a in fills if a is not None}
     bad_alpha = {a for a in alphas if abs(a - alpha) > 1e-6 * max(1.0, alpha)}
     if bad_alpha:

@@ -18,10 +18,8 @@ contract, the text encoders and VAE around it, and LoRA through peft.
 from __future__ import annotations
 
 import fnmatch
-import os
 import re
 import shutil
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -33,7 +31,9 @@ from ...trainer import precision as prec
 from ...trainer.hooks import Weights
 from ...trainer.checkpoint import Checkpoint, CheckpointError
 from ..families import Family, Layout, of_module
+from .ldm import clip_path
 from .lora_files import LORA_FILE, base_model_hashes, save_kohya
+from .numbered import mark_best, numbered_files, prune, publish
 
 __all__ = ["to_device", "SDDenoiser", "TextToImage", "Tokenize", "PeftLoraWeights",
            "FullUNetWeights", "add_lora", "lora_targets", "upcast_aware_attention",
@@ -109,6 +109,19 @@ class SDDenoiser(nn.Module):
     def text_encoders(self) -> list[nn.Module | None]:
         """The text encoders that run in the step (None where one does not), in order."""
         return [getattr(self, spec.part) for spec in self.family.text]
+
+    @property
+    def text_encoder_count(self) -> int:
+        """How many text encoders the family has (trained or not)."""
+        return len(self.family.text)
+
+    def text_encoder_of(self, name: str) -> int | None:
+        """The index of the text encoder (the family's order) a parameter ``name`` of this
+        module belongs to, or None (the denoiser's): ``optim.lr_text_encoder``'s groups."""
+        for i, spec in enumerate(self.family.text):
+            if name.startswith(spec.part + "."):
+                return i
+        return None
 
     @property
     def encodes(self) -> bool:
@@ -259,25 +272,41 @@ def add_lora(unet: nn.Module, *, rank: int, alpha: float | None, dropout: float,
     return names
 
 
-def lora_state_dict(module: nn.Module, keys: str = "diffusers") -> dict[str, Tensor]:
+def lora_state_dict(module: nn.Module, keys: str = "diffusers", *,
+                    fold_alpha: bool = False) -> dict[str, Tensor]:
     """A denoiser's (or text encoder's) LoRA as diffusers' loaders read it: peft's keys
     (``lora_A``/``lora_B``, ``keys="peft"``: the transformer families' loaders), or renamed
-    to diffusers' (``keys="diffusers"``: the UNet loaders' ``lora.down``/``lora.up``)."""
+    to diffusers' (``keys="diffusers"``: the UNet loaders' ``lora.down``/``lora.up``).
+
+    ``fold_alpha``: each up (``lora_B``) weight multiplied by alpha / rank, so that the
+    delta is the trained one at alpha = rank, which every diffusers version assumes when a
+    file carries no alpha (diffusers reads the alpha in the file's metadata only from 0.34
+    on; 0.32 and 0.33 load an unfolded alpha != rank LoRA at the wrong strength)."""
     from diffusers.utils import convert_state_dict_to_diffusers
     from peft.utils import get_peft_model_state_dict
 
     sd = get_peft_model_state_dict(module)
+    conf = getattr(module, "peft_config", {}).get("default")
+    if fold_alpha and conf is not None and conf.lora_alpha != conf.r:
+        scale = conf.lora_alpha / conf.r
+        sd = {k: v * scale if ".lora_B." in k else v for k, v in sd.items()}
     if keys == "diffusers":
         sd = convert_state_dict_to_diffusers(sd)
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
 
 
-def _adapter_metadata(module: nn.Module) -> dict[str, Any] | None:
-    """The LoraConfig diffusers records beside the tensors, so that its loader scales by
-    our alpha / rank (without it, it assumes alpha = rank)."""
+def _adapter_metadata(module: nn.Module, fold_alpha: bool = False) -> dict[str, Any] | None:
+    """The LoraConfig diffusers records beside the tensors (read from 0.34 on), so that its
+    loader scales by alpha / rank: alpha = rank where :func:`lora_state_dict` folded it."""
     conf = getattr(module, "peft_config", {}).get("default")
-    return {"r": conf.r, "lora_alpha": conf.lora_alpha,
-            "target_modules": sorted(conf.target_modules)} if conf is not None else None
+    if conf is None:
+        return None
+    return {"r": conf.r, "lora_alpha": conf.r if fold_alpha else conf.lora_alpha,
+            "target_modules": sorted(conf.target_modules)}
+
+
+def _is_clip(module: nn.Module) -> bool:
+    return type(module).__name__.startswith("CLIPText")
 
 
 def save_lora(denoiser: nn.Module, out: str | Path,
@@ -305,6 +334,8 @@ def save_lora(denoiser: nn.Module, out: str | Path,
         text_encoders = [text_encoders]
     family = of_module(denoiser)
     kohya = None
+    if f"{kohya_name}.safetensors" == LORA_FILE:  # a run named pytorch_lora_weights: the two
+        kohya_name += "_kohya"                    # files would be one, the second one winning
     if format != "diffusers":
         kohya = save_kohya(Path(out) / f"{kohya_name}.safetensors", denoiser,
                            list(text_encoders), metadata)
@@ -313,12 +344,17 @@ def save_lora(denoiser: nn.Module, out: str | Path,
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    layers = {family.denoiser: lora_state_dict(denoiser, family.diffusers_lora_keys)}
-    meta = {family.denoiser: _adapter_metadata(denoiser)}
+    # written so that diffusers >= 0.32 loads it at the trained strength: alpha folded into
+    # the up weights (metadata alpha = rank), CLIP paths with their ``text_model.`` level
+    # (transformers < 5 has it; 0.32's loader fails without it; later ones strip it)
+    keys = family.diffusers_lora_keys
+    layers = {family.denoiser: lora_state_dict(denoiser, keys, fold_alpha=True)}
+    meta = {family.denoiser: _adapter_metadata(denoiser, fold_alpha=True)}
     for spec, te in zip(family.text, text_encoders):
         if te is not None:
-            layers[spec.part] = lora_state_dict(te, family.diffusers_lora_keys)
-            meta[spec.part] = _adapter_metadata(te)
+            sd = lora_state_dict(te, keys, fold_alpha=True)
+            layers[spec.part] = {clip_path(k): v for k, v in sd.items()} if _is_clip(te) else sd
+            meta[spec.part] = _adapter_metadata(te, fold_alpha=True)
     bad = [k for sd in layers.values() for k, v in sd.items() if not torch.isfinite(v).all()]
     if bad:
         raise CheckpointError(f"the LoRA has non-finite weights ({bad[0]} and {len(bad) - 1} "
@@ -326,11 +362,11 @@ def save_lora(denoiser: nn.Module, out: str | Path,
     kw = {f"{part}_lora_layers": sd for part, sd in layers.items()}
     kw.update({f"{part}_lora_adapter_metadata": m for part, m in meta.items()})
     pipeline = getattr(diffusers, family.pipelines[0])
-    with tempfile.TemporaryDirectory(dir=out, prefix=".lora-") as tmp:
-        pipeline.save_lora_weights(tmp, safe_serialization=True, **kw)
-        with open(Path(tmp) / LORA_FILE, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(Path(tmp) / LORA_FILE, out / LORA_FILE)
+    from ...files import atomic_output
+
+    with atomic_output(out / LORA_FILE) as tmp:  # umask's mode, fsynced, renamed, swept
+        pipeline.save_lora_weights(str(tmp.parent), weight_name=tmp.name,
+                                   safe_serialization=True, **kw)
     return out / LORA_FILE
 
 
@@ -338,16 +374,13 @@ def export_pipeline(denoiser: nn.Module, base: Path, out: str | Path) -> Path:
     """A full fine-tune as a diffusers folder ``out`` (``from_pretrained``-loadable): the
     trained denoiser, the base's other parts copied. Written beside and swapped in whole."""
     part = of_module(denoiser).denoiser
+    from ...files import atomic_dir
+
     out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(part))
-    denoiser.save_pretrained(tmp / part, safe_serialization=True)
-    old = out.with_name(f".{out.name}.old")
-    if out.exists():
-        os.replace(out, old)
-    os.replace(tmp, out)
-    shutil.rmtree(old, ignore_errors=True)
+    with atomic_dir(out) as tmp:
+        tmp.rmdir()
+        shutil.copytree(base, tmp, ignore=shutil.ignore_patterns(part))
+        denoiser.save_pretrained(tmp / part, safe_serialization=True)
     return out
 
 
@@ -365,6 +398,9 @@ class _SDWeights(Weights):
             for n, p in m.named_parameters():
                 if n in frozen and p.is_floating_point() and p.dtype != dtype:
                     p.data = p.data.to(dtype)
+        media = getattr(state, "media", None)
+        if isinstance(media, TextToImage):  # what the validation renders encode/decode with
+            media.follow_precision(dtype)
 
     def sampling_context(self, state: Any):
         """Sample grids under the run's autocast: the frozen fp16/bf16 parts need it."""
@@ -376,10 +412,30 @@ class PeftLoraWeights(_SDWeights):
     LoRA (and its EMA) alone, plus the base folder's path; exports write diffusers' LoRA
     file and/or kohya's."""
 
-    def __init__(self, base: Path, targets: list[str], rank: int, alpha: float) -> None:
+    def __init__(self, base: Path, targets: list[str], rank: int, alpha: float,
+                 cfg: Any = None) -> None:
         self.base, self.targets, self.rank, self.alpha = base, targets, rank, alpha
         self._hashes: dict[str, str] | None = None
         self._started = time.time()  # ss_training_started_at (this process's start)
+        # the |dW|/|W| guard (lora_guard.py; adapter.max_delta_ratio, adapter.monitor_every)
+        self.cfg = cfg
+        self.clamps, self.max_ratio, self.max_ratio_module = 0, 0.0, None
+        self.last_ratios: dict[str, float] = {}
+        self._deltas: Any = None
+
+    def reads_at(self, step: int) -> bool:
+        every = self.cfg.monitor_every if self.cfg is not None else 0
+        return bool(every and step % every == 0)
+
+    def after_update(self, state: Any) -> None:
+        """After an applied update: ‖dW‖/‖W‖ of every LoRA layer (one host sync); a layer
+        past ``adapter.max_delta_ratio`` is rescaled to it, with an incident."""
+        if self.reads_at(state.step):
+            from ...adapters.core import clamp_deltas
+            from .lora_guard import watched
+
+            model, ema = watched(self, state.model, state.ema.module)
+            clamp_deltas(self, state, model, ema)
 
     def tensors(self, state: Any) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
         names = _trainable(state.model)
@@ -402,37 +458,80 @@ class PeftLoraWeights(_SDWeights):
             for n, p in own.items():
                 p.copy_(c.model[n])
                 ema[n].copy_(c.ema[n])
+        saved = c.state.get("adapter") or {}
+        self.clamps = int(saved.get("clamps", 0))
+        self.max_ratio = float(saved.get("max_delta_ratio_seen", 0.0))
+        self.max_ratio_module = saved.get("max_delta_ratio_module")
 
     def info(self) -> dict[str, Any]:
         return {"kind": "lora", "via": "peft", "base": str(self.base), "rank": self.rank,
-                "alpha": self.alpha, "targets": len(self.targets)}
+                "alpha": self.alpha, "targets": len(self.targets), "clamps": self.clamps,
+                "max_delta_ratio_seen": self.max_ratio,
+                "max_delta_ratio_module": self.max_ratio_module}
 
     def export(self, state: Any, root: Path, final: bool) -> Path | None:
         model = state.ema.module if state.cfg.sample.use_ema else state.model
-        cfg = state.cfg
+        files = self.write(model, state.cfg, state.step, state.precision, root / "lora",
+                           root.name)
+        publish(files, root / "lora", state.step)  # RUN/lora/<name>-stepNNNNNNNN.safetensors
+        prune(root / "lora", set(files.values()), state.cfg.adapter.keep_files)
+        return next(iter(files))
+
+    def mark_best(self, state: Any, root: Path, info: dict[str, Any]) -> Path | None:
+        """Evaluation's best step: its numbered files (written now if this step saved
+        none) marked in ``RUN/lora/best.json``, which the keep policy never removes."""
+        folder, stems = root / "lora", self.stems(state.cfg, root.name)
+        have = numbered_files(folder, stems).get(state.step)
+        if not have:
+            self.export(state, root, False)
+            have = numbered_files(folder, stems).get(state.step, [])
+        return mark_best(folder, state.step, have, info)
+
+    @staticmethod
+    def stems(cfg: Any, name: str) -> dict[str, str]:
+        """The files a save writes, ``{file name stem: format}``, per adapter.lora_format."""
+        f = cfg.adapter.lora_format
+        return {**({Path(LORA_FILE).stem: "diffusers"} if f != "kohya" else {}),
+                **({name: "kohya"} if f != "diffusers" else {})}
+
+    def write(self, model: nn.Module, cfg: Any, step: int, precision: str, out: Path,
+              name: str) -> dict[Path, str]:
+        """Write ``model``'s LoRA into ``out`` in adapter.lora_format (diffusers' file and/or
+        ``<name>.safetensors``, kohya's); returns ``{file: its stem}``."""
         # a frozen text encoder in the model (shuffled captions) has no LoRA to save
         tes = [t if getattr(t, "peft_config", None) else None for t in model.text_encoders]
-        return save_lora(model.denoiser, root / "lora", tes, format=cfg.adapter.lora_format,
-                         kohya_name=root.name, metadata=self._kohya_metadata(state, root))
+        save_lora(model.denoiser, out, tes, format=cfg.adapter.lora_format, kohya_name=name,
+                  metadata=self._kohya_metadata(cfg, step, precision, name,
+                                                model.family.denoiser))
+        return {out / f"{stem}.safetensors": stem for stem in self.stems(cfg, name)}
 
-    def _kohya_metadata(self, state: Any, root: Path) -> dict[str, Any]:
+    def _kohya_metadata(self, cfg: Any, step: int, precision: str, name: str,
+                        part: str) -> dict[str, Any]:
         """The sd-scripts ``ss_*`` entries a run knows (A1111/ComfyUI show them)."""
-        if state.cfg.adapter.lora_format == "diffusers":
+        if cfg.adapter.lora_format == "diffusers":
             return {}
         if self._hashes is None:  # the base's denoiser file read once a run
-            self._hashes = base_model_hashes(self.base, state.model.family.denoiser)
-        cfg = state.cfg
-        return {**self._hashes, "ss_sd_model_name": self.base.name, "ss_output_name": root.name,
-                "ss_steps": state.step, "ss_max_train_steps": cfg.train.steps,
+            self._hashes = base_model_hashes(self.base, part)
+        return {**self._hashes, "ss_sd_model_name": self.base.name, "ss_output_name": name,
+                "ss_steps": step, "ss_max_train_steps": cfg.train.steps,
                 "ss_learning_rate": cfg.optim.lr, "ss_unet_lr": cfg.optim.lr,
-                "ss_text_encoder_lr": cfg.optim.lr if cfg.adapter.text_encoder else None,
+                "ss_text_encoder_lr": _text_encoder_lr(cfg),
                 "ss_train_batch_size": cfg.train.batch_size,
                 "ss_resolution": f"({cfg.data.image_size}, {cfg.data.image_size})",
                 "ss_enable_bucket": cfg.data.buckets,
-                "ss_mixed_precision": state.precision, "ss_seed": cfg.train.seed,
+                "ss_mixed_precision": precision, "ss_seed": cfg.train.seed,
                 "ss_network_dropout": cfg.adapter.dropout,
                 "ss_training_started_at": self._started,
                 "ss_training_comment": "trained with steadydiff"}
+
+
+def _text_encoder_lr(cfg: Any) -> Any:
+    """``ss_text_encoder_lr``: the text encoders' LR (kohya writes one, or a list for
+    SDXL's two), None where they are not trained."""
+    if not cfg.adapter.text_encoder:
+        return None
+    te = cfg.optim.lr_text_encoder
+    return cfg.optim.lr if te is None else te
 
 
 class FullUNetWeights(_SDWeights):
@@ -443,6 +542,22 @@ class FullUNetWeights(_SDWeights):
 
     def __init__(self, base: Path) -> None:
         self.base = base
+        #: (the denoiser's folder, its name in the model) when the denoiser was built on
+        #: the meta device (FSDP): :meth:`materialize` reads each rank's shards from there
+        self.meta_source: tuple[Path, str] | None = None
+
+    def materialize(self, model: nn.Module, device: torch.device) -> int:
+        """Give a sharded meta-device model (or its EMA) its denoiser's weights: each rank
+        reads its own shards from the base folder's safetensors (never the whole tensor
+        of a sharded parameter). Returns the bytes this rank read."""
+        from ... import sharding
+        from .folder import part_reader
+
+        sub, name = self.meta_source
+        den = getattr(model, name)
+        read = part_reader(sub, {k: tuple(t.shape) for k, t in
+                                 list(den.named_parameters()) + list(den.named_buffers())})
+        return sharding.materialize(den, device, read)
 
     # A full fine-tune never trains the text encoder; with shuffled captions the frozen one
     # sits in the model (it encodes in the step) and stays out of checkpoints (~0.5 GB for
@@ -587,6 +702,7 @@ class TextToImage:
         self.vae = to_device(vae, device, vae_dtype).eval().requires_grad_(False) if vae else None
         self.device, self.text_dtype, self.vae_dtype = device, dtypes[0], vae_dtype
         self.text_device = device  # where the text encoders are (offload: the CPU)
+        self.notes: list[str] = []  # what setup.build did to the model, said at the start
         self.tokens = False  # True: prompts become token ids (the model encodes them)
         self.layout: Layout = family.layout(self.tokenizers, self.text_encoders, force_zeros,
                                             max_sequence_length)
@@ -595,6 +711,12 @@ class TextToImage:
         self.context_dim = self.layout.width
         self.latent = vae is not None
         self._other_vaes: dict[torch.dtype, nn.Module] = {}
+        self._other_tes: dict[torch.dtype, list[nn.Module]] = {}
+        # () -> the frozen parts read again from disk, fp32 on the CPU (families ``Parts``;
+        # set by setup.build): the fallbacks' source. None: a cast copy of the loaded ones
+        self.reload: Any = None
+        self._reloaded: Any = None
+        self.fallback_source = "a cast of the loaded weights"
         if vae is not None:
             self.scale = float(getattr(vae.config, "scaling_factor", 0.18215))
             self.shift = float(getattr(vae.config, "shift_factor", None) or 0.0)
@@ -609,6 +731,24 @@ class TextToImage:
     @property
     def text_encoder(self) -> nn.Module:
         return self.text_encoders[0]
+
+    def follow_precision(self, dtype: torch.dtype) -> list[str]:
+        """A precision fallback (fp16 -> bf16/fp32): every frozen part that ran in fp16
+        (the text encoders, the VAE) moves to ``dtype`` with the model, so the step and
+        the validation renders never mix dtypes. Parts in another dtype (an fp32 VAE from
+        ``model.vae_precision``, a T5 kept out of fp16) stay. Returns what moved."""
+        moved = []
+        for i, te in enumerate(self.text_encoders):
+            if self.text_dtypes[i] == torch.float16 and dtype != torch.float16:
+                self.text_encoders[i] = te.to(dtype)
+                self.text_dtypes[i] = dtype
+                moved.append(f"text encoder {i + 1}")
+        self.text_dtype = self.text_dtypes[0] if self.text_dtypes else self.text_dtype
+        if self.vae is not None and self.vae_dtype == torch.float16 and dtype != torch.float16:
+            self.vae = self.vae.to(dtype)
+            self.vae_dtype = dtype
+            moved.append("VAE")
+        return moved
 
     # -- text
     def tokenize(self, prompts: list[str]) -> Tensor:
@@ -679,14 +819,67 @@ class TextToImage:
         z = vae.encode(x.to(self.device, dtype)).latent_dist.mean
         return ((z.float() - self.shift) * self.scale)
 
+    def _from_disk(self) -> Any:
+        """The frozen parts read again from the files (fp32, CPU), once; None without a
+        ``reload``."""
+        if self._reloaded is None and self.reload is not None:
+            self._reloaded = self.reload()
+        return self._reloaded
+
     def _vae_in(self, dtype: torch.dtype) -> nn.Module:
         """The VAE in another dtype (the fp32 re-encode of a latent fp16 made non-finite),
-        made once, on the first sample that needs it."""
+        made once, on the first sample that needs it: read again from the weights on disk
+        (an fp16 copy cast up keeps fp16's rounding, and a weight beyond fp16's range stays
+        inf), else a copy of the loaded one."""
         import copy
 
         if dtype not in self._other_vaes:
-            self._other_vaes[dtype] = to_device(copy.deepcopy(self.vae), self.device, dtype)
+            parts = self._from_disk()
+            vae = parts.vae if parts is not None else copy.deepcopy(self.vae)
+            self._other_vaes[dtype] = to_device(vae, self.device, dtype).eval() \
+                .requires_grad_(False)
         return self._other_vaes[dtype]
+
+    def _text_encoders_in(self, dtype: torch.dtype) -> list[nn.Module]:
+        """The text encoders in ``dtype`` (the fp32 re-encode of a non-finite caption), read
+        again from disk as :meth:`_vae_in` does, made once."""
+        import copy
+
+        if dtype not in self._other_tes:
+            parts = self._from_disk()
+            tes = list(parts.text_encoders) if parts is not None else \
+                [copy.deepcopy(te) for te in self.text_encoders]
+            self._other_tes[dtype] = [to_device(te, self.text_device, dtype).eval()
+                                      .requires_grad_(False) for te in tes]
+        return self._other_tes[dtype]
+
+    @torch.no_grad()
+    def encode_prompts_in(self, prompts: list[str], dtype: torch.dtype) -> Tensor:
+        """:meth:`encode_prompts`' text part with the text encoders in ``dtype`` (the fp32
+        fallback of the text cache)."""
+        ids = self.tokenize(prompts)
+        per, extra = self.layout.split_ids(ids.to(self.text_device))
+        embeds, pooled = self.family.encode(self._text_encoders_in(dtype), per, self.layout)
+        return self.text_part(self.layout.pack(embeds.float(), None if pooled is None
+                                               else pooled.float(), extra))
+
+    def blame_tokens(self, caption: str) -> str:
+        """The tokens of ``caption`` whose input-embedding row is non-finite in a text
+        encoder as loaded (in its run dtype: a row beyond fp16's range is inf there)."""
+        from .frozen import nonfinite_token_rows
+
+        out = []
+        for i, (te, tok) in enumerate(zip(self.text_encoders, self.tokenizers)):
+            rows = set(nonfinite_token_rows(te))
+            if not rows:
+                continue
+            n = self.layout.ids_len[i] if i < len(self.layout.ids_len) else 77
+            ids = tok([caption], truncation=True, max_length=n)["input_ids"][0]
+            hit = [j for j in dict.fromkeys(ids) if j in rows]
+            out += [f"token {tok.convert_ids_to_tokens(j)!r} (id {j}) of text encoder {i + 1}"
+                    for j in hit]
+        return ("the token(s) to blame: " + ", ".join(out)) if out else \
+            "no token's embedding row is non-finite: the encoder's activations overflow"
 
     @torch.no_grad()
     def decode(self, z: Tensor) -> Tensor:

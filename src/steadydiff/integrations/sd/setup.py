@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -22,7 +23,8 @@ from torch import nn
 from ...config import Config, ConfigError
 from ...data.cache import (EncodedDataset, TextResult, encode_conditioning, encode_latents,
                            encode_texts, module_identity)
-from ...data import source_of
+from ...data import DataError, source_of
+from ...data.kohya import KohyaDataset, Repeated
 from ...data.captions import CaptionVariants, overflow_message, token_overflow
 from ...guard.findings import SampleQuarantined
 from ...guard.provenance import is_attention
@@ -32,7 +34,9 @@ from ...trainer.hooks import FULL_WEIGHTS, Weights
 from ..controlnet import ControlNetDenoiser, ControlNetWeights, build_controlnet
 from .. import families
 from ..families import Family
+from .identity import check_base
 from .hypernetwork import HypernetworkWeights, add_hypernetwork
+from .frozen import BaseModelError, FrozenWatch, check_loaded, check_module
 from .source import family, load_parts, model_root
 from .folder import load_text_parts, load_vae, read_json
 from .model import (TEXT_ENCODER_TARGETS, FullUNetWeights, PeftLoraWeights, SDDenoiser,
@@ -126,10 +130,14 @@ def unet_parameters(root: str | Path) -> int:
     return sum(p.numel() for p in den.parameters())
 
 
-def text_dtypes(fam: Family, frozen: torch.dtype, device: torch.device) -> list[torch.dtype]:
-    """Each text encoder's dtype: the frozen parts', except an fp16-unsafe encoder (T5,
-    ``TextEncoder.fp16`` false) under fp16, which runs in bf16 where the device has it,
-    else fp32 (T5's activations overflow fp16 on real prompts)."""
+def text_dtypes(fam: Family, frozen: torch.dtype, device: torch.device,
+                chosen: torch.dtype | None = None) -> list[torch.dtype]:
+    """Each text encoder's dtype: ``chosen`` (``model.text_encoder_precision``) when set,
+    else the frozen parts', except an fp16-unsafe encoder (T5, ``TextEncoder.fp16`` false)
+    under fp16, which runs in bf16 where the device has it, else fp32 (T5's activations
+    overflow fp16 on real prompts)."""
+    if chosen is not None:
+        return [chosen] * len(fam.text)
     out = []
     for spec in fam.text:
         dtype = frozen
@@ -151,8 +159,19 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
     frozen = _dtype(cfg.train.precision)
     vae_dtype = _dtype(m.vae_precision) if m.vae_precision else frozen
     if m.pretrained:
-        parts = load_parts(m.pretrained, m.single_file_config)
+        # FSDP full fine-tune of a folder: the denoiser is built on the meta device (no
+        # storage) and each rank reads only its shards, after sharding (meta_denoiser)
+        meta = (cfg.train.parallel == "fsdp" and a.kind == "none"
+                and not cfg.controlnet.enabled and not Path(m.pretrained).is_file())
+        parts = load_parts(m.pretrained, m.single_file_config, denoiser=not meta)
         fam = parts.family
+        # every tensor loaded, checked finite once: a broken base is named (tensor, file)
+        # here, before training, not blamed later on the data or the LR (frozen.py); a
+        # meta-initialised denoiser is read shard by shard later
+        for note in check_loaded(parts, config_root=m.single_file_config):
+            log.warning(note)
+        if meta:
+            parts.denoiser = meta_denoiser(fam, parts.root)
         if fam.vae_force_upcast and not m.vae_precision and vae_dtype == torch.float16 and \
                 getattr(parts.vae.config, "force_upcast", False):
             # this family's VAE overflows in fp16 (SDXL's); its config says so
@@ -163,10 +182,16 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                      "and model.vae_precision is unset")
         den = parts.denoiser
         media = TextToImage(fam, parts.tokenizers, parts.text_encoders, parts.vae, device,
-                            text_dtypes(fam, frozen, device), vae_dtype,
+                            text_dtypes(fam, frozen, device,
+                                        _dtype(m.text_encoder_precision)
+                                        if m.text_encoder_precision else None), vae_dtype,
                             force_zeros=parts.force_zeros,
                             max_sequence_length=(m.max_sequence_length
                                                  or fam.max_sequence_length(den.config)))
+        root = Path(parts.root)
+        # the fp32 fallbacks' source: the VAE and text encoders read again from the files
+        media.reload = ((lambda: fam.load(root, denoiser=False)) if root.is_dir() else
+                        (lambda: load_parts(m.pretrained, m.single_file_config)))
         upcast_aware_attention(den)
         if m.upcast_attention:
             for mod in den.modules():
@@ -176,6 +201,15 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         in_step: list[nn.Module | None] = []  # text encoders that run in the step
         if a.kind == "lora":
             to_device(den, device, frozen)
+            if m.quantize_base:  # before peft wraps the layers (it wraps int8 ones too)
+                from ..quantize import quantize_base
+
+                q = quantize_base(den, m.quantize_base, device)
+                media.notes.append(
+                    f"frozen {fam.denoiser_word}: {q['layers']} Linear layers stored in "
+                    f"{m.quantize_base} ({q['kept']} kept in {cfg.train.precision}), "
+                    f"{_size(q['bytes_before'])} -> {_size(q['bytes_after'])} "
+                    "(model.quantize_base)")
             targets = add_lora(den, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
                                targets=a.targets)
             if a.text_encoder:  # their LoRA trains too: the model encodes token ids itself
@@ -197,7 +231,7 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                                     for te in in_step], rank=a.rank, alpha=a.alpha or a.rank)
                 except LoraFileError as e:
                     raise ConfigError(f"adapter.init_from: {e}") from None
-            weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank)
+            weights = PeftLoraWeights(parts.root, targets, a.rank, a.alpha or a.rank, a)
         elif a.kind == "hypernetwork":  # A1111-style, on the cross-attention context
             to_device(den, device, frozen)
             try:
@@ -218,8 +252,12 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             controlnet = _controlnet(cfg, den, media.down, device, fam)
             weights = ControlNetWeights(parts.root, cfg.controlnet.init_from, fam)
         else:  # a full fine-tune: the denoiser trains in fp32 under autocast
-            to_device(den, device, torch.float32).requires_grad_(True)
+            if not meta:
+                to_device(den, device, torch.float32)
+            den.requires_grad_(True)
             weights = FullUNetWeights(parts.root)
+            if meta:
+                weights.meta_source = (parts.root / fam.denoiser, fam.denoiser)
         if cfg.data.caption_shuffle and not any(te is not None for te in in_step):
             # Shuffled captions differ every epoch: encoded in the step by the frozen text
             # encoder(s) (as kohya does; caching every permutation is not possible), from
@@ -228,7 +266,9 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             media.tokens = True
         model: nn.Module = SDDenoiser(
             den, media.layout, fam, in_step, down=media.down, guidance=m.guidance,
-            shape=fam.latent_shape(den.config, parts.vae.config)).to(device)
+            shape=fam.latent_shape(den.config, parts.vae.config))
+        # (a meta denoiser stays there: sharding.materialize gives it its shards' storage)
+        model._apply(lambda t: t if t.is_meta else t.to(device))
         if a.kind == "hypernetwork":  # registered after the UNet: its own tensor names
             model.hypernetwork = hyper
         if model.encodes:
@@ -236,11 +276,19 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         if cfg.controlnet.enabled:
             model = ControlNetDenoiser(model, controlnet,
                                        controlnet.config.conditioning_channels)
+        # the frozen weights, known by their files: a mid-run corruption is named and
+        # restored from disk by the guard (guard/basewatch.py), not blamed on the LR
+        weights.frozen = FrozenWatch(model, m.pretrained, m.single_file_config, fam)
     else:
         tok, te = load_text_parts(m.text_encoder)
         vae = load_vae(m.vae) if m.vae else None
         # one CLIP's last hidden state: the base family's text handling
-        media = TextToImage(Family(), [tok], [te], vae, device, frozen, vae_dtype)
+        media = TextToImage(Family(), [tok], [te], vae, device,
+                            _dtype(m.text_encoder_precision) if m.text_encoder_precision
+                            else frozen, vae_dtype)
+        media.reload = lambda: SimpleNamespace(
+            vae=load_vae(m.vae) if m.vae else None,
+            text_encoders=[load_text_parts(m.text_encoder)[1]])
         g = model_geometry(cfg)
         model = build_model(m, image_size=g["side"], channels=g["channels"],
                             context_dim=g["context_dim"], context_len=g["context_len"])
@@ -253,6 +301,19 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 else media.null_text().to(device))
         model.set_null_context(null[:model.null_context.shape[0]].float())
     return model, weights, media
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.2f} MiB"
+
+
+def meta_denoiser(fam: Family, root: Path) -> nn.Module:
+    """The folder's denoiser built from its config on the meta device: its shape, no
+    storage (no rank holds the whole model; FSDP shards it, then each rank reads its
+    shards from the folder's safetensors: ``FullUNetWeights.materialize``)."""
+    conf = read_json(root / fam.denoiser / "config.json", f"the {fam.denoiser}'s config")
+    with torch.device("meta"):
+        return fam.build_denoiser(conf).float()
 
 
 def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device,
@@ -269,6 +330,12 @@ def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device,
     if have != c.conditioning_channels:
         raise ConfigError(f"controlnet.init_from={c.init_from} reads {have}-channel "
                           f"conditioning images: set controlnet.conditioning_channels={have}")
+    if c.init_from:  # a ControlNet to continue: its file checked finite like the base
+        bad = check_module(net)
+        if bad:
+            raise BaseModelError(f"controlnet.init_from={c.init_from}: controlnet.{bad[0][0]} "
+                                 f"has {bad[0][1]}: the file is damaged; download or copy "
+                                 "it again")
     fam.prepare_attention(net)  # the guard's per-layer fp16 remedy, as in the UNet
     return to_device(net, device, torch.float32).requires_grad_(True)
 
@@ -284,8 +351,12 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
     """
     from ...trainer.checkpoint import CheckpointError
 
+    if cfg.model.pretrained:  # the base it was trained on, or a refusal naming both
+        check_base(c.state.get("base"), cfg, f"the checkpoint {c.path}")
     device = device or torch.device("cpu")
+    # the trained LoRA over the base as released (an 8-bit training base: its fp32 weights)
     cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"precision": "fp32"}),
+                                 "model": cfg.model.model_copy(update={"quantize_base": None}),
                                  # the checkpoint holds the LoRA (the ControlNet): its start
                                  # file is not read
                                  "adapter": cfg.adapter.model_copy(update={"init_from": None}),
@@ -353,12 +424,16 @@ def _prep(cfg: Config) -> str:
 
 
 def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
-                say: Callable[[str], None] = print) -> EncodedDataset:
+                say: Callable[[str], None] = print,
+                stop: Callable[[], bool] | None = None) -> EncodedDataset:
     """Latents (latent-space runs) and text contexts of every item of the captioned
     ``data``, from the cache or encoded now (and cached). A latent non-finite in the VAE's
     dtype is encoded again in fp32; still non-finite, the sample is left out (the returned
-    dataset's ``quarantined`` names it; :func:`record_quarantine` puts it in incidents)."""
+    dataset's ``quarantined`` names it; :func:`record_quarantine` puts it in incidents).
+    ``stop`` is asked before each item is encoded: True raises
+    :class:`~steadydiff.data.cache.CachingStopped` (a stop signal; what is cached stays)."""
     captions = list(data.captions)
+    fallbacks: list[Any] = []  # encoder_fallback findings, recorded by record_quarantine
     over = caption_overflow(media, data, captions)
     if over:
         say(f"warning: {overflow_message(over, media.context_len, len(captions))}")
@@ -366,11 +441,21 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
         texts = token_ids(media, captions)
     else:
         # the text rows (hidden states + pooled); per-item ids (SDXL's) are added per item
+        fp32 = torch.float32
         texts = encode_texts(captions, lambda p: media.text_part(media.encode_prompts(p)),
-                             encoder_id=media.text_identity(), cache_dir=cache_dir)
+                             encoder_id=media.text_identity(), cache_dir=cache_dir,
+                             fallback=((lambda p: media.encode_prompts_in(p, fp32))
+                                       if any(d != fp32 for d in media.text_dtypes) else None),
+                             blame=media.blame_tokens, stop=stop)
+        fallbacks.append(_text_fallback(media, data, captions, texts, say))
         if media.force_zeros:  # caption dropout trains the null condition guidance uses
             texts.null = torch.zeros_like(texts.null)
     latents = None
+    if not media.latent and texts is not None and getattr(texts, "bad", None):
+        c, why = next(iter(texts.bad.items()))
+        raise DataError(f"the text encoder's embedding of caption {c!r:.80} is {why} (pixel "
+                        "space: no latent cache to leave its items out of); fix or remove "
+                        "the captions, or download the text encoder again")
     if media.latent:
         vae_id = module_identity(media.vae, {"dtype": str(media.vae_dtype)})
         fallback = ((lambda x: media.encode_images(x, torch.float32))
@@ -379,7 +464,11 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                                  prep=_prep(cfg),
                                  cache_dir=cache_dir if cfg.data.cache_latents else None,
                                  fallback=fallback,
-                                 device=media.device)
+                                 device=media.device, stop=stop)
+        if texts is not None and getattr(texts, "bad", None):
+            latents = latents.without(_text_quarantine(data, captions, texts))
+        if latents.reencoded:
+            fallbacks.append(_vae_fallback(media, latents, len(data), say))
         say(f"latents: {latents.hits} from the cache, {latents.misses} encoded"
             + (f", {len(latents.reencoded)} re-encoded in fp32" if latents.reencoded else "")
             + (f", {len(latents.quarantined)} left out (non-finite)"
@@ -395,7 +484,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     if cfg.controlnet.enabled:  # pixels, not latents: uint8, cached (data/cache.py)
         conditioning = encode_conditioning(
             data, prep=f"{_prep(cfg)},conditioning={cfg.controlnet.conditioning_channels}",
-            cache_dir=cache_dir if cfg.data.cache_latents else None)
+            cache_dir=cache_dir if cfg.data.cache_latents else None, stop=stop)
         if conditioning.keys is not None:
             say(f"conditioning images: {conditioning.hits} from the cache, "
                 f"{conditioning.misses} prepared"
@@ -407,6 +496,9 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
                          tokenize=Tokenize(media.tokenizers, media.layout.ids_len),
                          extra=extra, conditioning=conditioning)
     out.caption_overflow = len(over)
+    for note in media.notes:  # what build did to the model that the start should say
+        say(note)
+    out.fallbacks = [f for f in fallbacks if f is not None]
     if cfg.model.offload_text_encoders and not media.tokens:
         media.offload()
         say("text encoders moved to the CPU after caching (model.offload_text_encoders): "
@@ -418,6 +510,8 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
              if d.caption_shuffle else [])
             + ([f"dropped to the empty caption with p={d.caption_dropout:g}"]
                if d.caption_dropout else [])))
+    if isinstance(data, KohyaDataset):  # each image encoded once; the repeats are positions
+        out = Repeated(out, data.repeats, data.loss_weights)
     return out
 
 
@@ -443,10 +537,80 @@ def token_ids(media: TextToImage, captions: list[str]) -> TextResult:
                       null=media.text_part(media.tokenize([""]))[0])
 
 
+def _fp32_source(media: TextToImage) -> str:
+    return ("the weights on disk, read again in fp32" if media.reload is not None
+            else media.fallback_source)
+
+
+def _text_fallback(media: TextToImage, data, captions: list[str], texts: Any,
+                   say: Callable[[str], None]) -> Any:
+    """Say what the text fallback did (captions re-encoded in fp32, captions still
+    non-finite and their items left out, the tokens to blame) and return its
+    ``encoder_fallback`` finding (None when there was nothing to do)."""
+    from ...guard.findings import EncoderFallback
+
+    redo, bad = list(getattr(texts, "reencoded", [])), dict(getattr(texts, "bad", {}))
+    if not redo and not bad:
+        return None
+    dtype = str(media.text_dtype).removeprefix("torch.")
+    items = [i for i, c in enumerate(captions) if c in bad]
+    tokens = sorted({t for c in list(bad) + redo for t in _tokens_of(media.blame_tokens(c))})
+    msg = (f"text: {len(redo) + len(bad)} caption(s) had a non-finite embedding in {dtype}; "
+           f"encoded again in fp32 from {_fp32_source(media)}: {len(redo)} finite (kept)"
+           + (f", {len(bad)} still non-finite: their {len(items)} item(s) left out "
+              f"(quarantined)" if bad else "")
+           + (f"; to blame: {', '.join(tokens[:5])}" if tokens else "")
+           + ". Set model.text_encoder_precision=fp32 to encode in fp32 from the start")
+    log.warning(msg)
+    say(f"warning: {msg}")
+    return EncoderFallback.new(
+        part="text_encoder", dtype=dtype, count=len(redo) + len(bad), total=len(set(captions)),
+        key="model.text_encoder_precision",
+        sources=[source_of(data, i) or f"item {i}" for i in items],
+        why="the embedding overflowed or a token's embedding row is broken",
+        quarantined=len(items), tokens=tokens or None)
+
+
+def _tokens_of(blame: str) -> list[str]:
+    head = "the token(s) to blame: "
+    return blame[len(head):].split(", ") if blame.startswith(head) else []
+
+
+def _text_quarantine(data, captions: list[str], texts: Any) -> dict[int, dict[str, Any]]:
+    """The items whose caption's embedding stayed non-finite: quarantine records."""
+    return {i: {"index": i, "source": source_of(data, i),
+                "why": f"caption {c!r:.60}: {texts.bad[c]}"}
+            for i, c in enumerate(captions) if c in texts.bad}
+
+
+def _vae_fallback(media: TextToImage, latents: Any, total: int,
+                  say: Callable[[str], None]) -> Any:
+    """Say that latents were re-encoded in fp32 (why, how many, from what, the key to set)
+    and return the ``encoder_fallback`` finding."""
+    from ...guard.findings import EncoderFallback
+
+    dtype = str(media.vae_dtype).removeprefix("torch.")
+    n, q = len(latents.reencoded), len(latents.quarantined)
+    msg = (f"latents: {n} of {total} image(s) gave a non-finite latent in {dtype} (the VAE "
+           f"overflows {dtype}); encoded again in fp32 from {_fp32_source(media)}"
+           + (f"; {q} still non-finite, left out" if q else "")
+           + ". Set model.vae_precision=fp32 to encode in fp32 from the start")
+    log.warning(msg)
+    say(f"warning: {msg}")
+    return EncoderFallback.new(
+        part="vae", dtype=dtype, count=n, total=total, key="model.vae_precision",
+        sources=[r.get("source") or f"item {r.get('index')}" for r in latents.reencoded],
+        why=f"the VAE's {dtype} encode overflowed", quarantined=q)
+
+
 def record_quarantine(guard, encoded: EncodedDataset) -> None:
-    """One ``sample_quarantined`` incident per sample whose latent stayed non-finite."""
+    """One ``encoder_fallback`` incident per frozen encoder that fell back to fp32 and one
+    ``sample_quarantined`` incident per sample whose latent (or caption's embedding)
+    stayed non-finite."""
     if guard is None:
         return
+    for f in getattr(encoded, "fallbacks", []):
+        guard.record(f, "reencode", cost={"items_reencoded": f.evidence["count"]})
     for i, q in sorted(getattr(encoded, "quarantined", {}).items()):
         guard.record(SampleQuarantined.new(index=int(i), times=1, steps=[0],
                                            source=q.get("source"), why=q.get("why")),

@@ -34,8 +34,6 @@ atomically.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
@@ -200,18 +198,11 @@ def write_single_file(out: str | Path, tensors: dict[str, Tensor],
     if bad:
         raise CheckpointError(f"{len(bad)} tensors are non-finite ({bad[0]}, ...): {out} is "
                               "not written")
+    from ...files import atomic_output
+
     out = Path(out).expanduser()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt", **(metadata or {})})
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_output(out) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt", **(metadata or {})})
     return out
 
 

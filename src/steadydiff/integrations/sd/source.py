@@ -72,10 +72,12 @@ def resolve_config(cfg: Config) -> tuple[Config, list[str]]:
     return cfg, notes
 
 
-def load_parts(path: str | Path, config: str | Path | None = None) -> Parts:
+def load_parts(path: str | Path, config: str | Path | None = None, *,
+               denoiser: bool = True) -> Parts:
     """Every part of the model folder at ``path`` (checked first), or of the single-file
     checkpoint ``path`` with the config folder ``config``, fp32 on the CPU; the caller
-    moves them and sets their dtypes. ``root`` is the folder or the file."""
+    moves them and sets their dtypes. ``root`` is the folder or the file. ``denoiser``
+    false (a folder): all but the denoiser."""
     if is_single_file(path):
         return load_single_file(path, config)
-    return load_folder_parts(path)
+    return load_folder_parts(path, denoiser=denoiser)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["tiny_tokenizer", "tiny_text_encoder", "tiny_vae", "tiny_unet", "tiny_t5",
-           "tiny_t5_tokenizer"]
+           "tiny_t5_tokenizer", "tiny_qwen2_tokenizer", "tiny_qwen3"]
 
 
 def _byte_chars() -> list[str]:
@@ -125,3 +125,48 @@ def tiny_t5(d_model: int = 48, layers: int = 2, vocab_size: int = 192, seed: int
                    decoder_start_token_id=0)
     torch.manual_seed(seed)
     return T5EncoderModel(cfg).eval()
+
+
+#: a Qwen-style chat template (the user's turn, then the assistant's opened; thinking off
+#: adds the empty think block, as Qwen3's own template)
+QWEN_CHAT_TEMPLATE = (
+    "{%- for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}{%- endfor %}{%- if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{%- if enable_thinking is defined and enable_thinking "
+    "is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}")
+
+
+def tiny_qwen2_tokenizer(max_length: int = 512):
+    """A Qwen2 tokenizer (transformers' tokenizers-backed ``Qwen2Tokenizer``): byte-level
+    BPE over the 256 byte symbols without merges, Qwen's special tokens (``<|endoftext|>``
+    the pad, ``<|im_start|>``, ``<|im_end|>``, ``<think>``, ``</think>``) and a Qwen-style
+    chat template. Saved, it is a ``tokenizer.json`` and the template: it loads offline."""
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab: dict[str, int] = {}
+    for c in _byte_chars():
+        vocab.setdefault(c, len(vocab))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tk.decoder = decoders.ByteLevel()
+    cls = getattr(transformers, "Qwen2TokenizerFast", None) or transformers.Qwen2Tokenizer
+    return cls(tokenizer_object=tk, pad_token="<|endoftext|>", eos_token="<|im_end|>",
+               unk_token=None, bos_token=None,
+               additional_special_tokens=["<|im_start|>", "<|im_end|>", "<think>",
+                                          "</think>"],
+               model_max_length=max_length, chat_template=QWEN_CHAT_TEMPLATE)
+
+
+def tiny_qwen3(hidden: int = 32, layers: int = 2, vocab_size: int = 261,
+               pad_token_id: int | None = None, seed: int = 0):
+    """A ``layers``-layer Qwen3Model of width ``hidden`` (grouped-query attention, two
+    heads over one key/value head, QK-norm; random weights from ``seed``)."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    cfg = Qwen3Config(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                      head_dim=hidden // 2, max_position_embeddings=1024,
+                      pad_token_id=pad_token_id)
+    torch.manual_seed(seed)
+    return Qwen3Model(cfg).eval()
