@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 # the doc sections that show the guard in a loop of one's own: every python block there is
 # an excerpt of the example its first line names
-SECTIONS = [("README.md", "## The guard in your own loop"),
+SECTIONS = [("README.md", "### 3. Put the guard in your own training loop"),
             ("docs/guard.md", "## Using `Guard` in your own loop"),
             ("docs/guard.md", "## An ordinary DataLoader loop"),
             ("docs/guard.md", "## Inside a diffusers LoRA script")]

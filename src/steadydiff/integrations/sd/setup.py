@@ -452,9 +452,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     fallbacks: list[Any] = []  # encoder_fallback findings, recorded by record_quarantine
     over = caption_overflow(media, data, captions)
     if over:
-        msg = overflow_message(over, media.context_len, len(captions))
-        log.warning(msg)
-        say(f"warning: {msg}")
+        say(f"warning: {overflow_message(over, media.context_len, len(captions))}")
     if media.tokens:  # the text encoder trains: its inputs, not its outputs, are fixed
         texts = token_ids(media, captions)
         fallbacks.append(_in_step_tokens(media, data, captions, texts, say))
