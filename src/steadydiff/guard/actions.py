@@ -113,10 +113,13 @@ def rollback(g: "Guard", f: Finding, a: Action, seen: Seen) -> Decision:
         cap = a.lr_cap_fraction * stable
         st.lr_cap = cap if st.lr_cap is None else min(st.lr_cap, cap)
         diagnosis["lr_cap"] = st.lr_cap
-    else:
+    elif a.lr_backoff:
         st.lr_factor = max(st.lr_factor * c.lr_backoff, 1e-4)
         st.backoff_until = prog.step + c.lr_backoff_steps
         diagnosis.update(lr_factor=st.lr_factor, lr_restored_at_step=st.backoff_until)
+    else:
+        diagnosis["lr"] = ("kept: the state changed between steps (or the optimizer's state "
+                           "went bad), not through the learning rate")
     if (snap.step, a.reason) == st.last_rollback:
         st.same_rollbacks += 1
     else:

@@ -40,6 +40,8 @@ The rules (docs/guard.md):
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -117,6 +119,9 @@ class Action:
     record: write an incident (routine fp16 calibration skips are silent).
     budget_abort: after recording the skip, abort: the skip budget is spent (the text says
         how).
+    lr_backoff: a rollback backs the LR off for a while (False: the LR is not the cause, as
+        for weights changed between two steps or an optimizer state gone bad: the restored
+        state trains on at the same LR).
     """
 
     kind: ActionKind
@@ -130,6 +135,7 @@ class Action:
     scaler: bool = False
     record: bool = True
     budget_abort: str | None = None
+    lr_backoff: bool = True
 
 
 def recent(events: tuple[int, ...] | list[int], now: int, window: int) -> int:
@@ -201,8 +207,9 @@ def decide(f: Finding, h: History, c: GuardConfig) -> Action:
         # changed between two steps: the batch of this step is innocent
         # (an update far above its usual size: the optimizer state, not the batch)
         between = f.evidence.get("when") == "before_forward" or f.kind == "large_update"
-        return _rollback(f, h, c, "state unusable",
-                         skip_data="none" if between else "implicated")
+        a = _rollback(f, h, c, "state unusable", skip_data="none" if between else "implicated")
+        # nor is the LR to blame for a state changed between steps: no backoff
+        return dataclasses.replace(a, lr_backoff=False) if between else a
     if f.kind == "lr_too_high":
         return _rollback(f, h, c, "learning rate too high",
                          restore_before=_int(f.evidence.get("trend_start_step")),
