@@ -145,13 +145,15 @@ def _fsync_tree(path: Path) -> None:
             fsync_dir(d)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (someone else's counts): the one test
+    of whether a temporary's or a lock's writer is gone (files, rundir, the cache)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        return True  # someone else's process
     return True
 
 
@@ -164,7 +166,7 @@ def sweep_temporaries(final: Path) -> None:
     for p in parent.iterdir():
         m = _TMP.match(p.name)
         if m and m["name"] == final.name and int(m["pid"]) != os.getpid() \
-                and not _pid_alive(int(m["pid"])):
+                and not pid_alive(int(m["pid"])):
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() and not p.is_symlink() \
                 else p.unlink(missing_ok=True)
 

@@ -386,13 +386,8 @@ def _describe(info: dict) -> str:
 
 
 def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
+    from .files import pid_alive
+    return pid_alive(pid)
 
 
 class RunLock:

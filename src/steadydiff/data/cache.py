@@ -279,15 +279,9 @@ class _Store:
 
 def _gone(pid: int) -> bool:
     """Whether no process ``pid`` exists on this host."""
-    if pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # exists, owned by someone else
-        return False
-    return False
+    from ..files import pid_alive
+
+    return pid != os.getpid() and not pid_alive(pid)
 
 
 def check_cache_dir(path: str | os.PathLike[str], key: str = "data.cache_dir") -> Path:

@@ -105,16 +105,8 @@ def _fsync_file(path: Path) -> None:
 
 
 def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems do not support fsync on directories
-    finally:
-        os.close(fd)
+    from ..files import fsync_dir  # files.py owns the rule
+    fsync_dir(path)
 
 
 def _follow_umask(path: Path) -> None:
