@@ -322,8 +322,8 @@ def test_sample_command_takes_a_prompt(sd_dir, tmp_path, capsys):
                "--steps", "2", "--out", str(out), "--device", "cpu"])
     assert rc == 0 and out.is_file()
     assert Image.open(out).size[0] >= 32
-    assert main(["sample", str(tmp_path / "run"), "--class-label", "1", "--out", str(out),
-                 "--device", "cpu"]) == 2
+    assert main(["sample", str(tmp_path / "run"), "--class-label", "1", "--out",
+                 str(tmp_path / "s2.png"), "--device", "cpu"]) == 2
     assert "conditioned on text" in capsys.readouterr().err
 
 
