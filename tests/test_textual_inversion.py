@@ -69,3 +69,83 @@ def test_only_the_new_rows_change(ti_run, sd_dir):  # noqa: F811
     assert (rows - a).abs().max() > 1e-4
     info = json.loads((res.checkpoint / "state.json").read_text())["adapter"]
     assert info["kind"] == "embedding" and info["num_vectors"] == 2
+
+
+def test_files_load_in_diffusers_and_a1111_keys(ti_run, sd_dir):  # noqa: F811
+    from diffusers import StableDiffusionPipeline
+    from safetensors.torch import load_file
+
+    tmp, _, res = ti_run
+    folder = tmp / "run" / "embeddings"
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    (rows,) = c.ema.values()  # sample.use_ema: the files hold the EMA's rows
+    a1111 = load_file(str(folder / "<sks>.safetensors"))
+    assert set(a1111) == {"emb_params"} and a1111["emb_params"].shape == (2, 32)
+    assert torch.equal(a1111["emb_params"], rows)
+    learned = load_file(str(folder / "learned_embeds.safetensors"))
+    assert set(learned) == {"<sks>"} and torch.equal(learned["<sks>"], rows)
+    assert (folder / "<sks>-step00000002.safetensors").is_file()  # numbered per save
+    # diffusers' own loader reads it; its prompt encoding equals ours
+    pipe = StableDiffusionPipeline.from_pretrained(sd_dir, local_files_only=True,
+                                                   safety_checker=None)
+    prompt = "a photo of <sks>"
+    before = pipe.encode_prompt(prompt, "cpu", 1, False)[0]
+    pipe.load_textual_inversion(str(folder / "learned_embeds.safetensors"))
+    after = pipe.encode_prompt(prompt, "cpu", 1, False)[0]
+    assert (after - before).abs().max() > 1e-4  # the token changes the condition
+    ours = steadydiff.load(tmp / "run", device="cpu")
+    with torch.no_grad():
+        mine = ours.model.encode(ours.media.tokenize([prompt]))
+    torch.testing.assert_close(mine, after, rtol=1e-5, atol=1e-5)
+    # and the image: diffusers with the file vs diffusers without it
+    z = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(0))
+    kw = dict(num_inference_steps=2, latents=z, output_type="pt", height=32, width=32,
+              guidance_scale=1.0)
+    with_ti = pipe(prompt, **kw).images
+    pipe.unload_textual_inversion()
+    plain = pipe(prompt, **kw).images
+    assert (with_ti - plain).abs().max() > 1e-5
+
+
+def test_resume_is_exact_and_sampling_uses_the_token(sd_dir, tmp_path):  # noqa: F811
+    data = shapes(tmp_path / "images")
+    fixed = (f"data.cache_dir={tmp_path / 'cache'}",)
+    straight = steadydiff.train(ti_config(sd_dir, data, *fixed), out_dir=tmp_path / "a")
+    steadydiff.train(ti_config(sd_dir, data, *fixed, "train.steps=2"), out_dir=tmp_path / "b")
+    resumed = steadydiff.train(ti_config(sd_dir, data, *fixed), out_dir=tmp_path / "b")
+    assert resumed.resumed_from is not None and resumed.steps == 4
+    a = ckpt.load_checkpoint(straight.checkpoint, "cpu", weights_only=True)
+    b = ckpt.load_checkpoint(resumed.checkpoint, "cpu", weights_only=True)
+    assert set(a.model) == set(b.model)
+    for k in a.model:
+        assert torch.equal(a.model[k], b.model[k]) and torch.equal(a.ema[k], b.ema[k]), k
+    # the CLI samples with the token: its prompt differs from one without it
+    pipe = steadydiff.load(tmp_path / "a", device="cpu")
+    z = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(0))
+    x1, _ = pipe.sample(prompt="a photo of <sks>", sampler="ddim", steps=2, noise=z)
+    x0, _ = pipe.sample(prompt="a photo of", sampler="ddim", steps=2, noise=z)
+    assert (x1 - x0).abs().max() > 1e-5
+    from steadydiff.cli import main
+
+    out = tmp_path / "s.png"
+    assert main(["sample", str(tmp_path / "a"), "--prompt", "a photo of <sks>", "--steps",
+                 "2", "--num", "1", "--out", str(out), "--device", "cpu"]) == 0
+    assert out.is_file()
+
+
+def test_refusals_name_the_problem(sd_dir, tmp_path):  # noqa: F811
+    data = shapes(tmp_path / "images")
+    with pytest.raises(ConfigError, match="needs adapter.token"):
+        load_config("configs/sd_textual_inversion.yaml",
+                    [f"model.pretrained={sd_dir}", "adapter.token=null"])
+    with pytest.raises(ConfigError, match="set adapter.kind=embedding"):
+        load_config("configs/sd_lora.yaml", [f"model.pretrained={sd_dir}",
+                                             "adapter.token=<x>"])
+    with pytest.raises(ConfigError, match="none of the 8 captions"):
+        steadydiff.train(ti_config(sd_dir, data, "data.trigger=null"), out_dir=tmp_path / "r")
+    with pytest.raises(ConfigError, match="must be one token"):
+        steadydiff.train(ti_config(sd_dir, data, "adapter.init_token=two words"),
+                         out_dir=tmp_path / "r2")
+    with pytest.raises(ConfigError, match="already a token"):
+        steadydiff.train(ti_config(sd_dir, data, "adapter.token=a", "data.trigger=a"),
+                         out_dir=tmp_path / "r3")
