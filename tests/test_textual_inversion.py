@@ -149,3 +149,54 @@ def test_refusals_name_the_problem(sd_dir, tmp_path):  # noqa: F811
     with pytest.raises(ConfigError, match="already a token"):
         steadydiff.train(ti_config(sd_dir, data, "adapter.token=a", "data.trigger=a"),
                          out_dir=tmp_path / "r3")
+
+
+def test_a_nan_in_the_rows_rolls_back_and_no_file_holds_it(sd_dir, tmp_path):  # noqa: F811
+    from safetensors.torch import load_file
+
+    from test_sd import incidents
+
+    data = shapes(tmp_path / "images")
+    fault = {"kind": "param_nan", "step": 3, "target": "text_encoder." + ROWS}
+    res = steadydiff.train(ti_config(sd_dir, data, "train.steps=5", "guard.warmup_steps=10",
+                                     f"faults={json.dumps([fault])}"), out_dir=tmp_path / "run")
+    assert res.steps == 5
+    rows = [r for r in incidents(tmp_path / "run") if r["action"] == "rollback"]
+    assert rows, incidents(tmp_path / "run")
+    for f in (tmp_path / "run" / "embeddings").glob("*.safetensors"):
+        for v in load_file(str(f)).values():
+            assert torch.isfinite(v).all(), f
+
+
+def test_sdxl_writes_clip_l_and_clip_g_and_diffusers_loads_both(tmp_path):
+    from diffusers import StableDiffusionXLPipeline
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.sd.tiny import make_tiny
+
+    xl = make_tiny(tmp_path / "xl", "sdxl", image_size=32)
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(ti_config(xl, data, "train.steps=2"), out_dir=tmp_path / "run")
+    c = ckpt.load_checkpoint(res.checkpoint, "cpu", weights_only=True)
+    assert sorted(n.split(".")[0] for n in c.model) == ["text_encoder", "text_encoder_2"]
+    folder = tmp_path / "run" / "embeddings"
+    a1111 = load_file(str(folder / "<sks>.safetensors"))
+    pipe = StableDiffusionXLPipeline.from_pretrained(xl, local_files_only=True)
+    widths = (pipe.text_encoder.config.hidden_size, pipe.text_encoder_2.config.hidden_size)
+    assert set(a1111) == {"clip_l", "clip_g"}
+    assert a1111["clip_l"].shape == (1, widths[0]) and a1111["clip_g"].shape == (1, widths[1])
+    one = load_file(str(folder / "learned_embeds.safetensors"))["<sks>"]
+    two = load_file(str(folder / "learned_embeds_2.safetensors"))["<sks>"]
+    assert torch.equal(one, a1111["clip_l"]) and torch.equal(two, a1111["clip_g"])
+    prompt = "a photo of <sks>"
+    before = pipe.encode_prompt(prompt, device="cpu", do_classifier_free_guidance=False)[0]
+    pipe.load_textual_inversion(str(folder / "learned_embeds.safetensors"),
+                                text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer)
+    pipe.load_textual_inversion(str(folder / "learned_embeds_2.safetensors"),
+                                text_encoder=pipe.text_encoder_2, tokenizer=pipe.tokenizer_2)
+    after = pipe.encode_prompt(prompt, device="cpu", do_classifier_free_guidance=False)[0]
+    assert (after - before).abs().max() > 1e-4
+    ours = steadydiff.load(tmp_path / "run", device="cpu")
+    with torch.no_grad():
+        y = ours.model.encode(ours.media.tokenize([prompt]))
+    torch.testing.assert_close(y[:, :after.shape[1]], after, rtol=1e-5, atol=1e-5)
