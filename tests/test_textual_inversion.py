@@ -131,6 +131,18 @@ def test_resume_is_exact_and_sampling_uses_the_token(sd_dir, tmp_path):  # noqa:
     assert main(["sample", str(tmp_path / "a"), "--prompt", "a photo of <sks>", "--steps",
                  "2", "--num", "1", "--out", str(out), "--device", "cpu"]) == 0
     assert out.is_file()
+    # export --step of a kept checkpoint: its numbered embedding files, removed first
+    from safetensors.torch import load_file
+
+    emb = tmp_path / "a" / "embeddings"
+    for f in emb.glob("*-step00000002.safetensors"):
+        f.unlink()
+    assert main(["export", str(tmp_path / "a"), "--step", "2"]) == 0
+    two = ckpt.load_checkpoint(tmp_path / "a" / "checkpoints" / "step_00000002", "cpu",
+                               weights_only=True)
+    got = load_file(str(emb / "<sks>-step00000002.safetensors"))["emb_params"]
+    assert torch.equal(got, next(iter(two.ema.values())))
+    assert (emb / "learned_embeds-step00000002.safetensors").is_file()
 
 
 def test_refusals_name_the_problem(sd_dir, tmp_path):  # noqa: F811
