@@ -97,6 +97,10 @@ def test_files_load_in_diffusers_and_a1111_keys(ti_run, sd_dir):  # noqa: F811
     with torch.no_grad():
         mine = ours.model.encode(ours.media.tokenize([prompt]))
     torch.testing.assert_close(mine, after, rtol=1e-5, atol=1e-5)
+    # the A1111 file too, through diffusers' reader of single-tensor files
+    pipe.unload_textual_inversion()
+    pipe.load_textual_inversion(str(folder / "<sks>.safetensors"), token="<sks>")
+    torch.testing.assert_close(pipe.encode_prompt(prompt, "cpu", 1, False)[0], after)
     # and the image: diffusers with the file vs diffusers without it
     z = torch.randn(1, 4, 4, 4, generator=torch.Generator().manual_seed(0))
     kw = dict(num_inference_steps=2, latents=z, output_type="pt", height=32, width=32,
