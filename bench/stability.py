@@ -25,6 +25,7 @@ the sample (index and micro-batch, and its quarantine), the LR (``lr_too_high`` 
 values and a cap), the parameter or the module; their cost counts samples dropped as well.
 
     python bench/stability.py --scenarios diagnosis --modes guard   # issue 13's table
+    python bench/stability.py --outside --steps 120   # issue 27: outside faults, K=1 vs 10
 
 fp16: the ``fp16_overflow`` and ``attn_logit_overflow`` scenarios need fp16 autocast with a
 GradScaler to mean anything, and fp16 autocast on a CPU without native fp16 is emulated
@@ -458,6 +459,156 @@ def _fmt_ratio(v: Any) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
 
 
+# --------------------------------------------------------------------------- outside faults
+
+# issue 27: faults from outside the library (the user's data, the user's code between
+# steps), run through the trainer with the per-step check (guard.check_every=1) and the
+# deferred one (10) side by side. name -> (what is injected, the incident kind expected)
+OUTSIDE: dict[str, tuple[str, str]] = {
+    "data_nan_once": ("the Dataset returns one item with a NaN pixel once (a flaky read)",
+                      "bad_batch"),
+    "data_nan_every": ("the Dataset returns one item with a NaN pixel every time (a bad file)",
+                       "bad_batch"),
+    "weight_between": ("one element of a conv weight set to 4e36 between two steps, in the "
+                       "middle of a window", "weight_jump"),
+    "adam_state": ("Adam's exp_avg_sq of a conv weight set to 1e-30 between two steps",
+                   "large_update"),
+}
+
+
+class _UserData(torch.utils.data.Dataset):
+    """The config's dataset as a user's own: ``arm()`` makes the next item read come back
+    with a NaN pixel, once or (``every``) every time that index is read."""
+
+    def __init__(self, base, every: bool):
+        self.base, self.every, self.armed, self.bad = base, every, False, None
+        if hasattr(base, "num_classes"):
+            self.num_classes = base.num_classes
+
+    def __len__(self):
+        return len(self.base)
+
+    def arm(self) -> None:
+        self.armed = True
+
+    def __getitem__(self, i):
+        x, *rest = self.base[i]
+        if (self.armed and self.bad is None) or (self.every and self.bad == int(i)):
+            if self.bad is None:
+                self.bad, self.armed = int(i), False
+            x = x.clone()
+            x.view(-1)[5] = float("nan")
+        return (x, *rest)
+
+
+def run_outside(name: str | None, k: int, a: argparse.Namespace) -> dict[str, Any]:
+    """One outside-fault run (``name`` None: the clean reference) with check_every ``k``."""
+    from steadydiff.config import replace
+    from steadydiff.data import build_dataset
+    from steadydiff.trainer import loop
+    cfg, s = make_config("clean", "guard", a)
+    cfg = replace(cfg, {"guard.check_every": k})
+    # mid-window: windows also end at each metrics row (logging.log_every), so a step
+    # right after one opens a window and its mark holds the fault (then it reproduces)
+    at = s["fault_step"] + 3
+    data = _UserData(build_dataset(cfg.data), every=name == "data_nan_every")
+    target: dict[str, Any] = {}
+
+    def inject(state) -> None:
+        pname, p = next((n, q) for n, q in state.model.named_parameters() if q.dim() == 4)
+        target["param"] = pname
+        with torch.no_grad():
+            if name == "weight_between":
+                p.view(-1)[3] = 4e36
+            else:
+                state.optimizer.state[p]["exp_avg_sq"].fill_(1e-30)
+
+    real, fired = loop.train_step, []
+
+    def step(state, batch):
+        if not fired and state.step == (at - 1 if name and name.startswith("data") else at):
+            fired.append(True)
+            if name and name.startswith("data"):
+                data.arm()  # the read for the next step
+            elif name:
+                inject(state)
+        return real(state, batch)
+
+    run_dir = Path(a.out) / f"outside_{name or 'clean'}_k{k}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    log_path = Path(a.out) / f"outside_{name or 'clean'}_k{k}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    loop.train_step = step
+    captured: dict[str, Any] = {}
+    orig = loop.build_state
+
+    def capture(*args, **kw):
+        captured["state"] = st = orig(*args, **kw)
+        return st
+
+    loop.build_state = capture
+    out: dict[str, Any] = {"name": name or "clean", "check_every": k, "error": None}
+    try:
+        with open(log_path, "w") as log, contextlib.redirect_stdout(log), \
+                contextlib.redirect_stderr(log):
+            loop.run(cfg, run_dir=run_dir, dataset=data, resume=False)
+        out["finished"] = True
+    except Exception as e:
+        out.update(finished=False, error=f"{type(e).__name__}: {e}"[:200])
+    finally:
+        loop.train_step, loop.build_state = real, orig
+    st = captured.get("state")
+    out["finite"] = bool(st) and not nonfinite(st.model) and not nonfinite(st.ema.module)
+    out["eval_loss"] = eval_loss(st.ema.module, cfg, eval_batch(cfg)) if st else math.nan
+    incs = read_incidents(run_dir)
+    expected = OUTSIDE[name][1] if name else None
+    hit = next((r for r in incs if r["kind"] == expected), None)
+    e = (hit or {}).get("evidence", {})
+    named = ([str(x.get("index")) for x in e.get("samples", [])] or list(e.get("params", []))[:1])
+    out.update(seconds=time.perf_counter() - t0, fault_step=at, incidents=len(incs),
+               kinds=sorted({r["kind"] for r in incs}),
+               named=f"{expected}@{hit['step']}: {','.join(named)}" if hit else "-",
+               reproduced=e.get("reproduced", True) if hit else None,
+               ok=None if not name else bool(
+                   hit and hit["step"] == at and (
+                       named == [str(data.bad)] if name.startswith("data")
+                       else named == [target.get("param")])))
+    return out
+
+
+def outside_table(a: argparse.Namespace) -> int:
+    """The outside-fault rows, per-step and deferred side by side."""
+    t0 = time.perf_counter()
+    rows = []
+    for name in [None, *OUTSIDE]:
+        for k in (1, 10):
+            rows.append(run_outside(name, k, a))
+            print(f"  done {rows[-1]['name']} k={k} ({rows[-1]['seconds']:.0f} s)",
+                  file=sys.stderr)
+    clean = {r["check_every"]: r["eval_loss"] for r in rows if r["name"] == "clean"}
+    table = []
+    for r in rows:
+        r["eval_loss_ratio"] = r["eval_loss"] / clean[r["check_every"]]
+        table.append([r["name"], r["check_every"], "yes" if r["finished"] else "NO",
+                      "yes" if r["finite"] else "NO", _fmt_ratio(r["eval_loss_ratio"]),
+                      ",".join(r["kinds"]) or "-", r["named"],
+                      {True: "yes", False: "NO", None: "-"}[r["ok"]],
+                      {True: "yes", False: "no", None: "-"}[r["reproduced"]]])
+    print(f"outside faults: {a.steps} steps, fault at step {a.fault_step + 3} "
+          f"(mid-window), snapshots every {a.snapshot_every}")
+    print_table(table, ["scenario", "check_every", "finished", "finite", "eval/clean",
+                        "kinds", "named cause", "= injected", "reproduced"])
+    bar = all(r["finished"] and r["finite"] and r["eval_loss_ratio"] <= 1.10
+              and r["ok"] is not False for r in rows)
+    print(f"every row meets the bar (finite, eval <= 1.10x clean, cause named): {bar}")
+    print(f"wall time {time.perf_counter() - t0:.0f} s")
+    if a.json:
+        print(json.dumps({"bench": "stability_outside", "rows": rows, "bar": bar,
+                          **env_info()}))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -480,7 +631,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(REPO / "runs" / "bench_stability"),
                    help="run directories (incidents.jsonl) and their NAME.log go here")
     p.add_argument("--json", action="store_true", help="end with one JSON line")
+    p.add_argument("--outside", action="store_true",
+                   help="the outside-fault table (issue 27): the user's data and code, "
+                   "guard.check_every 1 and 10 side by side")
     a = p.parse_args(argv)
+    if a.outside:
+        if a.threads:
+            torch.set_num_threads(a.threads)
+        if a.fault_step is None:
+            a.fault_step = a.steps // 2
+        a.out = str(Path(a.out).resolve())
+        return outside_table(a)
 
     if a.threads:
         torch.set_num_threads(a.threads)  # (each run sets it again in its own process)

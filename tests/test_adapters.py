@@ -350,7 +350,7 @@ def test_cli_merge_and_sample(base_run, tmp_path, capsys):
     assert main(["sample", str(tmp_path / "ft"), "--adapter-scale", "0.5", "--num", "2",
                  "--steps", "2", "--out", str(tmp_path / "s.png")]) == 0
     assert main(["sample", str(base_run), "--adapter-scale", "0.5", "--num", "2",
-                 "--steps", "2", "--out", str(tmp_path / "s.png")]) == 2
+                 "--steps", "2", "--out", str(tmp_path / "s2.png")]) == 2
     assert "holds no adapter" in capsys.readouterr().err
 
 

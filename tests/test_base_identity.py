@@ -136,3 +136,20 @@ def test_a_lora_run_knows_its_base(tmp_path, monkeypatch, capsys):
     rc, err = cli(["merge", str(run), "--out", str(tmp_path / "merged")], capsys)
     assert rc == 2 and "Stable Diffusion LoRA run" in err and "pytorch_lora_weights" in err
     assert not (tmp_path / "merged").exists()
+
+
+def test_the_fast_path_never_trusts_a_rewritten_file(tmp_path):
+    import os
+    a = make_tiny_sd(tmp_path / "a")
+    ida = base_identity(a)
+    # the same path, untouched: every recorded sha256 reused (nothing read)
+    again = base_identity(a, known=ida)
+    assert again == ida
+    # one weight file rewritten in place with its size and modification time put back
+    w = a / "unet" / "diffusion_pytorch_model.safetensors"
+    st = w.stat()
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 1
+    w.write_bytes(bytes(data))
+    os.utime(w, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert base_identity(a, known=ida)["sha256"] != ida["sha256"]  # ctime moved: re-hashed

@@ -149,11 +149,12 @@ def test_sample_command_takes_control_and_lora(trained, tmp_path, capsys):
                  "--control-end", "0.9", "--num", "2", "--steps", "2", "--out", str(out),
                  "--device", "cpu"]) == 0
     assert out.is_file()
+    new = tmp_path / "t.png"  # a new target: an existing one is refused first (--force)
     assert main(["sample", str(trained), "--prompt", "x", "--num", "1", "--out",
-                 str(out), "--device", "cpu"]) == 2
+                 str(new), "--device", "cpu"]) == 2
     assert "--control-image" in capsys.readouterr().err
     assert main(["sample", str(trained), "--prompt", "x", "--control-image", str(img),
-                 "--lora", str(tmp_path / "nope.safetensors"), "--out", str(out),
+                 "--lora", str(tmp_path / "nope.safetensors"), "--out", str(new),
                  "--device", "cpu"]) == 2
     assert "nope.safetensors" in capsys.readouterr().err
 
@@ -395,14 +396,16 @@ def test_an_exploding_zero_convolution_is_named_and_rolled_back(sd_dir, tmp_path
     assert all(torch.isfinite(v).all() for v in c.model.values())
 
 
-def test_a_transformer_family_controlnet_is_refused_by_name(tmp_path):
-    """SD3/FLUX ControlNets are other diffusers classes: not trained yet, and said so."""
+def test_a_family_without_a_controlnet_is_refused_by_name(tmp_path):
+    """SD 1.x/2.x, SDXL, SD3 and FLUX.1 train ControlNets (tests/test_controlnet_flow.py for
+    the transformer families); a family steadydiff has no ControlNet class for (Z-Image) is
+    refused by name, listing the ones it trains."""
     from steadydiff.config import ConfigError
     from steadydiff.integrations.sd.tiny import make_tiny
 
-    sd3 = make_tiny(tmp_path / "tiny-sd3", "sd3", image_size=32)
+    zimage = make_tiny(tmp_path / "tiny-zimage", "zimage", image_size=32)
     data = pairs(tmp_path / "images", n=4)
-    with pytest.raises(ConfigError, match=r"does not train a .*ControlNet yet.*"
-                                          r"Stable Diffusion 1.x/2.x, SDXL"):
-        steadydiff.train(sd_config(sd3, data, *CN, "train.steps=1",
+    with pytest.raises(ConfigError, match=r"does not train a Z-Image ControlNet yet.*"
+                                          r"Stable Diffusion 1.x/2.x, SDXL, SD3/SD3.5, FLUX.1"):
+        steadydiff.train(sd_config(zimage, data, *CN, "train.steps=1",
                                    "diffusion.loss_weighting=uniform"), out_dir=tmp_path / "r")

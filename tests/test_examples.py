@@ -16,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples"
 # the doc sections that show the guard in a loop of one's own: every python block there is
 # an excerpt of the example its first line names
-SECTIONS = [("README.md", "## The guard in your own loop"),
+SECTIONS = [("README.md", "### 3. Put the guard in your own training loop"),
             ("docs/guard.md", "## Using `Guard` in your own loop"),
+            ("docs/guard.md", "## An ordinary DataLoader loop"),
             ("docs/guard.md", "## Inside a diffusers LoRA script")]
 
 
@@ -60,6 +61,23 @@ def test_accelerate_style_fp16_survives_an_overflow_and_a_nan_batch(tmp_path):
     assert [(r["step"], r["kind"], r["action"]) for r in rows] == [(12, "bad_batch", "skip")]
 
 
+@pytest.mark.parametrize("accelerate", [False, True], ids=["plain", "accelerate"])
+def test_dataloader_loop_follows_a_rollback(tmp_path, accelerate):
+    """A plain ``for batch in loader`` loop with its own step counter (and the same with the
+    real accelerate package): a weight corrupted by the loop's own code before step 45 is
+    rolled back to the step-40 snapshot; the decision says how far back, the loop's counter
+    follows, the loader goes on, and the run finishes its steps having learned. The incident
+    is an ``error`` (recovered), not ``fatal``."""
+    if accelerate:
+        pytest.importorskip("accelerate")
+    out, rows = run_example("guard_dataloader.py", tmp_path, "--steps", "60",
+                            "--corrupt-weight", "45", *(["--accelerate"] if accelerate else []))
+    assert "guard: rollback at step 45 (weight_jump): 5 step(s) back to step 40" in out
+    assert "finished 60 steps" in out and learned(out)
+    assert [(r["step"], r["kind"], r["action"], r["severity"]) for r in rows] == [
+        (45, "weight_jump", "rollback", "error")]
+
+
 def snippets():
     """(doc, example file, the snippet's lines) for every python block of SECTIONS."""
     found = []
@@ -79,6 +97,7 @@ def test_the_docs_show_snippets():
     assert {doc for doc, _, _ in snippets()} == {doc for doc, _ in SECTIONS}
     assert {ex for _, ex, _ in snippets()} == {"examples/guard_loop.py",
                                                "examples/guard_accelerate_style.py",
+                                               "examples/guard_dataloader.py",
                                                "examples/guard_sd_lora.py"}
 
 

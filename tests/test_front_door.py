@@ -91,4 +91,5 @@ def test_tiny_kit_says_what_it_wrote_and_what_to_run(tmp_path, capsys):
     tiny([str(tmp_path / "kit")])
     out = capsys.readouterr().out
     assert f"to {tmp_path / 'kit'}" in out
-    assert f"steadydiff train configs/sd_lora.yaml --set model.pretrained={tmp_path / 'kit'}" in out
+    assert (f"steadydiff train configs/sd_lora.yaml --set model.pretrained={tmp_path / 'kit'}"
+            " --set data.path=YOUR_IMAGES --set data.image_size=32") in out

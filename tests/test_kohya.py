@@ -216,13 +216,15 @@ def test_dry_run_prints_what_it_understood(sd_dir, tmp_path, capsys):
     train, reg = kohya_tree(tmp_path)
     sets = [f"model.pretrained={sd_dir}", f"data.path={train}", f"data.reg_path={reg}",
             "data.image_size=32", "train.batch_size=4", "train.epochs=3", "train.device=cpu",
-            "train.precision=fp32"]
+            "train.precision=fp32", "train.checkpoint_every_epochs=2"]
     assert main(["train", "configs/sd_lora.yaml", "--dry-run",
                  *[x for s in sets for x in ("--set", s)]]) == 0
     out = capsys.readouterr()
     assert "epoch: 22 samples = 6 steps of batch 4" in out.err
     assert "train.epochs=3: 3 x 22 samples / batch 4 = 17 steps" in out.err
     assert "steps: 17" in out.out
+    assert "train.checkpoint_every_epochs=2: a checkpoint (and its numbered LoRA files) every " \
+        "11 steps" in out.err and "checkpoint_every: 11" in out.out
 
 
 def test_repeat_folders_with_buckets_keep_each_batch_in_one_bucket(sd_dir, tmp_path):
@@ -258,3 +260,24 @@ def test_repeat_folders_with_buckets_keep_each_batch_in_one_bucket(sd_dir, tmp_p
     assert res.steps == 6  # (2 x 2 + 2 x 1) x 2 epochs / 2
     assert batches and all(len(set(b)) == 1 for b in batches)
     assert len({b[0] for b in batches}) == 2  # both buckets trained
+
+
+def test_a_quarantined_sample_leaves_with_all_its_repeats():
+    """The guard quarantines a dataset index; with repeats, every position of that image is
+    excluded from the stream, and an epoch is the rest."""
+    from steadydiff.data import StreamBatchSampler
+    from steadydiff.data.kohya import Repeated
+
+    class Encoded(torch.utils.data.Dataset):  # 3 images, as EncodedDataset indexes them
+        def __len__(self):
+            return 3
+
+        def source_index(self, p):
+            return p
+
+    r = Repeated(Encoded(), [3, 1, 2], torch.tensor([1.0, 1.0, 0.5]))
+    assert len(r) == 6 and r.loss_weights.tolist() == [1, 1, 1, 1, 0.5, 0.5]
+    gone = r.copies({1})  # position 1: image 0's second copy
+    assert gone == {0, 1, 2}
+    s = StreamBatchSampler(len(r), 3, seed=0, exclude=gone)
+    assert s.epoch_len == 3 and set(s.permutation(0).tolist()) == {3, 4, 5}

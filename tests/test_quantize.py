@@ -95,3 +95,7 @@ def test_refused_with_the_reason_where_it_cannot_run(flux, tmp_path, monkeypatch
     monkeypatch.setitem(sys.modules, "torchao", None)  # not installed
     with pytest.raises(ConfigError, match=r"needs torchao \(pip install 'steadydiff\[quant\]'"):
         _build(flow_config(flux, data, "flux", *INT8))
+    from steadydiff.preflight import check as preflight  # the dry run says so too
+
+    with pytest.raises(ConfigError, match="needs torchao"):
+        preflight(flow_config(flux, data, "flux", *INT8), device=torch.device("cpu"))

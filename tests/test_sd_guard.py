@@ -69,6 +69,23 @@ def test_a_broken_base_is_named_before_training(clean_sd, tmp_path, part, words)
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
+def test_a_broken_controlnet_to_continue_is_named_before_training(clean_sd, tmp_path):
+    """controlnet.init_from with a NaN weight: exit 2 naming the tensor, before training."""
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    from test_controlnet import CN, pairs
+
+    unet = UNet2DConditionModel.from_pretrained(clean_sd / "unet")
+    net = ControlNetModel.from_unet(unet, conditioning_embedding_out_channels=(16, 32))
+    with torch.no_grad():
+        net.controlnet_mid_block.weight.view(-1)[0] = float("nan")
+    net.save_pretrained(tmp_path / "cn")
+    data = pairs(tmp_path / "images")
+    with pytest.raises(ConfigError, match="controlnet.init_from.*controlnet_mid_block.weight"):
+        steadydiff.train(sd_config(clean_sd, data, *CN, f"controlnet.init_from={tmp_path / 'cn'}"),
+                         out_dir=tmp_path / "run")
+
+
 # --------------------------------------------------------------------------- a base corrupted mid-run
 
 
@@ -95,24 +112,34 @@ def corrupt_at(monkeypatch, step: int, name: str, also=None):
 FROZEN = "unet.conv_in.weight"
 
 
-@pytest.mark.parametrize("every", [1, 10])
+TE_FROZEN = "text_encoder.encoder.layers.0.mlp.fc1.weight"
+
+
+@pytest.mark.parametrize("every, name, file, extra", [
+    (1, FROZEN, "unet/diffusion_pytorch_model.safetensors", ()),
+    (10, FROZEN, "unet/diffusion_pytorch_model.safetensors", ()),
+    # the frozen text encoder that runs in the step (shuffled captions)
+    (10, TE_FROZEN, "text_encoder/model.safetensors", ("data.caption_shuffle=true",))])
 def test_a_frozen_weight_turned_nan_mid_run_is_restored_from_disk(clean_sd, tmp_path,
-                                                                   monkeypatch, every):
-    """A LoRA run whose frozen UNet weight turns NaN at step 3: named as base corruption
-    (never an LR problem), restored from the folder's file, the step redone; no rollback,
-    no precision fallback; the run ends finite. Same named cause per-step and deferred."""
-    corrupt_at(monkeypatch, 3, FROZEN)
+                                                                   monkeypatch, every, name,
+                                                                   file, extra):
+    """A LoRA run whose frozen UNet (or in-step text encoder) weight turns NaN at step 3:
+    named as base corruption (never an LR problem), restored from the folder's file, the
+    step redone; no rollback, no precision fallback; the run ends finite. Same named cause
+    per-step and deferred."""
+    corrupt_at(monkeypatch, 3, name)
     data = shapes(tmp_path / "images")
     cfg = sd_config(clean_sd, data, "train.steps=6", "train.checkpoint_every=0",
-                    f"guard.check_every={every}")
+                    f"guard.check_every={every}", *extra)
     res = steadydiff.train(cfg, out_dir=tmp_path / "run")
     assert res.steps == 6
     rows = incidents(tmp_path / "run")
     kinds = [r["kind"] for r in rows]
     assert "base_corrupt" in kinds, rows
     inc = next(r for r in rows if r["kind"] == "base_corrupt")
-    assert inc["action"] == "restore_base" and inc["evidence"]["parameter"] == FROZEN
-    assert inc["evidence"]["file"].endswith("unet/diffusion_pytorch_model.safetensors")
+    assert inc["action"] == "restore_base" and inc["evidence"]["parameter"] == name
+    assert inc["evidence"]["file"].endswith(file)
+    assert inc["evidence"]["values"].startswith("1 NaN")  # as seen, before the repair
     assert not {"rollback", "precision_fallback", "abort"} & {r["action"] for r in rows}
     lora = load_file(tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors")
     assert all(torch.isfinite(v).all() for v in lora.values())
@@ -427,3 +454,56 @@ def test_a_rollback_never_goes_behind_a_verified_checkpoint(clean_sd, tmp_path, 
     assert res.steps == 7
     rows = [r for r in incidents(tmp_path / "run") if r["action"] == "rollback"]
     assert rows and all(r["cost"]["restored_step"] >= 4 for r in rows), rows
+
+
+def test_the_lr_an_abort_suggests_was_shown_safe(tmp_path):
+    """An abort during a long warm-up: the suggested optim.lr is the LR of the last healthy
+    (verified) window, not optim.lr x 0.5, which no step ever ran at."""
+    from steadydiff.config import load_config
+    from steadydiff.guard.guard import GuardAbort
+
+    import test_guard as tg
+
+    cfg = load_config(None, tg.TINY + ["guard.max_rollbacks=1", "train.checkpoint_every=100",
+                                       "optim.lr=1e-3", "optim.warmup_steps=100",
+                                       f"faults={json.dumps(tg.ABORT_FAULTS)}"])
+    with pytest.raises(GuardAbort):
+        steadydiff.train(cfg, out_dir=tmp_path / "run")
+    point = json.loads((tmp_path / "run" / "summary.json").read_text())["abort"]
+    assert point["lr"] < 1e-4 and "last healthy window" in point["lr_why"]
+    c = json.loads((Path(point["checkpoint"]) / "state.json").read_text())
+    assert point["lr"] == pytest.approx(1e-3 * (c["step"] + 1) / 100, rel=0.2)
+
+
+@pytest.mark.parametrize("value", [1e5, float("nan")])
+def test_in_step_encoding_runs_in_fp32_or_leaves_out_by_token(clean_sd, tmp_path, value):
+    """Shuffled captions (the encoder runs in the step), an fp16 text encoder: a token row of
+    1e5 (inf in fp16, finite on disk) makes that encoder run in fp32, nothing is left out; a
+    NaN row (broken on disk too) leaves out the items whose captions use it, before any
+    step, naming the token. Both recorded as encoder_fallback."""
+    root = broken(clean_sd, tmp_path, "text_encoder", token_row(value))
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(sd_config(root, data, "train.checkpoint_every=0",
+                                     "data.caption_shuffle=true",
+                                     "model.text_encoder_precision=fp16"),
+                           out_dir=tmp_path / "run")
+    assert res.steps == 4
+    rows = incidents(tmp_path / "run")
+    fb = next(r for r in rows if r["kind"] == "encoder_fallback")
+    q = sorted(Path(r["evidence"]["source"]).name for r in rows
+               if r["kind"] == "sample_quarantined")
+    if value == 1e5:
+        assert fb["evidence"]["quarantined"] == 0 and not q
+    else:
+        assert q == ["img03.png", "img07.png"] and "'y'" in fb["evidence"]["tokens"][0]
+    assert not {"rollback", "precision_fallback", "abort"} & {r["action"] for r in rows}
+
+
+def test_finite_mask_names_nan_and_inf_not_huge_finite():
+    """The load check's fast path (sums) never misses a NaN/inf and never flags huge finite
+    values whose sum overflows."""
+    from steadydiff.integrations.sd.frozen import finite_mask
+
+    a, b, c, d = torch.zeros(10), torch.zeros(10), torch.zeros(10), torch.ones(3)
+    a[3], b[1], c[:2] = float("nan"), float("-inf"), 3e38
+    assert finite_mask([a, b, c, d]) == [False, False, True, True]

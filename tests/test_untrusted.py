@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -120,7 +121,8 @@ def _doctored_metadata(tmp_path: Path, sharded: Path) -> tuple[Path, Path]:
     return run, marker
 
 
-@pytest.mark.parametrize("command", ["sample", "export", "doctor", "train"])
+@pytest.mark.parametrize("command", ["sample", "export", "doctor",
+                                     pytest.param("train", marks=pytest.mark.slow)])
 def test_doctored_sharded_metadata_never_runs(tmp_path, sharded, images, command):
     run, marker = _doctored_metadata(tmp_path, sharded)
     args = {"sample": ["sample", str(run), "--out", str(tmp_path / "s.png"), "--num", "1",
@@ -326,7 +328,8 @@ def test_a_full_disk_during_export_and_sample_is_a_sentence_and_the_old_file_sta
     assert not npz.exists() and _files(tmp_path) == {"model.safetensors"}
 
 
-@pytest.mark.parametrize("limit,library", [(100_000, "safetensors"), (300_000, "torch")])
+@pytest.mark.parametrize("limit,library", [
+    (100_000, "safetensors"), pytest.param(300_000, "torch", marks=pytest.mark.slow)])
 def test_a_full_disk_while_checkpointing_retries_then_exits_4(tmp_path, images, finished,
                                                               limit, library):
     """safetensors' SafetensorError (the weights) and torch's "enforce fail" RuntimeError
@@ -345,3 +348,222 @@ def test_a_full_disk_while_checkpointing_retries_then_exits_4(tmp_path, images, 
     assert ckpt.latest_good(run / "checkpoints").name == "step_00000002"
     assert ckpt.verify_checkpoint(run / "checkpoints" / "step_00000002") == []
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]
+
+
+# --------------------------------------------------------------------------- config values
+
+
+def _float_fields():
+    """Every float-valued key of the config tree (plain, optional, or in a tuple)."""
+    from steadydiff.config import _section_paths
+
+    for cls, path in _section_paths().items():
+        for name, f in cls.model_fields.items():
+            if "float" in str(f.annotation) and "Literal" not in str(f.annotation):
+                yield f"{path}.{name}" if path else name, f
+
+
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan"])
+def test_no_config_number_may_be_infinite_or_nan(bad):
+    """Generic: every float field of the tree, not a list of examples."""
+    from steadydiff.config import ConfigError, load_config
+
+    checked = 0
+    for key, f in _float_fields():
+        ann = str(f.annotation)
+        value = (f"[{bad}, {bad}]" if "tuple[float, float]" in ann else
+                 f"[[0.0, {bad}], [1.0, 1.0]]" if "tuple[tuple" in ann else
+                 f"[{bad}]" if "tuple" in ann else bad)
+        with pytest.raises(ConfigError, match=rf"(?s){re.escape(key)}"):
+            load_config(None, [f"{key}={value}"])
+        checked += 1
+    assert checked > 60  # the whole tree was walked
+
+
+def test_the_issues_values_are_refused_with_a_sentence(tmp_path):
+    from steadydiff.config import ConfigError, load_config
+
+    for item in ["adapter.alpha=inf", "optim.grad_clip=inf", "adapter.max_delta_ratio=inf",
+                 "guard.grad_z=inf", "guard.attn_logit_limit=inf",
+                 "train.watchdog_timeout=inf", "eval.min_delta=inf",
+                 "diffusion.piecewise=[[0.0,nan],[1.0,-10.0]]"]:
+        with pytest.raises(ConfigError, match="not a finite number"):
+            load_config(None, [item])
+    for item in ["data.cache_dir=''", "data.path='  '", "adapter.init_from=''",
+                 "model.pretrained=''", "data.conditioning_dir=''"]:
+        with pytest.raises(ConfigError, match="empty path|at least 1 character"):
+            load_config(None, [item])
+    # through the CLI, from a YAML file: exit 2 naming the key
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("data:\n  cache_dir: ''\noptim:\n  grad_clip: .inf\n")
+    r = _cli("train", str(cfg), "--dry-run", cwd=tmp_path, timeout=60)
+    assert r.returncode == 2 and "data.cache_dir" in r.stderr and "optim.grad_clip" in r.stderr
+
+
+# --------------------------------------------------------------------------- foreign code
+
+
+@pytest.fixture(scope="module")
+def tiny_sd(tmp_path_factory) -> Path:
+    from steadydiff.integrations.sd.tiny import make_tiny_sd
+
+    return make_tiny_sd(tmp_path_factory.mktemp("sd") / "tiny-sd", image_size=32)
+
+
+_MARKER_CODE = "open({marker!r}, 'w').write('ran')\n"
+
+
+def _load_in_child(code: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``code`` in a child whose stdin is an open pipe holding "y": a prompt that asked
+    whether to run the folder's code would read it and say yes."""
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, env=ENV, input="y\ny\n",
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_a_library_named_in_model_index_is_never_imported(tmp_path, tiny_sd):
+    folder = tmp_path / "sd"
+    shutil.copytree(tiny_sd, folder)
+    marker = tmp_path / "IMPORTED"
+    (tmp_path / "my_module.py").write_text(_MARKER_CODE.format(marker=str(marker)) +
+                                           "class MyScheduler: pass\n")
+    index = json.loads((folder / "model_index.json").read_text())
+    index["scheduler"] = ["my_module", "MyScheduler"]
+    (folder / "model_index.json").write_text(json.dumps(index))
+    code = ("import sys; sys.path.insert(0, '.')\n"  # as `python -m` puts the cwd first
+            "from steadydiff.integrations.sd.folder import load_folder_parts\n"
+            "from steadydiff.integrations.families import SDFolderError\n"
+            f"try:\n    load_folder_parts({str(folder)!r})\n"
+            "except SDFolderError as e:\n    print('REFUSED', e); sys.exit(2)\n")
+    r = _load_in_child(code, tmp_path)
+    assert not marker.exists()
+    assert r.returncode == 2 and "my_module" in r.stdout and "diffusers or transformers" \
+        in r.stdout, r.stdout + r.stderr[-2000:]
+    # the single-file path reads the same folder as its config: refused the same way
+    from steadydiff.integrations.families import SDFolderError
+    from steadydiff.integrations.sd.folder import check_folder
+    with pytest.raises(SDFolderError, match="my_module"):
+        check_folder(folder, weights=False)
+
+
+def test_a_tokenizer_with_auto_map_never_runs_its_code_and_nothing_asks(tmp_path, tiny_sd):
+    folder = tmp_path / "sd"
+    shutil.copytree(tiny_sd, folder)
+    marker = tmp_path / "TOKENIZER_CODE_RAN"
+    tok = folder / "tokenizer"
+    (tok / "my_tok.py").write_text(_MARKER_CODE.format(marker=str(marker)) +
+                                   "from transformers import CLIPTokenizer\n"
+                                   "class MyTok(CLIPTokenizer): pass\n")
+    conf = json.loads((tok / "tokenizer_config.json").read_text())
+    conf["auto_map"] = {"AutoTokenizer": ["my_tok.MyTok", None]}
+    conf["tokenizer_class"] = "MyTok"
+    (tok / "tokenizer_config.json").write_text(json.dumps(conf))
+    code = ("import sys\n"
+            "from steadydiff.integrations.sd.folder import load_folder_parts\n"
+            "from steadydiff.integrations.families import SDFolderError\n"
+            f"try:\n    load_folder_parts({str(folder)!r}); print('LOADED')\n"
+            "except SDFolderError as e:\n    print('REFUSED', e); sys.exit(2)\n")
+    r = _load_in_child(code, tmp_path)
+    assert not marker.exists(), r.stdout + r.stderr[-2000:]
+    assert "trust_remote_code" not in r.stderr or r.returncode == 2
+    assert "[y/N]" not in r.stdout + r.stderr  # never asked
+    assert r.returncode in (0, 2), r.stderr[-2000:]
+
+
+def test_pickled_text_encoder_shards_and_a_corrupt_part_are_refused(tmp_path, tiny_sd):
+    from steadydiff.integrations.families import SDFolderError
+    from steadydiff.integrations.sd.folder import load_folder_parts
+
+    folder = tmp_path / "sd"
+    shutil.copytree(tiny_sd, folder)
+    te = folder / "text_encoder"
+    marker = tmp_path / "SHARD_UNPICKLED"
+    torch.save({"x": _Payload(marker)}, te / "pytorch_model-00001-of-00001.bin")
+    weights = next(te.glob("*.safetensors"))
+    weights.unlink()
+    (te / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"text_model.embeddings.token_embedding.weight":
+                                        "pytorch_model-00001-of-00001.bin"}}))
+    with pytest.raises(SDFolderError, match=r"(?s)pytorch_model-00001-of-00001\.bin.*"
+                                            r"\.safetensors"):
+        load_folder_parts(folder)
+    assert not marker.exists()
+    # a damaged text encoder's safetensors: a sentence naming the folder, not a traceback
+    folder2 = tmp_path / "sd2"
+    shutil.copytree(tiny_sd, folder2)
+    w = next((folder2 / "text_encoder").glob("*.safetensors"))
+    w.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all" + b"\0" * 64)
+    with pytest.raises(SDFolderError, match="text encoder does not load"):
+        load_folder_parts(folder2)
+
+
+def test_an_exported_file_without_its_config_is_a_sentence(tmp_path, finished):
+    from safetensors.torch import load_file, save_file
+
+    from steadydiff.loading import EXPORT_FORMAT, export_model
+
+    src = export_model(finished, tmp_path / "m.safetensors")
+    bad = tmp_path / "noconfig.safetensors"
+    save_file(load_file(str(src)), str(bad), metadata={"format": EXPORT_FORMAT})
+    r = _cli("sample", str(bad), "--num", "1", "--steps", "2", "--out",
+             str(tmp_path / "s.png"), cwd=tmp_path)
+    assert r.returncode == 2 and "no 'config'" in r.stderr and "Traceback" not in r.stderr
+
+
+# A child that exports with the write slowed down (the tensors written, then a pause before
+# the rename), so the test can signal it mid-write from outside.
+_SLOW_EXPORT = """
+import sys, time
+import steadydiff.trainer.checkpoint as ck
+real = ck.save_file
+def slow(*a, **k):
+    real(*a, **k)
+    print("WRITING", flush=True)
+    time.sleep(60)
+ck.save_file = slow
+from steadydiff.cli import main
+sys.exit(main(["export", sys.argv[1], "--out", sys.argv[2], "--force"]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", pytest.param("SIGKILL", marks=pytest.mark.slow)])
+def test_a_kill_during_export_leaves_the_old_file_and_no_temporary(tmp_path, finished, sig):
+    import signal
+
+    out = tmp_path / "model.safetensors"
+    out.write_bytes(b"previous export")
+    p = subprocess.Popen([sys.executable, "-c", _SLOW_EXPORT, str(finished), str(out)],
+                         cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    assert p.stdout.readline().strip() == "WRITING"
+    assert [n for n in _files(tmp_path) if ".tmp-" in n]  # mid-write: the temporary exists
+    p.send_signal(getattr(signal, sig))
+    p.wait(timeout=60)
+    assert out.read_bytes() == b"previous export"
+    left = [n for n in _files(tmp_path) if ".tmp-" in n]
+    if sig == "SIGTERM":  # unwound: the temporary removed, the process ends as SIGTERM would
+        assert p.returncode == 128 + signal.SIGTERM and not left, (p.returncode, left)
+    else:  # nothing can run on SIGKILL: the next write of that target sweeps it
+        assert left
+        r = _cli("export", str(finished), "--out", str(out), "--force", cwd=tmp_path)
+        assert r.returncode == 0 and _files(tmp_path) == {"model.safetensors"}
+
+
+def test_a_run_named_pytorch_lora_weights_keeps_both_lora_files(tmp_path):
+    """--out .../pytorch_lora_weights: the kohya file is named after the run, which here is
+    diffusers' own file name; the two no longer collide. Both get the umask's mode."""
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.sd.model import save_lora
+    from test_sd_lora_files import lora_pair
+
+    unet, te = lora_pair()
+    out = tmp_path / "pytorch_lora_weights"
+    f = save_lora(unet, out, te, format="both", kohya_name=out.name)
+    kohya = out / "pytorch_lora_weights_kohya.safetensors"
+    assert f == out / "pytorch_lora_weights.safetensors" and kohya.is_file()
+    assert all(k.startswith(("unet.", "text_encoder.")) for k in load_file(f))
+    assert all(k.startswith(("lora_unet_", "lora_te")) for k in load_file(kohya))
+    old = os.umask(0)
+    os.umask(old)
+    assert {p.stat().st_mode & 0o777 for p in (f, kohya)} == {0o666 & ~old}
+    assert sorted(p.name for p in out.iterdir()) == [f.name, kohya.name]  # no temporary

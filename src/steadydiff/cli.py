@@ -711,7 +711,9 @@ def _exit_for(e: Exception) -> int:
         point = getattr(e, "abort_point", None)  # set by the trainer (rank 0)
         if point:
             where = (f"from the abort point {point['checkpoint']}" if point["checkpoint"]
-                     else "from the newest checkpoint")
+                     else "from the newest checkpoint" if point.get("checkpoint_step")
+                     is not None else "(no checkpoint or verified state to resume from: "
+                     "it starts again)")
             print(f"to resume {where} with the LR the guard found safe ({point['lr_why']}):"
                   f"\n  {point['resume']}", file=sys.stderr)
         return EXIT_ABORTED

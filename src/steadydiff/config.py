@@ -16,6 +16,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
+import math
 import re
 import types
 import typing
@@ -69,6 +70,20 @@ class FrozenConfigError(AttributeError):
     """An assignment to a field of a validated config, which is read-only (see :func:`replace`)."""
 
 
+# the fields that name a file or folder (checked non-empty): one rule, not a list to forget
+PATH_FIELD = re.compile(r"^(path|base|pretrained|vae|text_encoder)$"
+                        r"|_(dir|path|file|from|config|images)$")
+
+
+def _scalars_in(v: Any):
+    """The scalars inside a field's value (tuples of tuples included)."""
+    if isinstance(v, (tuple, list)):
+        for x in v:
+            yield from _scalars_in(x)
+    elif not isinstance(v, BaseModel):
+        yield v
+
+
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -80,6 +95,25 @@ class Section(BaseModel):
         if isinstance(v, bool) and ann in (float, float | None):
             raise ValueError(f"expected a number, got {str(v).lower()}")
         return v
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _only_meant_values(cls, v: Any, info: ValidationInfo) -> Any:
+        # values no one can mean, in every section, whatever the field: an infinity or NaN
+        # in any number (alpha=inf makes every step NaN; grad_clip=inf is no clipping; a
+        # NaN threshold never fires), and an empty or blank path (data.cache_dir='' is the
+        # current directory). A disabled feature is null or 0, as each field documents.
+        for x in _scalars_in(v):
+            if isinstance(x, float) and not math.isfinite(x):
+                raise ValueError(f"{x} is not a finite number; give a finite value (or null / "
+                                 "0 where the field documents it as off)")
+        if PATH_FIELD.search(info.field_name):
+            for x in _scalars_in(v):
+                if isinstance(x, str) and not x.strip():
+                    raise ValueError(f"{x!r} is an empty path; name a file or folder, or "
+                                     "leave the key out (null) for none")
+        return v
+
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Pydantic's own frozen error says only "Instance is frozen"; this one names the key
@@ -640,6 +674,10 @@ class TrainConfig(Section):
         "ceil(epochs x samples per epoch / batch_size), samples per epoch = the images (x "
         "their repeats, + the balanced regularization samples, for kohya data), printed at "
         "start; None: train.steps")
+    checkpoint_every_epochs: Int | None = Field(
+        None, ge=1, le=1000000, description="save every N epochs instead (kohya's "
+        "save_every_n_epochs): train.checkpoint_every = round(N x samples per epoch / "
+        "batch_size) steps, printed at start; None: train.checkpoint_every")
     batch_size: Int = Field(64, ge=1, le=65536, description="global batch per optimizer step")
     grad_accum: Int = Field(1, ge=1, le=1024, description="micro-batches per optimizer step")
     seed: Int = Field(0, ge=0, le=2**63 - 1)
@@ -920,6 +958,10 @@ class GuardConfig(Section):
                            "largest applied so far is a schedule/config bug: skip the step")
     weight_jump: float = Field(10.0, gt=1.0, description="a parameter whose norm grows this "
                                "x in one step (RMS floor 0.05) is corrupt: roll back")
+    update_ratio: float = Field(10.0, ge=0.0, description="an applied update whose "
+                                "|update|/|weight| per unit LR is this x its parameter's own "
+                                "running mean and this x the step's median over parameters is "
+                                "a large_update: the step is undone; 0 disables the check")
     provenance: Bool = Field(True, description="replay a non-finite step to name the module")
     rerun_nonfinite: Bool = Field(True, description="run a non-finite step once more with the "
                                   "same data, timesteps and noise: finite the second time is a "
@@ -1031,19 +1073,29 @@ class AdapterConfig(Section):
 
 
 class ControlNetConfig(Section):
-    """Training a ControlNet over a frozen Stable Diffusion model (docs/controlnet.md)."""
+    """Training a ControlNet over a frozen Stable Diffusion model (SD 1.x/2.x, SDXL, SD3,
+    FLUX.1; docs/controlnet.md)."""
 
     enabled: Bool = Field(
         False, description="train a ControlNet (Zhang et al. 2023) beside model.pretrained's "
-        "frozen UNet, on (image, conditioning image, caption) triples (data.conditioning)")
+        "frozen UNet or transformer, on (image, conditioning image, caption) triples "
+        "(data.conditioning)")
     init_from: str | None = Field(
         None, description="continue this local ControlNet (a diffusers ControlNet folder with "
         "config.json, or a single .safetensors in the diffusers or original layout beside a "
-        "config.json); null: ControlNetModel.from_unet(the base UNet), zero convolutions at "
-        "zero")
+        "config.json); null: ControlNetModel.from_unet(the base UNet) or SD3ControlNetModel/"
+        "FluxControlNetModel.from_transformer(the base transformer), zero layers at zero")
     conditioning_channels: Int = Field(
         3, ge=1, le=16, description="channels of the conditioning image (3: RGB, as "
         "diffusers' ControlNets; 1: gray); with controlnet.init_from, that model's")
+    num_layers: Int | None = Field(
+        None, ge=1, le=64, description="an SD3/FLUX.1 ControlNet built from the base "
+        "transformer: how many of its first (joint/double) blocks it copies; null: diffusers' "
+        "trainers' default (SD3 12, FLUX.1 4), at most the base's. UNet ControlNets copy the "
+        "whole encoder")
+    num_single_layers: Int | None = Field(
+        None, ge=0, le=64, description="a FLUX.1 ControlNet: how many single blocks it "
+        "copies; null: diffusers' train_controlnet_flux.py default (4), at most the base's")
     scale: float = Field(
         1.0, ge=0.0, le=10.0, description="sampling: the ControlNet's residuals x this "
         "(diffusers' controlnet_conditioning_scale); validation prompts and `steadydiff "
@@ -1272,7 +1324,8 @@ class Config(Section):
                              "conditioning images for ControlNet training: set "
                              "controlnet.enabled=true, or data.conditioning=none")
         if not c.enabled:
-            for key, off in (("init_from", None), ("control_images", ())):
+            for key, off in (("init_from", None), ("control_images", ()),
+                             ("num_layers", None), ("num_single_layers", None)):
                 if getattr(c, key) != off:
                     raise ValueError(f"controlnet.{key} applies to ControlNet training: set "
                                      f"controlnet.enabled=true or remove controlnet.{key}")

@@ -52,6 +52,7 @@ class WriteFailed(OSError):
 # errors a write can meet that are the storage's, not the program's
 _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EACCES, errno.EPERM,
                    errno.EROFS, errno.EIO}
+_UNSAID = -1  # a storage failure whose library does not say which (torch's zip writer)
 _TMP = re.compile(r"^\.(?P<name>.+)\.tmp-(?P<pid>\d+)$")
 
 
@@ -275,7 +276,7 @@ def write_failure(e: BaseException) -> int | None:
     if isinstance(e, RuntimeError) and "enforce fail" in text and (
             "write" in text or "unexpected pos" in text):
         m = re.search(r"errno\s*(\d+)", text)
-        return int(m.group(1)) if m else errno.ENOSPC
+        return int(m.group(1)) if m else _UNSAID
     return None
 
 
@@ -308,7 +309,9 @@ def failure_reason(path: str | Path, e: BaseException) -> str:
                         "limit: ulimit -f)",
            errno.EACCES: "permission denied", errno.EPERM: "permission denied",
            errno.EROFS: "the file system is read-only",
-           errno.EIO: "an I/O error"}.get(code, str(e).strip().splitlines()[0] if str(e)
+           errno.EIO: "an I/O error",
+           _UNSAID: "the write failed (the disk is full, a quota or a file size limit was "
+                    "reached)"}.get(code, str(e).strip().splitlines()[0] if str(e)
                                           else type(e).__name__)
     free = free_space(path)
     return why + (f"; {_size(free)} free there" if free is not None else "")

@@ -54,12 +54,15 @@ class Preflight:
                    "embedding": f"textual inversion {cfg.adapter.token} "
                                 f"({cfg.adapter.num_vectors} vector(s)), every weight "
                                 "frozen"}.get(cfg.adapter.kind, "full fine-tune")
-            if cfg.controlnet.enabled:
-                how = ("ControlNet from " + (cfg.controlnet.init_from or "the UNet")
-                       + f" ({cfg.controlnet.conditioning_channels}-channel conditioning), "
-                       "UNet frozen")
             from .integrations.sd.source import family  # the family table: no diffusers import
 
+            if cfg.controlnet.enabled:
+                fam = family(m)
+                how = (f"{fam.controlnet_class} from "
+                       + (cfg.controlnet.init_from or f"the {fam.denoiser_word}")
+                       + f" ({cfg.controlnet.conditioning_channels}-channel conditioning"
+                       + (", VAE-encoded" if fam.controlnet_latent else "")
+                       + f"), {fam.denoiser_word} frozen")
             arch, cond = f"{family(m).title} of {m.pretrained}, {how}", "text-conditioned"
         elif m.text_encoder:
             cond = "text-conditioned" + (", latent space" if m.vae else "")
@@ -202,6 +205,12 @@ def resolve_epochs(cfg: Config, data: Dataset) -> tuple[Config, list[str]]:
 
     lines = epoch_lines(data, cfg.train.batch_size)
     n = int(getattr(data, "epoch_length", 0) or len(data))
+    every = cfg.train.checkpoint_every_epochs
+    if every is not None:  # kohya's save_every_n_epochs, in steps
+        steps_every = max(1, round(every * n / cfg.train.batch_size))
+        lines.append(f"train.checkpoint_every_epochs={every}: a checkpoint (and its numbered "
+                     f"LoRA files) every {steps_every} steps")
+        cfg = replace(cfg, {"train.checkpoint_every": steps_every})
     e = cfg.train.epochs
     if e is None:
         if lines:
@@ -340,6 +349,10 @@ def check(cfg: Config, dataset: Dataset | None = None, *,
                     cfg.train.allow_slow_precision)
     check_toolchain(cfg.train, device)  # train.compile: a C++ compiler (CPU), Triton (CUDA)
     check_optimizer(cfg.optim, device)  # adamw8bit: CUDA and bitsandbytes
+    if cfg.model.quantize_base:  # the 8-bit base: torchao, a CPU or CUDA device
+        from .integrations.quantize import check as check_quantize
+
+        check_quantize(cfg.model.quantize_base, device)
     parameters = check_model(cfg)  # before the data: it may take a while to read
     data, num_classes = check_data(cfg, dataset)
     return Preflight(device, data, num_classes, parameters)

@@ -482,6 +482,12 @@ class Repeated(Dataset):
     def source_index(self, i: int) -> int:
         return self.encoded.source_index(self._pos[int(i)])
 
+    def copies(self, indices: Any) -> set[int]:
+        """Every position showing the image of any of ``indices``: a sample the guard
+        quarantines leaves the stream with all its repeats (the same latent)."""
+        images = {self._pos[int(i)] for i in indices}
+        return {i for i, p in enumerate(self._pos) if p in images}
+
     def path_of(self, i: int) -> str | None:
         return self.encoded.path_of(self._pos[int(i)])
 

@@ -32,6 +32,18 @@ SYMPTOMS = ("nonfinite_loss", "nonfinite_grad", "fp16_overflow")
 MAX_REPAIRS = 3
 
 
+def _any(flag: bool, world: int, device: Any) -> bool:
+    """``flag`` OR-reduced over the ranks (one tiny all-reduce; only on a failed step)."""
+    if world <= 1:
+        return flag
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def check(guard: "Guard", seen: Any) -> "Decision | None":
     """A :class:`Decision` when a frozen weight of ``guard.frozen`` is non-finite (repaired
     and the step to be redone: ``skip`` without moving the data position; or ``abort``),
@@ -40,14 +52,29 @@ def check(guard: "Guard", seen: Any) -> "Decision | None":
 
     watch = guard.frozen
     bad = watch.bad()
-    if not bad:
+    world = getattr(seen, "world", 1)
+    if not _any(bool(bad), world, guard.device):  # every rank decides the same
         return None
     prog = guard.progress
     guard.update.discard(prog)
-    ev = watch.evidence(bad)
-    why = watch.repair(bad) if getattr(watch, "repairs", 0) < MAX_REPAIRS else (
-        f"the base was already repaired {MAX_REPAIRS} times in this run and broke again: "
-        "a hardware (memory) fault or code that writes into the base's weights")
+    why, ev = None, (watch.evidence(bad) if bad else {})  # before the repair changes them
+    if bad:
+        why = watch.repair(bad) if getattr(watch, "repairs", 0) < MAX_REPAIRS else (
+            f"the base was already repaired {MAX_REPAIRS} times in this run and broke "
+            "again: a hardware (memory) fault or code that writes into the base's weights")
+    failed = _any(why is not None, world, guard.device)  # any rank's repair failed
+    if not bad:  # another rank's base broke: this one redoes the step (or stops) with it
+        if failed:
+            why = "another rank's frozen base could not be restored from disk"
+            return Decision("abort", prog.step, prog.batches_consumed, seen.loss,
+                            seen.grad_norm, guard.record(
+                                BaseCorrupt.new(parameter="(another rank)", parameters=[],
+                                                count=0, part="?", values="?", file="?",
+                                                repaired=False, why=why),
+                                "abort", diagnosis={"why": why, "cause": "base"}))
+        return Decision("skip", prog.step, prog.batches_consumed, seen.loss, seen.grad_norm)
+    if why is None and failed:
+        why = "another rank's frozen base could not be restored from disk"
     f = BaseCorrupt.new(**ev, repaired=why is None, why=why)
     if why is None:
         inc = guard.record(f, "restore_base",

@@ -29,6 +29,7 @@ from ..values import finite, fmt, module_of, num
 IncidentKind = Literal[
     "nonfinite_loss", "nonfinite_grad", "lr_spike", "loss_spike", "grad_spike", "divergence",
     "bad_batch", "fp16_overflow", "attention_upcast", "nonfinite_params", "weight_jump",
+    "large_update",
     "skip_budget", "out_of_memory", "rank_mismatch", "lr_too_high", "sample_quarantined",
     "transient_fault",
     "attention_logit_growth", "attention_entropy_collapse", "norm_eps_dominated",
@@ -41,9 +42,11 @@ IncidentAction = Literal["skip", "rollback", "abort", "warn", "attention_upcast"
                          "precision_fallback", "microbatch_backoff", "resync", "rescale_delta",
                          "drop_samples", "quarantine", "rerun", "restart_statistics",
                          "restore_base", "reencode"]
-# fatal: state or batch unusable; spike: this update is suspect; trend: a slow problem;
-# warn: a health warning only; info: a deliberate change, recorded (resolution_change).
-FindingSeverity = Literal["fatal", "spike", "trend", "warn", "info"]
+# A finding's: fatal: state or batch unusable; spike: this update is suspect; trend: a slow
+# problem; warn: a health warning only; info: a deliberate change, recorded
+# (resolution_change). An incident row's (records.row_severity): ``fatal`` only when the run
+# stopped (abort); a fatal finding the guard recovered from is an ``error``.
+FindingSeverity = Literal["fatal", "error", "spike", "trend", "warn", "info"]
 
 USE_BF16 = "use bf16 instead of fp16 (train.precision=bf16): fp32's range, no scaler"
 
@@ -280,6 +283,14 @@ class Finding:
             out.append(f"largest grad: {top[0].get('param')} ({fmt(top[0].get('grad_norm'))})")
         if e.get("rank") is not None:
             out.append(f"first seen on rank {e['rank']}")
+        if e.get("reproduced") is False:
+            out.append("not reproduced when the step ran again from the same state and data")
+        for row in e.get("elements") or []:
+            changed = row.get("changed") if isinstance(row, dict) else None
+            if isinstance(changed, list) and changed and isinstance(changed[0], dict):
+                out.append(f"{row.get('param')}: " + ", ".join(
+                    f"[{c.get('index')}] {fmt(c.get('was'))} -> {fmt(c.get('value'))}"
+                    for c in changed[:3]))
         samples = e.get("samples")
         if isinstance(samples, list) and samples:
             out.append("samples: " + ", ".join(_sample_name(x) for x in samples[:3])
@@ -307,6 +318,11 @@ class Finding:
         grp = list(group) or [self]
         if grp[0].action == "precision_fallback":
             return USE_BF16
+        unrep = [f for f in grp if f.evidence.get("reproduced") is False]
+        if unrep:  # seen once, gone on the re-run: the machine, the storage or the loader
+            rest = [f for f in grp if f.evidence.get("reproduced") is not False]
+            return "; ".join([_unreproduced_advice(unrep)]
+                             + ([self._advice(ctx, rest)] if rest else []))
         return self._advice(ctx, grp)
 
     def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
@@ -344,6 +360,30 @@ class Finding:
 
     def _instability_advice(self) -> list[str]:
         return []
+
+
+def _unreproduced_advice(group: list[Finding]) -> str:
+    """Advice for faults the deferred check saw and the re-run of the same step (same
+    state, data, timesteps and noise) did not: per rank, and what recurs."""
+    by_rank: dict[str, int] = {}
+    for f in group:
+        r = f.evidence.get("rank")
+        by_rank[str(0 if r is None else r)] = by_rank.get(str(0 if r is None else r), 0) + 1
+    n, kind = len(group), group[0].kind
+    files = sorted({str(x.get("source") or x.get("index")) for f in group
+                    for x in (f.evidence.get("samples") or []) if isinstance(x, dict)})
+    where = (" (" + ", ".join(f"rank {r}: {k}" for r, k in sorted(by_rank.items())) + ")"
+             if len(by_rank) > 1 or "0" not in by_rank else "")
+    named = f"; the data it named: {', '.join(files[:5])}" if files else ""
+    if n >= 2:
+        return (f"{n} {kind} faults{where} seen once and gone when the step ran again from "
+                "the same state and data: something between the storage and the step changes "
+                "values: check the hardware (host/GPU memory errors, ECC), the storage (a "
+                "flaky disk or network file system: re-read or checksum the files) and the "
+                "data loader (worker races, a transform with hidden state)" + named)
+    return ("a one-off: seen by the deferred check, gone when the step ran again from the "
+            "same state and data (the step was taken); if it recurs, check the hardware, the "
+            "storage and the data loader" + named)
 
 
 def finding_from_row(row: dict[str, Any]) -> Finding:
@@ -602,6 +642,17 @@ class Fp16Overflow(Finding):
             **({"attention_module": attention_module} if attention_module else {})})
 
     @classmethod
+    def backward(cls, *, loss: float, loss_scale: float, provenance: dict[str, Any] | None,
+                 attention_module: str | None = None) -> Fp16Overflow:
+        """Gradients that kept overflowing the fp16 range while the loss stayed finite,
+        located (``provenance['first_nonfinite_grad_module']``) in ``attention_module``."""
+        return cls(cls.KIND, "spike", {
+            "loss": loss, "loss_scale": loss_scale, "provenance": provenance, "in": "backward",
+            "note": "the gradients kept overflowing the fp16 range in the backward pass "
+                    "(the loss finite)",
+            **({"attention_module": attention_module} if attention_module else {})})
+
+    @classmethod
     def repeated(cls, *, overflows_in_window: int, window: int, limit: int,
                  loss_scale: float) -> Fp16Overflow:
         """(The guard then adds ``precision``, the precision that overflowed, and
@@ -615,6 +666,11 @@ class Fp16Overflow(Finding):
             return [f"{self._f('overflows_in_window')} fp16 overflows within "
                     f"{self._f('window')} steps (limit {self._f('limit')}); loss scale "
                     f"{self._f('loss_scale')}"]
+        if self.evidence.get("in") == "backward":
+            began = self.provenance.get("first_nonfinite_grad")
+            return [f"the gradients kept overflowing the fp16 range (loss {self._f('loss')}, "
+                    f"loss scale {self._f('loss_scale')})"
+                    + (f"; the first non-finite gradient: {began}" if began else "")]
         return [f"an activation exceeded the fp16 range in the forward pass (loss "
                 f"{self._f('loss')}, loss scale {self._f('loss_scale')})"]
 
@@ -706,6 +762,56 @@ class WeightJump(Finding):
 
     def _instability_advice(self) -> list[str]:
         return [f"look at {self.params[0]}: it went bad first"] if self.params else []
+
+
+class LargeUpdate(Finding):
+    """An applied update far larger than its parameter's usual one: |update|/|weight| per
+    unit LR ``guard.update_ratio``x its own running mean and the step's median over the
+    parameters (checks.UpdateSize). The optimizer state is named when it explains it (Adam's
+    second moment tiny: the step divides by its square root). The state after such an update
+    is suspect: rolled back (the optimizer state with it)."""
+
+    KIND = "large_update"
+    serious = warn_once = True
+
+    @classmethod
+    def new(cls, *, params: list[str], ratio: list[float], usual: list[float],
+            median: float, threshold: float, lr: float,
+            optimizer_state: list[dict[str, Any]] | None = None) -> LargeUpdate:
+        e: dict[str, Any] = {"params": params, "ratio": ratio, "usual": usual,
+                             "median": median, "threshold": threshold, "lr": lr,
+                             "note": "an update far larger than this parameter's usual one"}
+        if optimizer_state:
+            e["optimizer_state"] = optimizer_state
+        return cls(cls.KIND, "fatal", e)
+
+    def _facts(self) -> list[str]:
+        ratios, usual = self.evidence.get("ratio") or [], self.evidence.get("usual") or []
+        parts = [f"{p}: |update|/|weight| {fmt(r)} vs its usual {fmt(u)} (×{fmt(_div(r, u))})"
+                 for p, r, u in list(zip(self.params, ratios, usual))[:3]]
+        out = ["update far above its usual size: " + "; ".join(parts)
+               + f" (step median {self._f('median')}, threshold ×{self._f('threshold')})"]
+        for st in self.evidence.get("optimizer_state") or []:
+            if isinstance(st, dict) and st.get("explains"):
+                out.append(f"optimizer state of {st.get('param')}: {st.get('explains')}")
+        return out
+
+    def _advice(self, ctx: RunContext, group: list[Finding]) -> str:
+        states = [st for f in group for st in (f.evidence.get("optimizer_state") or [])
+                  if isinstance(st, dict) and st.get("explains")]
+        if states:
+            return (f"the optimizer state of {states[0].get('param')} was corrupt "
+                    f"({states[0].get('explains')}): the guard rolled back past it; if it "
+                    "recurs, check the hardware (memory errors) and anything that edits the "
+                    "optimizer state (a resume from a mismatched checkpoint)")
+        return (f"{self.params[0] if self.params else 'a parameter'} took an update far above "
+                "its usual size: lower the peak LR (optim.lr) or raise AdamW's eps if it "
+                "recurs; look for code that edits the weights or optimizer state")
+
+
+def _div(a: Any, b: Any) -> float | None:
+    x, y = num(a), num(b)
+    return x / y if x is not None and y else None
 
 
 class SkipBudget(Finding):

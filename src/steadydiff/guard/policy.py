@@ -17,7 +17,8 @@ The rules (docs/guard.md):
 - a forward overflow that began in an attention layer is first that layer's: upcast its
   attention to fp32 (skip the step); if an upcast layer overflows again, the upcast did not
   help: fall back in precision at once;
-- the weights themselves went bad (``nonfinite_params``, ``weight_jump``): roll back at once,
+- the weights themselves went bad (``nonfinite_params``, ``weight_jump``, or an update far
+  above its parameter's usual size: ``large_update``): roll back at once,
   the state is unusable. Found *before* the forward pass (the weights changed between two
   steps) no data is to blame and none is skipped; found right after an update, the batch
   that made the update is;
@@ -39,6 +40,8 @@ The rules (docs/guard.md):
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from typing import Literal
 
@@ -50,7 +53,7 @@ ActionKind = Literal["skip", "rollback", "abort"]
 SkipData = Literal["implicated", "none"]
 
 # kinds whose finding means the weights after the update are unusable
-STATE_UNUSABLE = frozenset({"nonfinite_params", "weight_jump"})
+STATE_UNUSABLE = frozenset({"nonfinite_params", "weight_jump", "large_update"})
 # precisions to try, in order, when one overflows or goes non-finite
 FALLBACK_CHAIN: dict[Precision, tuple[Precision, ...]] = {"fp16": ("bf16", "fp32"), "bf16": ("fp32",)}
 
@@ -116,6 +119,9 @@ class Action:
     record: write an incident (routine fp16 calibration skips are silent).
     budget_abort: after recording the skip, abort: the skip budget is spent (the text says
         how).
+    lr_backoff: a rollback backs the LR off for a while (False: the LR is not the cause, as
+        for weights changed between two steps or an optimizer state gone bad: the restored
+        state trains on at the same LR).
     """
 
     kind: ActionKind
@@ -129,6 +135,7 @@ class Action:
     scaler: bool = False
     record: bool = True
     budget_abort: str | None = None
+    lr_backoff: bool = True
 
 
 def recent(events: tuple[int, ...] | list[int], now: int, window: int) -> int:
@@ -198,9 +205,11 @@ def decide(f: Finding, h: History, c: GuardConfig) -> Action:
         return _skip(h, c, reason="corrupt batch")
     if f.kind in STATE_UNUSABLE:
         # changed between two steps: the batch of this step is innocent
-        between = f.evidence.get("when") == "before_forward"
-        return _rollback(f, h, c, "state unusable",
-                         skip_data="none" if between else "implicated")
+        # (an update far above its usual size: the optimizer state, not the batch)
+        between = f.evidence.get("when") == "before_forward" or f.kind == "large_update"
+        a = _rollback(f, h, c, "state unusable", skip_data="none" if between else "implicated")
+        # nor is the LR to blame for a state changed between steps: no backoff
+        return dataclasses.replace(a, lr_backoff=False) if between else a
     if f.kind == "lr_too_high":
         return _rollback(f, h, c, "learning rate too high",
                          restore_before=_int(f.evidence.get("trend_start_step")),

@@ -4,13 +4,16 @@ frozen UNet's skip connections through zero-initialised convolutions, so trainin
 from the unchanged model.
 
 Shared machinery beside the model families (integrations/families): it needs from the
-base denoiser (``SDDenoiser``) only ``denoiser`` (the diffusers UNet), ``denoiser_inputs(x,
-t, y)`` (the call's condition keywords, the family's ``condition``: the ControlNet takes the
-same), ``y_rows`` (how many rows of y are the base's), ``down`` (the VAE's downsampling) and
-guidance's ``null_condition``; from the family only ``controlnet_file_layout`` (which key
-layout its single file has). The diffusers ``ControlNetModel`` does the rest (``from_unet``,
-or a local ControlNet). SD 1.x/2.x and SDXL UNets have one; the transformer families'
-ControlNets (SD3, FLUX) are other diffusers classes, not built here yet.
+base denoiser (``SDDenoiser``) only its inputs (``_inputs``: timesteps and the packed
+condition), ``y_rows`` (how many rows of y are the base's), ``layout``, ``down`` (the VAE's
+downsampling), ``guidance`` and guidance's ``null_condition``; from the family
+(integrations/families) what is family-specific: ``controlnet_class`` and
+``build_controlnet`` (diffusers' ``ControlNetModel.from_unet`` for SD 1.x/2.x and SDXL,
+``SD3ControlNetModel`` / ``FluxControlNetModel.from_transformer`` for SD3 and FLUX.1),
+``controlnet_latent`` and ``controlnet_input`` (the transformer ControlNets read the
+conditioning image as VAE latents, FLUX's packed 2x2, as diffusers' pipelines encode it),
+``controlnet_residuals`` (the ControlNet's call and the keywords its residuals reach the
+denoiser by) and ``controlnet_file_layout`` (which key layout its single file has).
 
 The condition y of a training step carries the conditioning image after the base's rows
 (``data/cache.py`` ``append_rows``: C*H*W values in [0, 1] as rows of the context width,
@@ -24,8 +27,10 @@ Files: the diffusers ControlNet folder (``RUN/controlnet/``: config.json +
 diffusion_pytorch_model.safetensors; ``ControlNetModel.from_pretrained`` loads it) and one
 single file in the layout A1111 and ComfyUI load for the base family (``RUN/controlnet/
 <run>.safetensors``): SD 1.x/2.x the original ``control_model.*`` layout of lllyasviel's
-ControlNet releases (diffusers' ``ControlNetModel.from_single_file`` reads it back); SDXL the
-diffusers key layout in one file, as SDXL ControlNets are distributed and loaded.
+ControlNet releases (diffusers' ``ControlNetModel.from_single_file`` reads it back); SDXL,
+SD3 and FLUX.1 the diffusers key layout in one file, as their ControlNets are distributed and
+ComfyUI's loader recognises them (SD3: ``pos_embed_input``; FLUX.1: InstantX's
+``controlnet_x_embedder``).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import json
 import logging
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +53,8 @@ from .sd.model import _SDWeights
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ControlNetDenoiser", "ControlNetWeights", "ControlWindow", "build_controlnet",
+__all__ = ["ControlNetDenoiser", "ControlLatents", "ControlNetWeights", "ControlWindow",
+           "build_controlnet",
            "validation_images",
            "load_controlnet", "controlnet_keep", "original_state_dict", "save_controlnet",
            "export_controlnet", "load_control_image", "CONTROLNET_DIR"]
@@ -70,56 +76,94 @@ def embedding_widths(down: int) -> tuple[int, ...]:
 
 
 def build_controlnet(unet: nn.Module, down: int, *, init_from: str | Path | None = None,
-                     conditioning_channels: int = 3) -> nn.Module:
-    """A ControlNet for ``unet``: ``ControlNetModel.from_unet`` (the encoder's weights
-    copied, the zero convolutions zero), or a local ControlNet (:func:`load_controlnet`)
-    whose shape must fit the UNet.
+                     conditioning_channels: int = 3, family: Any = None,
+                     layers: tuple[int | None, int | None] = (None, None)) -> nn.Module:
+    """A ControlNet for the denoiser ``unet`` of ``family`` (None: a UNet family's): the
+    family's ``build_controlnet`` (``ControlNetModel.from_unet``, ``SD3ControlNetModel`` /
+    ``FluxControlNetModel.from_transformer``: the weights copied, the zero-initialised
+    layers zero), or a local ControlNet (:func:`load_controlnet`) whose shape must fit the
+    denoiser.
 
     Raises:
-        ValueError: a local ControlNet of another architecture (naming what differs).
+        ValueError: a local ControlNet of another class or architecture (naming what
+            differs); layer counts the family's ControlNet does not take.
     """
-    from diffusers import ControlNetModel
+    if family is None:
+        from .families.base import Family
 
+        family = Family()
     if init_from is None:
-        return ControlNetModel.from_unet(unet, conditioning_channels=conditioning_channels,
-                                         conditioning_embedding_out_channels=
-                                         embedding_widths(down))
-    net = load_controlnet(init_from)
+        return family.build_controlnet(unet, down, conditioning_channels, layers)
+    if any(n is not None for n in layers):
+        raise ValueError(f"controlnet.init_from={init_from} has its own layers: remove "
+                         "controlnet.num_layers / num_single_layers")
+    net = load_controlnet(init_from, family.controlnet_class)
     mine = unet.config
     for key in ("block_out_channels", "cross_attention_dim", "in_channels",
-                "layers_per_block", "addition_embed_type"):
+                "layers_per_block", "addition_embed_type", "attention_head_dim",
+                "num_attention_heads", "joint_attention_dim", "pooled_projection_dim",
+                "patch_size", "qk_norm"):
         a, b = net.config.get(key), mine.get(key)
         if a is not None and b is not None and list(a if isinstance(a, (list, tuple))
                                                     else [a]) != list(
                 b if isinstance(b, (list, tuple)) else [b]):
             raise ValueError(f"controlnet.init_from={init_from}: its {key} is {a}, the base "
-                             f"UNet's {b}: a ControlNet for another model")
+                             f"{family.denoiser_word}'s {b}: a ControlNet for another model")
     return net
 
 
-def load_controlnet(path: str | Path) -> nn.Module:
-    """A local ControlNet: a diffusers folder (config.json + weights), or a single
-    .safetensors (diffusers or original ``control_model.*`` layout) with a config.json
-    beside it. Only safetensors are read (nothing unpickled); nothing is downloaded.
+def load_controlnet(path: str | Path, cls: str = "ControlNetModel") -> nn.Module:
+    """A local ControlNet of the diffusers class ``cls`` (``ControlNetModel``,
+    ``SD3ControlNetModel``, ``FluxControlNetModel``): a diffusers folder (config.json +
+    weights), or a single .safetensors (diffusers layout; a UNet ControlNet's also the
+    original ``control_model.*``) with a config.json beside it. Only safetensors are read
+    (nothing unpickled); nothing is downloaded.
 
     Raises:
-        ValueError: not such a folder or file (naming what is missing).
+        ValueError: not such a folder or file (naming what is missing), or a ControlNet of
+            another class (its config's ``_class_name``).
     """
-    from diffusers import ControlNetModel
+    import diffusers
 
     p = Path(path).expanduser()
+    conf = (p if p.is_dir() else p.parent) / "config.json"
+    if conf.is_file():
+        try:
+            named = json.loads(conf.read_text()).get("_class_name")
+        except (OSError, ValueError, AttributeError):
+            named = None
+        if named and named != cls:
+            raise ValueError(f"{conf} describes a {named}; this model's ControlNet is a {cls}")
+    model = getattr(diffusers, cls)
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise ValueError(f"{p} is not a diffusers ControlNet folder: no config.json")
-        return ControlNetModel.from_pretrained(p, local_files_only=True, use_safetensors=True)
+        return model.from_pretrained(p, local_files_only=True, use_safetensors=True)
     if p.suffix != ".safetensors" or not p.is_file():
         raise ValueError(f"{p}: expected a diffusers ControlNet folder or a .safetensors "
                          "file (other formats are not read: they may run code)")
-    if not (p.parent / "config.json").is_file():
+    if not conf.is_file():
         raise ValueError(f"{p}: a single-file ControlNet needs its config: a config.json "
-                         f"of the same architecture beside it ({p.parent / 'config.json'})")
-    return ControlNetModel.from_single_file(str(p), config=str(p.parent),
-                                            local_files_only=True)
+                         f"of the same architecture beside it ({conf})")
+    if cls == "ControlNetModel":
+        try:
+            return model.from_single_file(str(p), config=str(p.parent),
+                                          local_files_only=True)
+        except Exception as e:  # a damaged file (SafetensorError), a config of another model
+            raise ValueError(f"{p}: cannot be loaded as a ControlNet ({type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+                             ) from None
+    # the transformer ControlNets' single file is the diffusers key layout: the config's
+    # model, its tensors loaded strictly (a missing or unexpected key is named)
+    from safetensors.torch import load_file
+
+    net = model.from_config(model.load_config(p.parent, local_files_only=True))
+    try:
+        net.load_state_dict(load_file(str(p)), strict=True)
+    except Exception as e:  # a damaged file, a missing or unexpected key
+        raise ValueError(f"{p}: not a {cls} of {conf}'s architecture "
+                         f"({str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__})") from None
+    return net
 
 
 # --------------------------------------------------------------------------- the denoiser
@@ -143,6 +187,21 @@ def controlnet_keep(i: int, n: int, start: float, end: float) -> float:
     return 1.0 - float(i / n < start or (i + 1) / n > end)
 
 
+@dataclass(frozen=True)
+class ControlLatents:
+    """The frozen VAE a latent-reading ControlNet's conditioning image goes through:
+    ``encode`` (images in [-1, 1] -> the posterior mean, ``(mean - shift) * scale``:
+    ``TextToImage.encode_images``), and the VAE's ``shift`` and ``scale``. Shared, never
+    copied (the EMA's deepcopy of the model keeps the one VAE) nor saved."""
+
+    encode: Callable[[Tensor], Tensor]
+    shift: float
+    scale: float
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "ControlLatents":
+        return self
+
+
 class ControlNetDenoiser(nn.Module):
     """``model(x, t, y)`` over a frozen base denoiser and a trainable ControlNet.
 
@@ -157,11 +216,14 @@ class ControlNetDenoiser(nn.Module):
 
     num_classes = 0
 
-    def __init__(self, base: nn.Module, controlnet: nn.Module, channels: int = 3) -> None:
+    def __init__(self, base: nn.Module, controlnet: nn.Module, channels: int = 3,
+                 vae: "ControlLatents | None" = None) -> None:
         super().__init__()
         self.base = base
         self.controlnet = controlnet
         self.channels = channels
+        # a latent-reading ControlNet (the family's controlnet_latent): the frozen VAE
+        self._vae = vae
         self._window: ControlWindow | None = None
 
     def __getattr__(self, name: str) -> Any:
@@ -230,11 +292,20 @@ class ControlNetDenoiser(nn.Module):
             scale = 1.0
         if scale == 0.0:
             return self.base(x, t, rest)
-        t_in, kwargs = self.base.denoiser_inputs(x, t, rest)
-        down, mid = self.controlnet(x, t_in, controlnet_cond=cond.to(x.dtype),
-                                    conditioning_scale=scale, return_dict=False, **kwargs)
-        return self.base(x, t, rest, down_block_additional_residuals=down,
-                         mid_block_additional_residual=mid)
+        base = self.base
+        fam = base.family
+        if fam.controlnet_latent:  # the image through the frozen VAE, as the pipelines
+            if self._vae is None:
+                raise ValueError(f"a {fam.label} ControlNet reads VAE latents: build the "
+                                 "ControlNetDenoiser with the VAE (ControlLatents)")
+            v = self._vae
+            with torch.no_grad():
+                z = v.encode(cond.float() * 2 - 1).to(x.device)
+            cond = fam.controlnet_input(self.controlnet, z, v.shift, v.scale)
+        t_in, y_in = base._inputs(x, t, rest)
+        extra = fam.controlnet_residuals(self.controlnet, x, t_in, y_in, base.layout,
+                                         base.down, cond, scale, guidance=base.guidance)
+        return base(x, t, rest, **extra)
 
     @contextlib.contextmanager
     def control(self, image: Tensor, scale: float = 1.0, start: float = 0.0,
@@ -471,7 +542,10 @@ class ControlNetWeights(_SDWeights):
 
 
 def controlnet_module_names(model: nn.Module) -> Sequence[str]:
-    """The ControlNet's zero convolutions (``controlnet_down_blocks``,
-    ``controlnet_mid_block``): what provenance names when their output explodes."""
+    """The ControlNet's zero-initialised output layers (a UNet ControlNet's
+    ``controlnet_down_blocks``/``controlnet_mid_block``; SD3's and FLUX.1's
+    ``controlnet_blocks``/``controlnet_single_blocks``): what provenance names when their
+    output explodes."""
     return [n for n, _ in model.named_modules()
-            if re.search(r"controlnet\.(controlnet_down_blocks\.\d+|controlnet_mid_block)$", n)]
+            if re.search(r"controlnet\.(controlnet_down_blocks\.\d+|controlnet_mid_block|"
+                         r"controlnet_blocks\.\d+|controlnet_single_blocks\.\d+)$", n)]

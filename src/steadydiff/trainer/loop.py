@@ -72,7 +72,7 @@ __all__ = ["RunResult", "StepOutput", "TrainState", "attach_guard", "build_state
 
 # Fields a resumed run may change without breaking exactness (bookkeeping and output only).
 RESUME_SAFE = ("train.steps", "train.epochs", "train.checkpoint_every",
-               "train.keep_checkpoints",
+               "train.checkpoint_every_epochs", "train.keep_checkpoints",
                "train.sample_every", "train.num_threads", "train.device", "data.num_workers",
                "data.path", "data.cache_dir", "train.on_save_error", "train.max_time",
                # where the base lies: its identity (the files' sha256) is what is checked
@@ -493,6 +493,18 @@ def _cause_not_lr(inc: Any) -> bool:
                                 or (inc.diagnosis or {}).get("cause") == "base")
 
 
+def _healthy_lr(state: TrainState) -> tuple[float, int] | None:
+    """(the LR applied in the last verified window, its step): the peak LR of the
+    optimizer's groups in the guard's newest verified snapshot; None without one."""
+    guard = state.guard
+    snap = guard.ring.newest() if guard is not None else None
+    if snap is None:
+        return None
+    lrs = [g.get("lr") for g in snap.optimizer.get("param_groups", [])
+           if isinstance(g.get("lr"), (int, float))]
+    return (float(max(lrs)), snap.step) if lrs else None
+
+
 def abort_point(state: TrainState, run: RunDir, reason: str,
                 say: Callable[[str], None] = print, write: bool = True,
                 lr_cause: bool = True) -> dict[str, Any]:
@@ -530,6 +542,13 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
                               "was not backing the LR off: half)")
     if cap is not None and cap < lr:  # lr_too_high capped the LR for good
         lr, factor, why = cap, cap / base, f"the guard's LR cap {cap:.3g} (lr_too_high)"
+    healthy = _healthy_lr(state)
+    if lr_cause and healthy is not None and healthy[0] < lr * 0.999:
+        # the LR was rising (warm-up, a restart) when it broke: the LR of the last verified
+        # (healthy) window has been shown safe, the failing one times a factor has not
+        why = (f"the LR of the last healthy window (step {healthy[1]}, verified), "
+               f"{healthy[0]:.3g}, below the backoff's {lr:.3g}")
+        lr, factor = healthy[0], healthy[0] / base
     if not lr_cause:  # the guard named a cause no LR change fixes: keep optim.lr
         lr, factor, why = base, 1.0, "optim.lr unchanged: the cause is not the LR"
     lr = float(f"{lr:.3g}")
@@ -558,6 +577,8 @@ def abort_point(state: TrainState, run: RunDir, reason: str,
     elif snap is not None:
         say(f"abort point: the newest checkpoint ({on_disk[0].name}) is newer than the "
             f"guard's last verified state (step {snap.step}); nothing new written")
+        info["checkpoint_step"] = newest
+    elif newest is not None:  # no verified state to write: the newest on disk resumes
         info["checkpoint_step"] = newest
     return info
 
@@ -977,13 +998,16 @@ def _run(cfg: Config, ctx: distributed.DistContext, device: torch.device,
         apply_growth(state, growth, say)
 
     def batches_from(position: int):
-        """The data stream from batch ``position`` on, without the quarantined samples."""
+        """The data stream from batch ``position`` on, without the quarantined samples (with
+        all their repeats: kohya data, data/kohya.py)."""
+        quarantine = guard.quarantine if guard else set()
+        if quarantine and hasattr(data, "copies"):
+            quarantine = data.copies(quarantine)
         return iter(make_loader(data, batch_size=cfg.train.batch_size, seed=cfg.train.seed,
                                 start_batch=position, hflip=cfg.data.hflip,
                                 num_workers=cfg.data.num_workers, rank=ctx.rank,
                                 world_size=ctx.world_size, pin_memory=cfg.data.pin_memory,
-                                exclude=guard.quarantine if guard else (),
-                                num_classes=cfg.model.num_classes))
+                                exclude=quarantine, num_classes=cfg.model.num_classes))
 
     # ---- the loop: {stop?, report, done?, step}
     batches, next_pos = batches_from(state.batches_consumed), state.batches_consumed

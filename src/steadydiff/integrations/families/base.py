@@ -40,6 +40,35 @@ class SDFolderError(ConfigError):
     """A model folder or file that cannot be used as it is (exit code 2)."""
 
 
+# the only libraries a model_index.json may name: diffusers imports whatever module an entry
+# names (a my_module.py in the working directory ran), so anything else is refused first
+INDEX_LIBRARIES = ("diffusers", "transformers")
+
+
+def check_index_libraries(root: Path, index: dict[str, Any]) -> None:
+    """Every ``[library, class]`` entry of ``root/model_index.json`` names diffusers or
+    transformers and a class that library has (null entries are fine), checked before
+    diffusers sees the folder; nothing is imported but those two libraries.
+
+    Raises:
+        SDFolderError: naming the entry and what would be valid.
+    """
+    import importlib
+
+    for part, entry in index.items():
+        if part.startswith("_") or not isinstance(entry, (list, tuple)):
+            continue
+        lib, cls = (list(entry) + [None, None])[:2]
+        if lib is None and cls is None:
+            continue
+        if lib not in INDEX_LIBRARIES or not isinstance(cls, str) or \
+                not isinstance(getattr(importlib.import_module(lib), cls, None), type):
+            raise SDFolderError(
+                f"{root}/model_index.json: {part!r} is {entry!r}; a component must be a class "
+                f"of {' or '.join(INDEX_LIBRARIES)} (steadydiff never imports another module "
+                "a model folder names: that would run its code)")
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     """A JSON object from ``path``; a missing, unreadable or non-object file is an
     :class:`SDFolderError` that says what the file is for (``what``)."""
@@ -62,10 +91,16 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
 
 def load_part(what: str, fn: Callable[..., Any], sub: Path, **kw: Any) -> Any:
     """``fn(sub, local_files_only=True, **kw)`` (a ``from_pretrained``): nothing is
-    downloaded; a failure is an :class:`SDFolderError` naming the folder and the part."""
+    downloaded; a transformers class gets ``trust_remote_code=False`` (a folder's
+    ``auto_map`` Python is never run, and transformers never asks on stdin whether to); a
+    failure (a damaged safetensors file included) is an :class:`SDFolderError` naming the
+    folder and the part."""
+    if getattr(fn, "__module__", "").startswith("transformers") or \
+            getattr(getattr(fn, "__self__", None), "__module__", "").startswith("transformers"):
+        kw.setdefault("trust_remote_code", False)
     try:
         return fn(sub, local_files_only=True, **kw)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except Exception as e:  # noqa: BLE001 - OSError, ValueError, SafetensorError, ...
         raise SDFolderError(f"{sub}: the {what} does not load: {type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
@@ -466,6 +501,48 @@ class Family:
     #: ``original`` (lllyasviel's ``control_model.*``, SD 1.x/2.x) or ``diffusers``;
     #: None: steadydiff trains no ControlNet for the family yet
     controlnet_file_layout: ClassVar[str | None] = None
+    #: the diffusers class of the family's ControlNet
+    controlnet_class: ClassVar[str] = "ControlNetModel"
+    #: whether the ControlNet reads the conditioning image as VAE latents (the transformer
+    #: families': diffusers' SD3/FLUX ControlNet pipelines encode it), not as pixels (the
+    #: UNet ControlNets' own conditioning embedding)
+    controlnet_latent: ClassVar[bool] = False
+
+    def build_controlnet(self, denoiser: nn.Module, down: int, conditioning_channels: int,
+                         layers: tuple[int | None, int | None]) -> nn.Module:
+        """A new ControlNet for ``denoiser`` initialised from it (diffusers' ``from_unet`` /
+        ``from_transformer``), its zero-initialised layers at zero. ``layers``: the
+        ``controlnet.num_layers`` / ``num_single_layers`` (None: the family's trainers'
+        default; the UNet ControlNet copies the whole encoder and takes neither)."""
+        from diffusers import ControlNetModel
+
+        from ..controlnet import embedding_widths
+
+        if any(n is not None for n in layers):
+            raise ValueError(f"a {self.label} ControlNet copies the UNet's whole encoder: "
+                             "controlnet.num_layers / num_single_layers apply to the SD3 "
+                             "and FLUX.1 ControlNets; remove them")
+        return ControlNetModel.from_unet(denoiser, conditioning_channels=conditioning_channels,
+                                         conditioning_embedding_out_channels=
+                                         embedding_widths(down))
+
+    def controlnet_residuals(self, controlnet: nn.Module, x: Tensor, t: Tensor, y: Tensor,
+                             layout: Layout, down: int, cond: Tensor, scale: float,
+                             guidance: float | None = None) -> dict[str, Any]:
+        """The ControlNet's residuals for the denoiser call (the keywords :meth:`call`
+        passes on) at latents ``x``, the denoiser's timestep ``t``, the packed condition
+        ``y`` and the conditioning ``cond`` (pixels in [0, 1], or VAE latents where
+        :attr:`controlnet_latent`), times ``scale``. Default: a UNet ControlNet, called
+        with the denoiser's condition keywords."""
+        res, mid = controlnet(x, t, controlnet_cond=cond.to(x.dtype), conditioning_scale=scale,
+                              return_dict=False, **self.condition(x, y, layout, down))
+        return {"down_block_additional_residuals": res, "mid_block_additional_residual": mid}
+
+    def controlnet_input(self, controlnet: nn.Module, latents: Tensor, shift: float,
+                         scale: float) -> Tensor:
+        """What a latent-reading ControlNet takes for the conditioning image's VAE latents
+        (``(mean - shift) * scale``, the shift and scale of the family's VAE)."""
+        return latents
 
     def prepare_attention(self, denoiser: nn.Module) -> None:
         """Give the denoiser's attention layers the processor that follows their

@@ -230,7 +230,7 @@ class Flux(Family):
         prepare_joint_attention(denoiser)
 
     def call(self, denoiser: nn.Module, x: Tensor, t: Tensor, y: Tensor, layout: Layout,
-             down: int, guidance: float | None = None) -> Tensor:
+             down: int, guidance: float | None = None, **extra: Any) -> Tensor:
         n, _, h, w = x.shape
         embeds, pooled, _ = layout.unpack(y)
         dtype = embeds.dtype
@@ -242,8 +242,59 @@ class Flux(Family):
                        pooled_projections=pooled.to(dtype), encoder_hidden_states=embeds,
                        txt_ids=torch.zeros(embeds.shape[1], 3, device=x.device, dtype=dtype),
                        img_ids=image_ids(h // 2, w // 2, x.device, dtype),
-                       return_dict=False)[0]
+                       return_dict=False, **extra)[0]
         return unpack(out, h, w)
+
+    # ------------------------------------------------------------------ ControlNet
+
+    controlnet_file_layout = "diffusers"  # ComfyUI's InstantX FLUX ControlNet loader's keys
+    controlnet_class = "FluxControlNetModel"
+    controlnet_latent = True
+    #: diffusers train_controlnet_flux.py: --num_double_layers 4, --num_single_layers 4
+    controlnet_layers = (4, 4)
+
+    def build_controlnet(self, denoiser: nn.Module, down: int, conditioning_channels: int,
+                         layers: tuple[int | None, int | None]) -> nn.Module:
+        """``FluxControlNetModel.from_transformer``: the first ``controlnet.num_layers``
+        double and ``num_single_layers`` single blocks (default 4 and 4, as diffusers'
+        trainer; at most the base's), the base's heads, the embedders copied, the
+        conditioning embedder and the output linears zero."""
+        from diffusers import FluxControlNetModel
+
+        conf = denoiser.config
+        double = min(self.controlnet_layers[0] if layers[0] is None else layers[0],
+                     int(conf.num_layers))
+        single = min(self.controlnet_layers[1] if layers[1] is None else layers[1],
+                     int(conf.num_single_layers))
+        return FluxControlNetModel.from_transformer(
+            denoiser, num_layers=double, num_single_layers=single,
+            attention_head_dim=int(conf.attention_head_dim),
+            num_attention_heads=int(conf.num_attention_heads))
+
+    def controlnet_input(self, controlnet: nn.Module, latents: Tensor, shift: float,
+                         scale: float) -> Tensor:
+        return pack(latents)  # FluxControlNetPipeline packs the control latents 2x2
+
+    def controlnet_residuals(self, controlnet: nn.Module, x: Tensor, t: Tensor, y: Tensor,
+                             layout: Layout, down: int, cond: Tensor, scale: float,
+                             guidance: float | None = None) -> dict[str, Any]:
+        """As FluxControlNetPipeline: the packed latents and the same ids, timestep and
+        condition as the transformer's; its own guidance embedding when its config has
+        one; the double and single block samples go to the transformer."""
+        n, _, h, w = x.shape
+        embeds, pooled, _ = layout.unpack(y)
+        dtype = embeds.dtype
+        g = None
+        if controlnet.config.guidance_embeds:
+            g = torch.full((n,), GUIDANCE if guidance is None else guidance,
+                           device=x.device, dtype=torch.float32)
+        double, single = controlnet(
+            hidden_states=pack(x), controlnet_cond=cond.to(x.dtype), conditioning_scale=scale,
+            timestep=t / 1000, guidance=g, pooled_projections=pooled.to(dtype),
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=x.device, dtype=dtype),
+            img_ids=image_ids(h // 2, w // 2, x.device, dtype), return_dict=False)
+        return {"controlnet_block_samples": double, "controlnet_single_block_samples": single}
 
     # ------------------------------------------------------------------ files
 

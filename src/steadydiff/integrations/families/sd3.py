@@ -211,11 +211,68 @@ class SD3(Family):
         prepare_joint_attention(denoiser)
 
     def call(self, denoiser: nn.Module, x: Tensor, t: Tensor, y: Tensor, layout: Layout,
-             down: int, guidance: float | None = None) -> Tensor:
+             down: int, guidance: float | None = None, **extra: Any) -> Tensor:
         embeds, pooled, _ = layout.unpack(y)
         dtype = embeds.dtype
         return denoiser(hidden_states=x, timestep=t, encoder_hidden_states=embeds,
-                        pooled_projections=pooled.to(dtype), return_dict=False)[0]
+                        pooled_projections=pooled.to(dtype), return_dict=False, **extra)[0]
+
+    # ------------------------------------------------------------------ ControlNet
+
+    controlnet_file_layout = "diffusers"  # ComfyUI's SD3 (mmdit) ControlNet loader's keys
+    controlnet_class = "SD3ControlNetModel"
+    controlnet_latent = True
+    #: diffusers train_controlnet_sd3.py: ``from_transformer``'s 12 joint blocks
+    controlnet_layers = 12
+
+    def build_controlnet(self, denoiser: nn.Module, down: int, conditioning_channels: int,
+                         layers: tuple[int | None, int | None]) -> nn.Module:
+        """``SD3ControlNetModel.from_transformer``: the first ``controlnet.num_layers``
+        joint blocks (default 12; at most all but the base's last, whose context stream
+        ends there: ``context_pre_only``), the embedders copied, the input projection and
+        the output linears zero; no extra conditioning channels (diffusers' trainer's
+        default)."""
+        from diffusers import SD3ControlNetModel
+
+        if layers[1] is not None:
+            raise ValueError("controlnet.num_single_layers applies to FLUX.1 ControlNets; an "
+                             "SD3 ControlNet has joint blocks only (controlnet.num_layers)")
+        most = max(1, int(denoiser.config.num_layers) - 1)
+        if layers[0] is not None and layers[0] > most:
+            raise ValueError(f"controlnet.num_layers={layers[0]}: an SD3 ControlNet copies at "
+                             f"most {most} of this transformer's "
+                             f"{denoiser.config.num_layers} joint blocks (not the last, "
+                             "whose context stream ends there)")
+        n = min(layers[0] or self.controlnet_layers, most)
+        return SD3ControlNetModel.from_transformer(denoiser, num_layers=n,
+                                                   num_extra_conditioning_channels=0)
+
+    def controlnet_input(self, controlnet: nn.Module, latents: Tensor, shift: float,
+                         scale: float) -> Tensor:
+        # StableDiffusion3ControlNetPipeline: a ControlNet whose config has
+        # force_zeros_for_pooled_projection (InstantX's, and from_transformer's default)
+        # reads its latents unshifted
+        if controlnet.config.force_zeros_for_pooled_projection:
+            return latents + shift * scale
+        return latents
+
+    def controlnet_residuals(self, controlnet: nn.Module, x: Tensor, t: Tensor, y: Tensor,
+                             layout: Layout, down: int, cond: Tensor, scale: float,
+                             guidance: float | None = None) -> dict[str, Any]:
+        """As StableDiffusion3ControlNetPipeline: the prompt embeds (when the ControlNet
+        has a context embedder), the pooled projections (zeros under
+        ``force_zeros_for_pooled_projection``); its block samples go to the transformer
+        as ``block_controlnet_hidden_states``."""
+        embeds, pooled, _ = layout.unpack(y)
+        pooled = pooled.to(embeds.dtype)
+        if controlnet.config.force_zeros_for_pooled_projection:
+            pooled = torch.zeros_like(pooled)
+        blocks = controlnet(hidden_states=x, controlnet_cond=cond.to(x.dtype),
+                            conditioning_scale=scale, timestep=t,
+                            encoder_hidden_states=(embeds if controlnet.config.joint_attention_dim
+                                                   is not None else None),
+                            pooled_projections=pooled, return_dict=False)[0]
+        return {"block_controlnet_hidden_states": blocks}
 
     # ------------------------------------------------------------------ files
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..families import Family, Parts, SDFolderError, expected, of_index, read_json
-from ..families.base import load_part
+from ..families.base import check_index_libraries, load_part
 
 __all__ = ["SDFolderError", "check_folder", "read_json", "diffusion_settings", "family_of",
            "load_folder_parts", "load_text_parts", "load_vae", "part_reader"]
@@ -75,6 +75,7 @@ def check_folder(path: str | Path, parts: tuple[str, ...] | None = None, *,
                             f"model folder of one of {expected()}")
     index = read_json(root / "model_index.json", "every diffusers pipeline folder has one "
                       "(written by save_pretrained); is this the right folder?")
+    check_index_libraries(root, index)  # before anything imports what it names
     family = of_index(index, root)
     family.check_index(root, index)
     cls = index.get("_class_name")
@@ -100,6 +101,8 @@ def check_folder(path: str | Path, parts: tuple[str, ...] | None = None, *,
                 (isinstance(weights, tuple) and part in weights):
             continue
         found = list(sub.glob("*.safetensors")) + list(sub.glob("*.safetensors.index.json"))
+        for idx in sub.glob("*.safetensors.index.json"):
+            _check_shards(idx)
         if not found:
             pickled = [p.name for p in sub.glob("*.bin")]
             hint = (f" (it has {', '.join(pickled)}: pickled weights, which steadydiff never "
@@ -110,6 +113,23 @@ def check_folder(path: str | Path, parts: tuple[str, ...] | None = None, *,
                     "must hold the other parts' weights)" if isinstance(weights, tuple) else "")
             raise SDFolderError(f"{sub}/ has no .safetensors weights{hint}{also}")
     return root
+
+
+def _check_shards(idx: Path) -> None:
+    """A sharded part's index names safetensors shards of its own folder only: one
+    pointing at a pickled ``.bin`` (or outside the folder) would be unpickled, or read
+    from elsewhere, by the loader."""
+    weight_map = read_json(idx, "the sharded weights' index").get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise SDFolderError(f"{idx}: no weight_map object (expected tensor name -> shard file)")
+    for shard in sorted(set(map(str, weight_map.values()))):
+        if not shard.endswith(".safetensors") or Path(shard).name != shard:
+            raise SDFolderError(
+                f"{idx}: a shard is {shard!r}; shards must be .safetensors files in "
+                f"{idx.parent}/ (pickled weights are never unpickled; re-save the model with "
+                "save_pretrained(..., safe_serialization=True))")
+        if not (idx.parent / shard).is_file():
+            raise SDFolderError(f"{idx}: the shard {shard} is missing from {idx.parent}/")
 
 
 # a Hugging Face hub repository id: owner/name, each of letters, digits, '-', '_', '.'

@@ -34,7 +34,7 @@ from ..families import SDFolderError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["BaseModelError", "check_loaded", "check_module", "weight_file", "FrozenWatch",
+__all__ = ["BaseModelError", "check_loaded", "check_module", "finite_mask", "weight_file", "FrozenWatch",
            "nonfinite_token_rows", "FP16_MAX"]
 
 FP16_MAX = 65504.0
@@ -78,20 +78,30 @@ def _describe(t: Tensor) -> str:
     return f"{nan} NaN and {inf} inf of {t.numel():,} elements"
 
 
+@torch.no_grad()
+def finite_mask(tensors: list[Tensor]) -> list[bool]:
+    """Whether each tensor is all finite. Each one's sum first (a NaN or inf element makes
+    it non-finite; ~19x faster than ``isfinite().all()``, which writes a mask: 0.14 s against
+    2.6 s for 100M fp32 parameters on one loaded CPU core); a non-finite sum (or one that
+    overflowed from huge finite values) is then checked element-wise. One host read."""
+    if not tensors:
+        return []
+    sums = torch.stack([t.sum(dtype=torch.float32) if t.is_floating_point() else
+                        t.new_zeros((), dtype=torch.float32) for t in tensors])
+    ok = torch.isfinite(sums).tolist()
+    return [True if o else bool(torch.isfinite(t).all()) for o, t in zip(ok, tensors)]
+
+
 def check_module(module: nn.Module, *, skip: tuple[str, ...] = ()) -> list[tuple[str, str]]:
     """``[(tensor name, what is wrong)]`` for every non-finite floating tensor (parameters
-    and buffers) of ``module`` except those named in ``skip``. One fused reduction over the
-    whole module first (cheap: a base model is checked in about a second per GB); tensors
-    are named only when it fails."""
+    and buffers) of ``module`` except those named in ``skip`` (:func:`finite_mask`:
+    about 1.4 s per billion parameters on one CPU core)."""
     named = [(n, t) for n, t in list(module.named_parameters()) + list(module.named_buffers())
              if t.is_floating_point() and n not in skip and t.numel()]
     if not named:
         return []
-    with torch.no_grad():
-        ok = torch.stack([torch.isfinite(t).all() for _, t in named]).all()
-    if bool(ok):
-        return []
-    return [(n, _describe(t)) for n, t in named if not bool(torch.isfinite(t).all())]
+    ok = finite_mask([t.detach() for _, t in named])
+    return [(n, _describe(t)) for (n, t), o in zip(named, ok) if not o]
 
 
 def check_loaded(parts: Any, *, what: str = "model.pretrained",
@@ -182,7 +192,9 @@ class FrozenWatch:
         self.sources: dict[str, _Source] = {}
         parts = {family.denoiser} | {spec.part for spec in family.text}
         for n, p in model.named_parameters():
-            if p.requires_grad or not p.is_floating_point():
+            # plain tensors only: an 8-bit base (model.quantize_base) or FSDP shards are
+            # neither checked nor restorable element-wise here
+            if p.requires_grad or not p.is_floating_point() or type(p.data) is not Tensor:
                 continue
             path = n.split(".")
             while path and path[0] not in parts:  # ControlNetDenoiser's "base." prefix
@@ -196,8 +208,7 @@ class FrozenWatch:
         self.repairs = 0
         # tensors already non-finite at load (a text encoder's broken token rows, tolerated
         # by check_loaded): their count of bad elements, so only a new fault is one
-        self.known = {n: int((~torch.isfinite(t)).sum()) for n in self.bad(known=False)
-                      for t in [self.params[n]]}
+        self.known = {n: _nonfinite(self.params[n]) for n in self.bad(known=False)}
 
     def bad(self, known: bool = True) -> list[str]:
         """The frozen parameters with a non-finite element (one reduction; a host read:
@@ -206,12 +217,17 @@ class FrozenWatch:
         if not self.params:
             return []
         names = list(self.params)
-        with torch.no_grad():
-            ok = torch.stack([torch.isfinite(self.params[n]).all() for n in names])
-        out = [n for n, v in zip(names, ok.tolist()) if not v]
+        plain = [n for n in names if not _quantized(self.params[n])]
+        ok = dict(zip(plain, finite_mask([self.params[n].detach() for n in plain])))
+        with torch.no_grad():  # an 8-bit base's weight: its float parts (scales)
+            for n in names:
+                if n not in ok:
+                    ok[n] = all(bool(torch.isfinite(x).all())
+                                for x in _float_parts(self.params[n]))
+        out = [n for n in names if not ok[n]]
         if known:
             out = [n for n in out if n not in self.known
-                   or int((~torch.isfinite(self.params[n])).sum()) > self.known[n]]
+                   or _nonfinite(self.params[n]) > self.known[n]]
         return out
 
     def evidence(self, bad: list[str]) -> dict[str, Any]:
@@ -243,6 +259,10 @@ class FrozenWatch:
             mods[spec.part] = te
         for n in bad:
             src = self.sources[n]
+            if _quantized(self.params[n]):
+                return (f"{n} is stored in 8 bits (model.quantize_base): it is not repaired "
+                        "in place; resume the run from its last checkpoint (the base is "
+                        "quantized again from the files)")
             if src.part not in by_part:
                 by_part[src.part] = mods[src.part].state_dict()
             t = by_part[src.part].get(src.key)
@@ -257,3 +277,24 @@ class FrozenWatch:
                         f"{p.dtype} (values beyond its range)")
         self.repairs += 1
         return None
+
+
+def _quantized(t: Tensor) -> bool:
+    """Whether ``t`` is a torchao quantized weight (``model.quantize_base``): integer data
+    that cannot be non-finite, plus float scales that can."""
+    return type(t).__module__.startswith("torchao")
+
+
+def _float_parts(t: Tensor) -> list[Tensor]:
+    """The plain float tensors ``t`` is stored as (itself; a quantized weight: its
+    scales)."""
+    if not _quantized(t):
+        return [t]
+    names, _ = t.__tensor_flatten__()
+    return [getattr(t, n) for n in names if getattr(t, n).is_floating_point()] or \
+        [torch.zeros(1, device=t.device)]
+
+
+def _nonfinite(t: Tensor) -> int:
+    """How many stored elements of ``t`` are non-finite."""
+    return sum(int((~torch.isfinite(x)).sum()) for x in _float_parts(t))

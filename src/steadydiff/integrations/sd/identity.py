@@ -11,10 +11,11 @@ tokenizer files) under the base folder (and ``model.single_file_config``'s folde
 sha256 over those (relative name, file sha256) pairs. The combined hash does not depend on
 where the folder lies, so a moved or copied base is the same base; one changed byte is not.
 
-Hashing reads every weight file once (~1 s per GB). The record keeps each file's size and
-modification time next to its sha256: a later check of the same path re-hashes only the files
-whose size or time changed (a file rewritten in place, with its size and time restored, is the
-one case that slips through this fast path; a moved or copied base is always hashed again).
+Hashing reads every weight file once (~1 s per GB). The record keeps each file's size,
+modification time and inode-change time (``st_ctime``, which no tool can set back) next to its
+sha256: a later check of the same path re-hashes only the files whose size or times changed,
+so a file rewritten in place, even with its modification time restored, is hashed again; a
+moved or copied base is always hashed again.
 
 ``model.pretrained`` and ``model.single_file_config`` are made absolute when a run starts
 (:func:`absolute`), so the saved config names the folder trained on, whatever the working
@@ -47,7 +48,8 @@ class BaseMismatchError(ValueError):
 
 def absolute(cfg: Config) -> Config:
     """``cfg`` with ``model.pretrained`` and ``model.single_file_config`` absolute (``~``
-    expanded), as the run records them; unchanged when they already are or are unset."""
+    expanded), as the run records them; unchanged when they already are, are unset, or name
+    nothing on disk (a typo or a hub id keeps its own words for the error that follows)."""
     m = cfg.model
     changes: dict[str, Any] = {}
     for key in ("pretrained", "single_file_config"):
@@ -57,7 +59,7 @@ def absolute(cfg: Config) -> Config:
 
             if is_hub_id(v):  # before it becomes a path: a hub id is answered, not looked up
                 raise SDFolderError(hub_id_message(v))
-        if v:
+        if v and Path(v).expanduser().exists():
             a = str(Path(v).expanduser().absolute())
             if a != v:
                 changes[f"model.{key}"] = a
@@ -109,8 +111,8 @@ def base_identity(pretrained: str | os.PathLike[str], single_file_config: str | 
             time are those recorded there keeps its recorded sha256 (not read again).
 
     Returns:
-        ``{"path", "config", "sha256", "files": {name: [size, mtime_ns, sha256]}}``; names
-        are relative to the base (``config/...`` for the single file's config folder).
+        ``{"path", "config", "sha256", "files": {name: [size, mtime_ns, ctime_ns, sha256]}}``;
+        names are relative to the base (``config/...`` for the single file's config folder).
 
     Raises:
         BaseMismatchError: the base does not exist or cannot be read (the message names it).
@@ -130,17 +132,17 @@ def base_identity(pretrained: str | os.PathLike[str], single_file_config: str | 
             for name, p in _files(top):
                 st = p.stat()
                 key = prefix + name
+                stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
                 old = before.get(key)
-                digest = (old[2] if old and old[0] == st.st_size and old[1] == st.st_mtime_ns
-                          else _sha256(p))
-                files[key] = [st.st_size, st.st_mtime_ns, digest]
+                digest = old[3] if old and old[:3] == stamp else _sha256(p)
+                files[key] = [*stamp, digest]
         except OSError as e:
             raise BaseMismatchError(f"the base model {top} cannot be read "
                                     f"({e.strerror or e}: {e.filename})") from None
     if not files:
         raise BaseMismatchError(f"the base model {root} holds no model files "
                                 f"({', '.join(IDENTITY_SUFFIXES)})")
-    combined = hashlib.sha256(json.dumps(sorted((k, v[2]) for k, v in files.items()))
+    combined = hashlib.sha256(json.dumps(sorted((k, v[3]) for k, v in files.items()))
                               .encode()).hexdigest()
     return {"path": str(root), "config": str(conf) if conf else None, "sha256": combined,
             "files": files}
@@ -151,7 +153,7 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> str:
     fa, fb = a.get("files", {}), b.get("files", {})
     only_a = sorted(set(fa) - set(fb))
     only_b = sorted(set(fb) - set(fa))
-    changed = sorted(k for k in set(fa) & set(fb) if fa[k][2] != fb[k][2])
+    changed = sorted(k for k in set(fa) & set(fb) if fa[k][-1] != fb[k][-1])
     parts = []
     for what, names in (("changed", changed), ("only in the recorded base", only_a),
                         ("only in this one", only_b)):

@@ -360,9 +360,14 @@ def read_lora_file(path: str | Path) -> LoraFile:
     from safetensors import safe_open
 
     f = _file_of(Path(path).expanduser())
-    with safe_open(f, "pt") as fh:
-        meta = dict(fh.metadata() or {})
-        sd = {k: fh.get_tensor(k) for k in fh.keys()}
+    try:
+        with safe_open(f, "pt") as fh:
+            meta = dict(fh.metadata() or {})
+            sd = {k: fh.get_tensor(k) for k in fh.keys()}
+    except Exception as e:  # SafetensorError: a damaged file, or not safetensors at all
+        raise LoraFileError(f"{f}: not a readable .safetensors file ({type(e).__name__}: "
+                            f"{str(e).strip().splitlines()[0] if str(e).strip() else ''})"
+                            ) from None
     if not sd:
         raise LoraFileError(f"{f}: no tensors")
     mags: dict[str, Tensor] = {}

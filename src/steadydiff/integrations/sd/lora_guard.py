@@ -33,6 +33,8 @@ class LoraDelta:
     def __init__(self, layer: nn.Module, adapter: str = "default") -> None:
         self.layer, self.adapter = layer, adapter
         w = layer.base_layer.weight.detach()
+        if type(w) is not Tensor and hasattr(w, "dequantize"):  # an 8-bit base (torchao)
+            w = w.dequantize()
         self._w_norm = w.float().norm().clamp_min(1e-12)  # frozen: read once
 
     def _ab(self) -> tuple[Tensor, Tensor]:

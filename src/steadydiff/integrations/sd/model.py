@@ -446,7 +446,8 @@ class PeftLoraWeights(_SDWeights):
     def after_update(self, state: Any) -> None:
         """After an applied update: ‖dW‖/‖W‖ of every LoRA layer (one host sync); a layer
         past ``adapter.max_delta_ratio`` is rescaled to it, with an incident."""
-        if self.reads_at(state.step):
+        if self.reads_at(state.step) and not getattr(state, "sharded", None):
+            # (FSDP: each rank holds shards of A and B; the ratio needs whole ones: off)
             from ...adapters.core import clamp_deltas
             from .lora_guard import watched
 

@@ -31,7 +31,8 @@ from ...guard.provenance import is_attention
 from ...models import build_model
 from ...trainer import precision as prec
 from ...trainer.hooks import FULL_WEIGHTS, Weights
-from ..controlnet import ControlNetDenoiser, ControlNetWeights, build_controlnet
+from ..controlnet import (ControlLatents, ControlNetDenoiser, ControlNetWeights,
+                          build_controlnet)
 from .. import families
 from ..families import Family
 from .identity import check_base
@@ -267,8 +268,8 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 ok = ", ".join(f.label for f in families.FAMILIES
                                if f.controlnet_file_layout is not None)
                 raise ConfigError(f"controlnet.enabled: steadydiff does not train a "
-                                  f"{fam.label} ControlNet yet (its diffusers class differs "
-                                  f"from the UNet families'); it does for {ok}")
+                                  f"{fam.label} ControlNet yet (diffusers has no ControlNet "
+                                  f"class steadydiff knows for it); it does for {ok}")
             to_device(den, device, frozen).requires_grad_(False)
             controlnet = _controlnet(cfg, den, media.down, device, fam)
             weights = ControlNetWeights(parts.root, cfg.controlnet.init_from, fam)
@@ -295,8 +296,10 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         if model.encodes:
             model.set_null_ids(media.text_part(media.tokenize([""]))[0].to(device))
         if cfg.controlnet.enabled:
-            model = ControlNetDenoiser(model, controlnet,
-                                       controlnet.config.conditioning_channels)
+            vae = (ControlLatents(media.encode_images, media.shift, media.scale)
+                   if fam.controlnet_latent else None)
+            model = ControlNetDenoiser(model, controlnet, cfg.controlnet.conditioning_channels,
+                                       vae)
         # the frozen weights, known by their files: a mid-run corruption is named and
         # restored from disk by the guard (guard/basewatch.py), not blamed on the LR
         weights.frozen = FrozenWatch(model, m.pretrained, m.single_file_config, fam)
@@ -342,12 +345,18 @@ def _controlnet(cfg: Config, unet: nn.Module, down: int, device: torch.device,
     """The ControlNet a run trains (fp32, the upcast-aware attention): from the base UNet,
     or ``controlnet.init_from``'s."""
     c = cfg.controlnet
+    if fam.controlnet_latent and c.conditioning_channels != 3:
+        raise ConfigError(f"controlnet.conditioning_channels={c.conditioning_channels}: a "
+                          f"{fam.label} ControlNet reads the conditioning image through the "
+                          "VAE, which takes RGB: set controlnet.conditioning_channels=3 (a "
+                          "gray map is read as RGB)")
     try:
         net = build_controlnet(unet, down, init_from=c.init_from,
-                               conditioning_channels=c.conditioning_channels)
+                               conditioning_channels=c.conditioning_channels, family=fam,
+                               layers=(c.num_layers, c.num_single_layers))
     except ValueError as e:
-        raise ConfigError(f"controlnet.init_from: {e}") from None
-    have = int(net.config.conditioning_channels)
+        raise ConfigError(f"controlnet: {e}") from None
+    have = int(getattr(net.config, "conditioning_channels", None) or c.conditioning_channels)
     if have != c.conditioning_channels:
         raise ConfigError(f"controlnet.init_from={c.init_from} reads {have}-channel "
                           f"conditioning images: set controlnet.conditioning_channels={have}")
@@ -469,11 +478,10 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
         say(f"textual inversion: {token!r} in {have} of {len(captions)} captions")
     over = caption_overflow(media, data, captions)
     if over:
-        msg = overflow_message(over, media.context_len, len(captions))
-        log.warning(msg)
-        say(f"warning: {msg}")
+        say(f"warning: {overflow_message(over, media.context_len, len(captions))}")
     if media.tokens:  # the text encoder trains: its inputs, not its outputs, are fixed
         texts = token_ids(media, captions)
+        fallbacks.append(_in_step_tokens(media, data, captions, texts, say))
     else:
         # the text rows (hidden states + pooled); per-item ids (SDXL's) are added per item
         fp32 = torch.float32
@@ -604,6 +612,65 @@ def _text_fallback(media: TextToImage, data, captions: list[str], texts: Any,
         sources=[source_of(data, i) or f"item {i}" for i in items],
         why="the embedding overflowed or a token's embedding row is broken",
         quarantined=len(items), tokens=tokens or None)
+
+
+def _in_step_tokens(media: TextToImage, data, captions: list[str], texts: Any,
+                    say: Callable[[str], None]) -> Any:
+    """Text encoders that run in the step (shuffled captions, a text-encoder LoRA): their
+    token-embedding rows that are non-finite in the run's dtype. Finite on disk in fp32 (a
+    row beyond fp16's range): that encoder runs in fp32 from now on (its rows copied from
+    disk). Non-finite on disk too: the items whose captions use them are left out
+    (``texts.bad``; quarantined by the caller) naming the token, before any step."""
+    from ...guard.findings import EncoderFallback
+    from .frozen import nonfinite_token_rows
+
+    fp32, moved, dead = torch.float32, [], {}
+    for i, (te, tok) in enumerate(zip(media.text_encoders, media.tokenizers)):
+        rows = nonfinite_token_rows(te)
+        if not rows:
+            continue
+        disk = media._from_disk()
+        src = disk.text_encoders[i] if disk is not None else None
+        on_disk = set(nonfinite_token_rows(src)) if src is not None else set(rows)
+        if set(rows) - on_disk and src is not None:  # fp16 made them inf: run in fp32
+            emb = te.get_input_embeddings()
+            te.to(fp32)
+            with torch.no_grad():
+                emb.weight.copy_(src.get_input_embeddings().weight.to(emb.weight.device))
+            media.text_dtypes[i] = fp32
+            moved.append(f"text encoder {i + 1}")
+        for j in on_disk & set(rows):
+            dead[j] = f"token {tok.convert_ids_to_tokens(j)!r} (id {j}) of text encoder {i + 1}"
+    media.text_dtype = media.text_dtypes[0]
+    if not moved and not dead:
+        return None
+    bad_caps = {}
+    if dead:
+        ids = Tokenize(media.tokenizers, media.layout.ids_len)
+        for c in dict.fromkeys(captions):
+            hit = [dead[j] for j in dict.fromkeys(ids([c])[0].tolist()) if j in dead]
+            if hit:
+                bad_caps[c] = ("a token's embedding row is non-finite in the text encoder "
+                               "(on disk too): " + ", ".join(hit))
+        texts.bad.update(bad_caps)
+    items = [i for i, c in enumerate(captions) if c in bad_caps]
+    msg = ("text (encoded in the step): "
+           + (f"{', '.join(moved)} run(s) in fp32 (token-embedding rows beyond fp16's "
+              "range, finite on disk)" if moved else "")
+           + ("; " if moved and dead else "")
+           + (f"{len(items)} item(s) left out: their captions use " + ", ".join(sorted(
+               set(dead.values()))[:5]) + " (non-finite on disk: download the text encoder "
+              "again)" if dead else "")
+           + ". Set model.text_encoder_precision=fp32 to run the text encoders in fp32")
+    log.warning(msg)
+    say(f"warning: {msg}")
+    return EncoderFallback.new(
+        part="text_encoder", dtype="float16" if moved else str(media.text_dtype)
+        .removeprefix("torch."), count=len(moved) + len(bad_caps), total=len(set(captions)),
+        key="model.text_encoder_precision",
+        sources=[source_of(data, i) or f"item {i}" for i in items],
+        why="token-embedding rows non-finite in the run's dtype", quarantined=len(items),
+        tokens=sorted(set(dead.values())) or None)
 
 
 def _tokens_of(blame: str) -> list[str]:

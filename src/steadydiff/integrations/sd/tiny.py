@@ -24,7 +24,7 @@ from typing import Any, Literal
 from .. import families
 from .tiny_parts import tiny_text_encoder, tiny_tokenizer, tiny_unet, tiny_vae
 
-__all__ = ["make_tiny", "make_tiny_sd", "make_tiny_sdxl", "tiny_tokenizer",
+__all__ = ["make_tiny", "make_tiny_sd", "make_tiny_sdxl", "captioned_digits", "tiny_tokenizer",
            "tiny_text_encoder", "tiny_vae", "tiny_unet", "main"]
 
 
@@ -64,6 +64,32 @@ def make_tiny_sdxl(path: str | Path, *, image_size: int = 32, seed: int = 0,
                      force_zeros_for_empty_prompt=force_zeros_for_empty_prompt)
 
 
+def captioned_digits(folder: str | Path, *, n: int = 40, image_size: int = 32) -> Path:
+    """A folder of ``n`` captioned RGB images to train the kit on offline: scikit-learn's
+    bundled 8x8 digits, enlarged to ``image_size`` and tinted per class, each with a
+    kohya-style ``.txt`` caption ("a drawing of the digit 3, blue"). Refuses a folder that
+    already holds files."""
+    import numpy as np
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    out = Path(folder)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty; give a new folder for the images")
+    out.mkdir(parents=True, exist_ok=True)
+    d = load_digits()
+    colors = [("red", (255, 64, 64)), ("green", (64, 200, 64)), ("blue", (64, 96, 255))]
+    for i in range(n):
+        label = int(d.target[i])
+        name, rgb = colors[label % len(colors)]
+        gray = (d.images[i] / 16.0)[..., None]  # (8, 8, 1) in [0, 1]
+        img = (gray * np.array(rgb, dtype=np.float64)).astype(np.uint8)
+        Image.fromarray(img).resize((image_size, image_size), Image.NEAREST).save(
+            out / f"digit_{i:03d}.png")
+        (out / f"digit_{i:03d}.txt").write_text(f"a drawing of the digit {label}, {name}\n")
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="write a tiny model folder of a family's layout "
                                 "(random weights, for offline checks)")
@@ -75,7 +101,12 @@ def main(argv: list[str] | None = None) -> None:
                    help="sd only: the scheduler's prediction type (default epsilon)")
     p.add_argument("--image-size", type=int, default=32)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--images", default=None, metavar="DIR",
+                   help="also write 40 captioned images (the bundled digits, tinted, with a "
+                        ".txt caption each) to this new folder, to train on")
     a = p.parse_args(argv)
+    if a.images and Path(a.images).exists() and any(Path(a.images).iterdir()):
+        p.error(f"--images {a.images} exists and is not empty; give a new folder")
     if Path(a.out).exists() and any(Path(a.out).iterdir()):
         p.error(f"{a.out} exists and is not empty; give a new folder")
     kw = {}
@@ -91,9 +122,14 @@ def main(argv: list[str] | None = None) -> None:
         lib.set_verbosity_error()
         lib.disable_progress_bar()
     out = make_tiny(a.out, a.family, image_size=a.image_size, seed=a.seed, **kw)
-    print(f"wrote a tiny {a.family} model folder (random weights, {a.image_size} px) to {out}"
-          f"\n  train a LoRA on it: steadydiff train {families.get(a.family).example_config}"
-          f" --set model.pretrained={out} --set data.path=YOUR_IMAGES")
+    print(f"wrote a tiny {a.family} model folder (random weights, {a.image_size} px) to {out}")
+    data = "YOUR_IMAGES"
+    if a.images:
+        data = captioned_digits(a.images, image_size=a.image_size)
+        print(f"wrote 40 captioned images to {data}")
+    print(f"  train a LoRA on it: steadydiff train {families.get(a.family).example_config}"
+          f" --set model.pretrained={out} --set data.path={data}"
+          f" --set data.image_size={a.image_size}")
 
 
 if __name__ == "__main__":
