@@ -67,6 +67,10 @@ def test_only_the_new_rows_change(ti_run, sd_dir):  # noqa: F811
     tok = CLIPTokenizer.from_pretrained(sd_dir / "tokenizer")
     a = te.get_input_embeddings().weight[tok("a", add_special_tokens=False).input_ids[0]]
     assert (rows - a).abs().max() > 1e-4
+    from steadydiff.integrations.sd.advice import load_hints
+
+    hints = "\n".join(load_hints(pipe.config, tmp / "run"))  # the end-of-run lines
+    assert "models/embeddings/" in hints and "load_textual_inversion" in hints
     info = json.loads((res.checkpoint / "state.json").read_text())["adapter"]
     assert info["kind"] == "embedding" and info["num_vectors"] == 2
 
