@@ -1001,7 +1001,9 @@ class AdapterConfig(Section):
     """Fine-tuning with an adapter over frozen base weights (see docs/adapters.md)."""
 
     kind: AdapterKind = Field(
-        "none", description="none: train the whole model (no fine-tuning)")
+        "none", description="none: train the whole model (no fine-tuning); embedding (alias "
+        "textual_inversion): new token(s) of a Stable Diffusion model whose embeddings alone "
+        "train (docs/sd.md#textual-inversion)")
     base: str | None = Field(None, description="base weights: a steadydiff checkpoint or run "
                              "directory, or a .safetensors file whose keys match the model")
     use_ema_base: Bool = Field(True, description="steadydiff checkpoint: start from its EMA "
@@ -1049,6 +1051,21 @@ class AdapterConfig(Section):
         None, description="model.pretrained LoRA: start from this LoRA (a kohya/A1111 "
         ".safetensors, or a diffusers LoRA folder/file) instead of B = 0; its rank and alpha "
         "must equal adapter.rank/alpha")
+    token: str | None = Field(
+        None, description="adapter.kind=embedding: the new token trained (e.g. <sks>); it "
+        "names RUN/embeddings/<token>.safetensors and must appear in the captions "
+        "(data.trigger can put it there)")
+    init_token: str | None = Field(
+        None, description="adapter.kind=embedding: one existing token whose embedding starts "
+        "every vector (e.g. dog, person, style); None: the mean of the embedding table")
+    num_vectors: Int = Field(1, ge=1, le=75, description="adapter.kind=embedding: vectors "
+                             "per token (<token>, <token>_1, ... as diffusers names them)")
+
+    @field_validator("kind", mode="before")
+    @classmethod
+    def _kind_alias(cls, v: Any) -> Any:
+        return "embedding" if v == "textual_inversion" else v
+
     # adapter.base is required unless model.pretrained is the base: checked by Config
 
 
@@ -1175,6 +1192,20 @@ class Config(Section):
                              "adapter.kind=hypernetwork); remove it")
         if m.pretrained and a.base:
             raise ValueError("model.pretrained is the base of the adapter: remove adapter.base")
+        if a.kind == "embedding" and not m.pretrained:
+            raise ValueError("adapter.kind=embedding (textual inversion) adds tokens to a "
+                             "Stable Diffusion model's text encoders: it needs "
+                             "model.pretrained (an SD 1.x/2.x or SDXL folder or file)")
+        if a.kind == "embedding" and not a.token:
+            raise ValueError("adapter.kind=embedding needs adapter.token: the new word to "
+                             "train, e.g. adapter.token='<sks>'")
+        if a.kind != "embedding" and (a.token or a.init_token or a.num_vectors != 1):
+            raise ValueError("adapter.token, adapter.init_token and adapter.num_vectors "
+                             "configure textual inversion: set adapter.kind=embedding or "
+                             "remove them")
+        if a.kind == "embedding" and m.offload_text_encoders:
+            raise ValueError("model.offload_text_encoders: textual inversion runs the text "
+                             "encoders in every step; set model.offload_text_encoders=false")
         if a.variant != "lora" and not (m.pretrained and a.kind == "lora"):
             raise ValueError(f"adapter.variant={a.variant} is a LoRA variant over a model "
                              "family's denoiser: it needs model.pretrained and "

@@ -191,7 +191,7 @@ EVAL_METRICS: tuple[EvalMetric, ...] = get_args(EvalMetric)
 
 # --------------------------------------------------------------------------- adapter
 
-AdapterKind = Literal["none", "lora", "hypernetwork"]
+AdapterKind = Literal["none", "lora", "hypernetwork", "embedding"]
 ADAPTER_KINDS: tuple[AdapterKind, ...] = get_args(AdapterKind)
 # a Stable Diffusion hypernetwork's activation, A1111's names ("swish" is its Hardswish)
 HyperActivation = Literal["linear", "relu", "leakyrelu", "elu", "swish", "tanh", "sigmoid",

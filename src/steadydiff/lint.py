@@ -72,6 +72,8 @@ def _precision(cfg: Config, dev: "torch.device | None") -> str:
 
 def _lr_high(cfg: Config, _dev) -> str | None:
     kind, lr = cfg.model.kind, cfg.optim.lr
+    if cfg.adapter.kind == "embedding":  # textual inversion trains a few rows at 5e-4..1e-2
+        return None
     limit = LR_CEILING[kind]
     if lr <= limit:
         return None

@@ -50,8 +50,10 @@ class Preflight:
         if m.pretrained:
             how = {"lora": f"LoRA rank {cfg.adapter.rank}",
                    "hypernetwork": f"hypernetwork [1, {cfg.adapter.hidden_mult:g}, 1] "
-                                   f"{cfg.adapter.hyper_activation}"}.get(cfg.adapter.kind,
-                                                                         "full fine-tune")
+                                   f"{cfg.adapter.hyper_activation}",
+                   "embedding": f"textual inversion {cfg.adapter.token} "
+                                f"({cfg.adapter.num_vectors} vector(s)), every weight "
+                                "frozen"}.get(cfg.adapter.kind, "full fine-tune")
             from .integrations.sd.source import family  # the family table: no diffusers import
 
             if cfg.controlnet.enabled:

@@ -34,6 +34,9 @@ TASKS: tuple[Task, ...] = (
          ("data.dataset", "data.path", "data.image_size", "model.pretrained")),
     Task("flux-lora", "flux_lora.yaml", "a LoRA on a local FLUX.1 (dev, schnell) model",
          ("data.dataset", "data.path", "data.image_size", "model.pretrained")),
+    Task("textual-inversion", "sd_textual_inversion.yaml", "a textual-inversion embedding "
+         "(a new token) on a local Stable Diffusion 1.x/2.x or SDXL model",
+         ("data.dataset", "data.path", "data.image_size", "model.pretrained")),
     Task("controlnet", "sd_controlnet.yaml", "a ControlNet on a local Stable Diffusion model "
          "and paired conditioning images", ("data.dataset", "data.path", "data.image_size",
                                             "model.pretrained")),

@@ -120,6 +120,15 @@ def load_hints(cfg: Config, run_dir: str | Path) -> list[str]:
         f = run / "hypernetwork" / "hypernetwork.safetensors"
         if f.is_file():
             lines.append(f"hypernetwork: {f} -> A1111 models/hypernetworks/; {base}")
+    elif a.kind == "embedding":
+        f = run / "embeddings" / f"{a.token}.safetensors"
+        if f.is_file():
+            lines.append(f"embedding {a.token} ({a.num_vectors} vector(s)); {base}")
+            lines.append(f"  ComfyUI: copy {f} to models/embeddings/, prompt "
+                         f"embedding:{a.token}")
+            lines.append(f"  A1111:   copy it to embeddings/, prompt {a.token}")
+            lines.append(f"  diffusers: pipe.load_textual_inversion(\"{f.parent}/"
+                         "learned_embeds.safetensors\")")
     elif (run / "model").is_dir():
         lines.append(f"model: {run / 'model'} (a diffusers folder: "
                      "DiffusionPipeline.from_pretrained)")

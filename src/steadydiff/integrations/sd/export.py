@@ -95,10 +95,10 @@ def checkpoint_at(source: str | Path, step: int | None) -> Path:
 
 def export_adapter(source: str | Path, step: int | None = None, *,
                    use_ema: bool | None = None) -> tuple[list[Path], list[Path]]:
-    """``steadydiff export RUN --step N``: the numbered LoRA (hypernetwork) files of any kept
-    checkpoint of a model.pretrained adapter run, written into the run's ``lora/``
-    (``hypernetwork/``) folder as training writes them (numbered.py names them), in its
-    adapter.lora_format. Files already there are left as they are.
+    """``steadydiff export RUN --step N``: the numbered LoRA (hypernetwork, embedding) files of
+    any kept checkpoint of a model.pretrained adapter run, written into the run's ``lora/``
+    (``hypernetwork/``, ``embeddings/``) folder as training writes them (numbered.py names
+    them), in its adapter.lora_format. Files already there are left as they are.
 
     Args:
         source: a run directory or one of its checkpoints.
@@ -117,6 +117,7 @@ def export_adapter(source: str | Path, step: int | None = None, *,
 
     from ...loading import checkpoint_config
     from ...trainer import checkpoint as ckpt
+    from .embedding import EMB_FOLDER, EmbeddingWeights
     from .hypernetwork import HypernetworkWeights
     from .model import PeftLoraWeights
     from .numbered import publish
@@ -126,20 +127,21 @@ def export_adapter(source: str | Path, step: int | None = None, *,
     c = ckpt.load_checkpoint(path, "cpu", weights_only=True)
     cfg = checkpoint_config(c)
     kind = cfg.adapter.kind
-    if not cfg.model.pretrained or kind not in ("lora", "hypernetwork"):
+    if not cfg.model.pretrained or kind not in ("lora", "hypernetwork", "embedding"):
         what = "a full fine-tune: --single-file OUT" if cfg.model.pretrained else \
             "steadydiff's own model: --out OUT"
-        raise ValueError(f"{path} is not a Stable Diffusion LoRA or hypernetwork run "
+        raise ValueError(f"{path} is not a Stable Diffusion LoRA, hypernetwork or embedding run "
                          f"(adapter.kind={kind}); it is {what} exports it")
     ema = cfg.sample.use_ema if use_ema is None else use_ema
     model, _ = load_trained(c, cfg, use_ema=ema)
     base = model_root(cfg.model)
     weights = PeftLoraWeights(base, list(cfg.adapter.targets), cfg.adapter.rank,
                               cfg.adapter.alpha or cfg.adapter.rank) if kind == "lora" \
-        else HypernetworkWeights(cfg.adapter, base, [])
+        else EmbeddingWeights(cfg.adapter, base, [0] * len(model.text_encoders)) \
+        if kind == "embedding" else HypernetworkWeights(cfg.adapter, base, [])
     run = path.parent.parent if path.parent.name == "checkpoints" else \
         path.parent.parent.parent if path.parent.name == "best" else path.parent
-    folder = run / ("lora" if kind == "lora" else "hypernetwork")
+    folder = run / {"lora": "lora", "embedding": EMB_FOLDER}.get(kind, "hypernetwork")
     folder.mkdir(parents=True, exist_ok=True)
     precision = str(c.state.get("precision") or cfg.train.precision)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".export-") as tmp:

@@ -668,14 +668,22 @@ class Tokenize:
     Args:
         tokenizers: a tokenizer, or the family's tokenizers in order.
         lengths: each one's length (one int for one tokenizer).
+        expand: a textual-inversion token and its vector count (embedding.py): the token
+            in a prompt becomes its vectors' tokens first.
     """
 
-    def __init__(self, tokenizers: Any, lengths: int | tuple[int, ...]) -> None:
+    def __init__(self, tokenizers: Any, lengths: int | tuple[int, ...],
+                 expand: tuple[str, int] | None = None) -> None:
         self.tokenizers = list(tokenizers) if isinstance(tokenizers, (list, tuple)) \
             else [tokenizers]
         self.lengths = (lengths,) if isinstance(lengths, int) else tuple(lengths)
+        self.expand = expand
 
     def __call__(self, prompts: list[str]) -> torch.Tensor:
+        if self.expand is not None:
+            from .embedding import expand_prompt
+
+            prompts = [expand_prompt(p, *self.expand) for p in prompts]
         return torch.cat([t(list(prompts), padding="max_length", truncation=True,
                             max_length=n, return_tensors="pt").input_ids
                           for t, n in zip(self.tokenizers, self.lengths)], dim=1)
@@ -721,6 +729,7 @@ class TextToImage:
         self.text_device = device  # where the text encoders are (offload: the CPU)
         self.notes: list[str] = []  # what setup.build did to the model, said at the start
         self.tokens = False  # True: prompts become token ids (the model encodes them)
+        self.expand: tuple[str, int] | None = None  # a textual-inversion token, its vectors
         self.layout: Layout = family.layout(self.tokenizers, self.text_encoders, force_zeros,
                                             max_sequence_length)
         self.force_zeros = force_zeros  # the null condition is zeros, not the encoded ""
@@ -771,7 +780,7 @@ class TextToImage:
     def tokenize(self, prompts: list[str]) -> Tensor:
         """(B, L1 + L2 + ... + ids) long: each tokenizer's ids, padded to its length and
         truncated (as diffusers), then the zero slot of the per-sample ids (SDXL's)."""
-        ids = Tokenize(self.tokenizers, self.layout.ids_len)(list(prompts))
+        ids = Tokenize(self.tokenizers, self.layout.ids_len, self.expand)(list(prompts))
         if self.layout.extra_ids:
             ids = torch.cat([ids, ids.new_zeros(len(prompts), self.layout.extra_ids)], dim=1)
         return ids

@@ -249,6 +249,20 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             weights = HypernetworkWeights(a, parts.root, layers)
+        elif a.kind == "embedding":  # textual inversion: only the new tokens' rows train
+            from .embedding import EmbeddingWeights, add_embedding
+
+            to_device(den, device, frozen).requires_grad_(False)
+            try:
+                firsts = add_embedding(media.tokenizers, media.text_encoders, token=a.token,
+                                       init_token=a.init_token, num_vectors=a.num_vectors,
+                                       family=fam.label)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            in_step = list(media.text_encoders)  # they encode in the step, rows trained
+            media.tokens = True
+            media.expand = (a.token, a.num_vectors)
+            weights = EmbeddingWeights(a, parts.root, firsts)
         elif cfg.controlnet.enabled:  # the UNet frozen, a ControlNet trains beside it
             if fam.controlnet_file_layout is None:
                 ok = ", ".join(f.label for f in families.FAMILIES
@@ -380,7 +394,10 @@ def load_trained(c, cfg: Config, *, use_ema: bool = True,
                                      update={"init_from": None})})
     model, weights, media = build(cfg, device)
     saved = c.ema if use_ema else c.model
-    if isinstance(weights, (PeftLoraWeights, HypernetworkWeights, ControlNetWeights)):
+    from .embedding import EmbeddingWeights
+
+    if isinstance(weights, (PeftLoraWeights, HypernetworkWeights, ControlNetWeights,
+                            EmbeddingWeights)):
         own = {n: p for n, p in model.named_parameters() if p.requires_grad}
         if set(own) != set(saved):
             raise CheckpointError(f"{c.path}: its adapter tensors do not match the "
@@ -450,6 +467,15 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     :class:`~steadydiff.data.cache.CachingStopped` (a stop signal; what is cached stays)."""
     captions = list(data.captions)
     fallbacks: list[Any] = []  # encoder_fallback findings, recorded by record_quarantine
+    if media.expand is not None:  # textual inversion: only captions with the token train it
+        token = media.expand[0]
+        have = sum(token in c for c in captions)
+        if not have:
+            raise ConfigError(f"adapter.token={token!r} is in none of the {len(captions)} "
+                              "captions, so its embedding would never train: set "
+                              f"data.trigger={token!r} (put first in every caption) or write "
+                              "it into the captions")
+        say(f"textual inversion: {token!r} in {have} of {len(captions)} captions")
     over = caption_overflow(media, data, captions)
     if over:
         say(f"warning: {overflow_message(over, media.context_len, len(captions))}")
@@ -510,7 +536,7 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
         else:
             say("conditioning images: read from the dataset as each item is drawn")
     out = EncodedDataset(data, latents, texts, variants=variants,
-                         tokenize=Tokenize(media.tokenizers, media.layout.ids_len),
+                         tokenize=Tokenize(media.tokenizers, media.layout.ids_len, media.expand),
                          extra=extra, conditioning=conditioning)
     out.caption_overflow = len(over)
     for note in media.notes:  # what build did to the model that the start should say
