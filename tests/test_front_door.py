@@ -93,3 +93,20 @@ def test_tiny_kit_says_what_it_wrote_and_what_to_run(tmp_path, capsys):
     assert f"to {tmp_path / 'kit'}" in out
     assert (f"steadydiff train configs/sd_lora.yaml --set model.pretrained={tmp_path / 'kit'}"
             " --set data.path=YOUR_IMAGES --set data.image_size=32") in out
+
+
+def test_export_out_writes_a_stable_diffusion_folder_as_one_file(tmp_path, capsys):
+    """`--out` is the file export writes, whatever the source: a diffusers SD folder gives
+    the original single-file layout, as --single-file did."""
+    pytest.importorskip("diffusers")
+    from safetensors import safe_open
+
+    from steadydiff.integrations.sd.tiny import make_tiny_sd
+    folder = make_tiny_sd(tmp_path / "sd")
+    out = tmp_path / "model.safetensors"
+    assert main(["export", str(folder), "--out", str(out)]) == 0
+    assert "original single-file layout" in capsys.readouterr().out
+    with safe_open(str(out), "pt") as f:
+        keys = list(f.keys())
+    assert any(k.startswith("model.diffusion_model.") for k in keys)
+    assert any(k.startswith("first_stage_model.") for k in keys)

@@ -260,9 +260,12 @@ def _parser() -> argparse.ArgumentParser:
                             "RUN/checkpoints (step_00001000, best/step_00001000)")
     what = xp.add_mutually_exclusive_group()
     what.add_argument("--out", metavar="OUT.safetensors",
-                      help="steadydiff's own model as one file (see above)")
+                      help="the file to write: steadydiff's own model as one file, or a "
+                           "Stable Diffusion fine-tune (or diffusers folder) as one "
+                           "original-layout file (see above)")
     what.add_argument("--single-file", metavar="OUT.safetensors",
-                      help="a Stable Diffusion fine-tune as one original-layout file")
+                      help="the same as --out for a Stable Diffusion fine-tune (kept for "
+                           "scripts)")
     xp.add_argument("--raw-weights", action="store_true",
                     help="use the raw model weights instead of the EMA")
     xp.add_argument("--base", default=None, metavar="PATH",
@@ -632,6 +635,8 @@ def cmd_export(a: argparse.Namespace) -> int:
         from .integrations.sd.export import checkpoint_at
 
         a.source = checkpoint_at(a.source, a.step)
+    if a.out and _stable_diffusion_source(a.source):  # --out: the file this command writes
+        a.single_file, a.out = a.out, None
     if a.out:
         from .loading import export_model
 
@@ -647,6 +652,22 @@ def cmd_export(a: argparse.Namespace) -> int:
     print(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB, original single-file "
           "layout)")
     return EXIT_OK
+
+
+def _stable_diffusion_source(source: str | Path) -> bool:
+    """Whether ``export SOURCE --out`` writes a Stable Diffusion single file: a diffusers
+    folder, or a run / checkpoint whose config names ``model.pretrained`` (its state.json
+    read, no weights)."""
+    from .trainer import checkpoint as ckpt
+
+    p = Path(source)
+    if (p / "model_index.json").is_file():
+        return True
+    try:
+        state = json.loads((ckpt.resolve_checkpoint(p) / "state.json").read_text())
+    except (OSError, ValueError, RuntimeError):
+        return False  # export names what is wrong with it
+    return bool(((state.get("config") or {}).get("model") or {}).get("pretrained"))
 
 
 def cmd_report(a: argparse.Namespace) -> int:
