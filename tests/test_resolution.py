@@ -169,7 +169,7 @@ def test_cli_refuses_without_the_flag_and_grows_with_it(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "data.image_size: 8 -> 16" in err and "pass --grow-resolution" in err
     # --dry-run checks the grown config (attention by depth) without training
-    args = ["train", "configs/digits_cond.yaml", "--out", str(run), "--dry-run",
+    args = ["train", "configs/digits_cond.yaml", "--out", str(run), "--dry-run", "--print-config",
             "--grow-resolution"]
     assert main(args + sum((["--set", o] for o in TINY + ["data.image_size=16"]), [])) == 0
     dry = capsys.readouterr()

@@ -201,7 +201,8 @@ def test_set_is_repeatable_and_never_takes_the_config_path(capsys):
 def test_cli_bad_input_exit_code(capsys, tmp_path):
     assert main(["train", "configs/digits_cond.yaml", "--dry-run", "--set", "train.stepz=1"]) == 2
     assert "did you mean 'train.steps'" in capsys.readouterr().err
-    assert main(["sample", str(tmp_path), "--out", str(tmp_path / "x.png")]) == 2
+    (tmp_path / "run").mkdir()
+    assert main(["sample", str(tmp_path / "run"), "--out", str(tmp_path / "x.png")]) == 2
     assert "no intact checkpoint" in capsys.readouterr().err
 
 

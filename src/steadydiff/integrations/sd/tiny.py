@@ -118,10 +118,20 @@ def main(argv: list[str] | None = None) -> None:
     import diffusers.utils.logging as diffusers_log
     import transformers.utils.logging as transformers_log
 
-    for lib in (diffusers_log, transformers_log):  # their notes and bars say nothing here
+    # their notes and bars say nothing here; the settings are given back afterwards (main
+    # may be called in a process that goes on: a test, a script)
+    before = [(lib, lib.get_verbosity(), lib.is_progress_bar_enabled())
+              for lib in (diffusers_log, transformers_log)]
+    for lib, _, _ in before:
         lib.set_verbosity_error()
         lib.disable_progress_bar()
-    out = make_tiny(a.out, a.family, image_size=a.image_size, seed=a.seed, **kw)
+    try:
+        out = make_tiny(a.out, a.family, image_size=a.image_size, seed=a.seed, **kw)
+    finally:
+        for lib, level, bars in before:
+            lib.set_verbosity(level)
+            if bars:
+                lib.enable_progress_bar()
     print(f"wrote a tiny {a.family} model folder (random weights, {a.image_size} px) to {out}")
     data = "YOUR_IMAGES"
     if a.images:
