@@ -110,3 +110,16 @@ def test_export_out_writes_a_stable_diffusion_folder_as_one_file(tmp_path, capsy
         keys = list(f.keys())
     assert any(k.startswith("model.diffusion_model.") for k in keys)
     assert any(k.startswith("first_stage_model.") for k in keys)
+
+
+def test_dry_run_makes_the_caption_length_check_the_run_makes(tmp_path, capsys):
+    pytest.importorskip("diffusers")
+    from steadydiff.integrations.sd.tiny import captioned_digits, make_tiny_sd
+    folder = make_tiny_sd(tmp_path / "sd")
+    images = captioned_digits(tmp_path / "images", n=4)
+    (images / "digit_002.txt").write_text(" ".join(f"tag{i}," for i in range(120)))
+    assert main(["train", str(ROOT / "configs/sd_lora.yaml"), "--dry-run",
+                 "--set", f"model.pretrained={folder}", "--set", f"data.path={images}",
+                 "--set", "data.image_size=32", "--set", "train.precision=fp32"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("1 of 4 captions are longer") == 1 and "digit_002.png" in err

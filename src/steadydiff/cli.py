@@ -452,6 +452,7 @@ def cmd_train(a: argparse.Namespace) -> int:
         from .devices import resolve_device
         from .lint import lint_report
         from .preflight import check, resolve, resolve_data, resolve_epochs
+        from .preflight import text_model as preflight_text_model
         from .trainer import speed
 
         if a.grow_resolution:  # the config the grown run would train with
@@ -467,6 +468,12 @@ def cmd_train(a: argparse.Namespace) -> int:
 
         # what a run checks before its first step: fails the same way
         pre = check(cfg, device=device)
+        if preflight_text_model(cfg):  # the caption-length check the run makes at its start
+            from .integrations.sd.setup import caption_length_warning
+
+            warn = caption_length_warning(cfg, pre.data)
+            if warn:
+                print(f"warning: {warn}", file=sys.stderr)
         cfg, lines = resolve_epochs(cfg, pre.data)  # train.epochs -> steps; kohya subsets
         print("".join(f"{line}\n" for line in lines), end="", file=sys.stderr)
         print(_config_text(cfg, whole=a.print_config), end="")

@@ -561,13 +561,38 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
 def caption_overflow(media: TextToImage, data, captions: list[str]) -> list[tuple[str, int]]:
     """The items whose caption (trigger included) has more tokens than the first text
     encoder takes (``model_max_length``, 77 for CLIP): ``[(file, tokens)]``."""
+    return _overflow(media.tokenizer, media.context_len, data, captions)
+
+
+def _overflow(tokenizer, limit: int, data, captions: list[str]) -> list[tuple[str, int]]:
     def count(texts: list[str]) -> list[int]:
         # verbose=False: the tokenizer's own "longer than the maximum" warning names no file
-        return [len(ids) for ids in
-                media.tokenizer(texts, truncation=False, verbose=False)["input_ids"]]
+        return [len(ids) for ids in tokenizer(texts, truncation=False, verbose=False)["input_ids"]]
 
     names = [source_of(data, i) or f"item {i}" for i in range(len(captions))]
-    return token_overflow(captions, count, media.context_len, names)
+    return token_overflow(captions, count, limit, names)
+
+
+def caption_length_warning(cfg: Config, data) -> str | None:
+    """The caption-length warning a run prints at its start (:func:`caption_overflow`), made
+    from the first tokenizer alone, no weights loaded: ``train --dry-run`` makes the check
+    the run makes. None when every caption fits (or the data has no captions)."""
+    from transformers import AutoTokenizer
+
+    from ..families.base import load_part
+
+    captions = getattr(data, "captions", None)
+    if not captions:
+        return None
+    m = cfg.model
+    if m.pretrained:
+        tok_dir = model_root(m) / family(m).text[0].tokenizer
+    else:
+        tok_dir = Path(m.text_encoder).expanduser() / "tokenizer"
+    tokenizer = load_part("tokenizer", AutoTokenizer.from_pretrained, tok_dir)
+    limit = model_geometry(cfg)["context_len"]
+    over = _overflow(tokenizer, limit, data, list(captions))
+    return overflow_message(over, limit, len(captions)) if over else None
 
 
 def token_ids(media: TextToImage, captions: list[str]) -> TextResult:
