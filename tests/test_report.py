@@ -211,3 +211,22 @@ def test_real_run_with_incidents(tmp_path):
     assert 'alt="samples at step 14"' in page
     if (run / "layers.jsonl").is_file():  # written by the trainer since issue 5
         assert 'alt="per-module gradient norm heat map"' in page
+
+
+def test_files_section_lists_what_a_fine_tune_leaves_to_load(tmp_path):
+    """A fine-tune's report names its LoRA files, its base model, the rank and the trigger
+    (what a user loads in ComfyUI, A1111 or diffusers)."""
+    import yaml
+
+    run = synthetic_run(tmp_path / "run")
+    conf = yaml.safe_load((run / "config.yaml").read_text()) or {}
+    conf.setdefault("model", {})["pretrained"] = "/models/sd-1-5"
+    conf["adapter"] = {"kind": "lora", "rank": 8, "alpha": 4}
+    conf.setdefault("data", {})["trigger"] = "sks"
+    (run / "config.yaml").write_text(yaml.safe_dump(conf))
+    (run / "lora").mkdir()
+    (run / "lora" / "run.safetensors").write_bytes(b"x" * 100)
+    (run / "lora" / "pytorch_lora_weights.safetensors").write_bytes(b"x" * 50)
+    page = write_report(run).read_text()
+    assert "lora/: 2 file(s)" in page and "run.safetensors (100 bytes)" in page
+    assert "base model: /models/sd-1-5 (lora, rank 8, alpha 4; trigger sks)" in page

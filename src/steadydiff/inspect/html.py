@@ -233,6 +233,27 @@ def _files_html(log: RunLog) -> str:
         items.append(f"<li>{esc(p.name)}: " + (f"{p.stat().st_size:,} bytes" if p.is_file()
                                                 else "<i>absent</i>") + "</li>")
     items.append(f"<li>samples/: {len(log.samples)} grid(s)</li>")
+    # what a fine-tune leaves to load elsewhere (LoRA, hypernetwork, embedding, ControlNet,
+    # a full fine-tune's folder), its base and its rank
+    root = rd.config.parent
+    for sub in ("lora", "hypernetwork", "embeddings", "controlnet", "model"):
+        d = root / sub
+        if d.is_dir():
+            files = sorted(f for f in d.rglob("*.safetensors") if f.is_file())
+            shown = ", ".join(f"{esc(f.relative_to(d))} ({f.stat().st_size:,} bytes)"
+                              for f in files[:12])
+            more = f", and {len(files) - 12} more" if len(files) > 12 else ""
+            items.append(f"<li>{sub}/: {len(files)} file(s){': ' if files else ''}"
+                         f"{shown}{more}</li>")
+    model = log.config.get("model") or {}
+    adapter = log.config.get("adapter") or {}
+    if model.get("pretrained"):
+        kind = adapter.get("kind", "none")
+        what = (f"{kind}, rank {adapter.get('rank')}, alpha {adapter.get('alpha')}"
+                if kind == "lora" else kind if kind != "none" else "full fine-tune")
+        items.append(f"<li>base model: {esc(model['pretrained'])} ({esc(what)}"
+                     + (f"; trigger {esc(log.config.get('data', {}).get('trigger'))}"
+                        if (log.config.get("data") or {}).get("trigger") else "") + ")</li>")
     items.append(f"<li>checkpoints/: {len(log.checkpoints)} "
                  + (f"(newest {esc(log.checkpoints[0].name)})" if log.checkpoints else "")
                  + "</li>")
