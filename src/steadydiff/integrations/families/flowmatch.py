@@ -40,6 +40,19 @@ _REFUSED = {"invert_sigmas": False, "shift_terminal": None, "use_karras_sigmas":
             "time_shift_type": "exponential", "stochastic_sampling": False}
 
 
+def trainer_defaults(trainers: str) -> dict[str, Setting]:
+    """What the flow-matching LoRA trainers (diffusers' SD3, FLUX.1, Z-Image scripts) set
+    alike: logit-normal timesteps (mean 0, std 1) and no loss weighting; ``trainers`` names
+    them in the start line."""
+    return {
+        "diffusion.timestep_sampling": Setting("logit_normal", trainers, default=True),
+        "diffusion.logit_mean": Setting(0.0, trainers, default=True),
+        "diffusion.logit_std": Setting(1.0, trainers, default=True),
+        "diffusion.loss_weighting": Setting("uniform", trainers + ": weighting none",
+                                            default=True),
+    }
+
+
 def flow_recipe(root: Path, defaults: dict[str, Setting]) -> dict[str, Setting]:
     """The rectified-flow recipe of the folder ``root`` (its ``scheduler_config.json``)
     and the family's ``defaults`` (the trainers' timestep density, loss weighting, caption

@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from ..sd.original import Entry
 from .base import Family, Layout, Parts, Setting, TextEncoder
-from .flowmatch import (SCHEDULER, encoder_autocast_off, flow_recipe, load_transformer_file,
+from .flowmatch import (SCHEDULER, trainer_defaults, encoder_autocast_off, flow_recipe, load_transformer_file,
                         prepare_joint_attention, transformer_prefix, transformer_state,
                         vae_down)
 
@@ -154,11 +154,7 @@ class Flux(Family):
     def recipe(self, root: Path) -> dict[str, Setting]:
         trainers = "the FLUX.1 trainers' default (diffusers train_dreambooth_lora_flux.py)"
         return flow_recipe(root, {
-            "diffusion.timestep_sampling": Setting("logit_normal", trainers, default=True),
-            "diffusion.logit_mean": Setting(0.0, trainers, default=True),
-            "diffusion.logit_std": Setting(1.0, trainers, default=True),
-            "diffusion.loss_weighting": Setting("uniform", trainers + ": weighting none",
-                                                default=True),
+            **trainer_defaults(trainers),
             "diffusion.cfg_dropout": Setting(
                 0.0, "FLUX.1 is guidance-distilled: no unconditional pass samples the null "
                 "condition", default=True),

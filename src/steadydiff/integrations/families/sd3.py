@@ -43,7 +43,8 @@ from torch import Tensor, nn
 from ..sd.original import Entry
 from .base import Family, Layout, Parts, SDFolderError, Setting, TextEncoder
 from .flowmatch import (SCHEDULER, encoder_autocast_off, flow_recipe, load_transformer_file,
-                        prepare_joint_attention, transformer_prefix, transformer_state)
+                        prepare_joint_attention, trainer_defaults, transformer_prefix,
+                        transformer_state)
 
 __all__ = ["SD3", "original_table"]
 
@@ -142,11 +143,7 @@ class SD3(Family):
     def recipe(self, root: Path) -> dict[str, Setting]:
         trainers = "the SD3 trainers' default (diffusers train_dreambooth_lora_sd3.py)"
         return flow_recipe(root, {
-            "diffusion.timestep_sampling": Setting("logit_normal", trainers, default=True),
-            "diffusion.logit_mean": Setting(0.0, trainers, default=True),
-            "diffusion.logit_std": Setting(1.0, trainers, default=True),
-            "diffusion.loss_weighting": Setting("uniform", trainers + ": weighting none",
-                                                default=True),
+            **trainer_defaults(trainers),
             # StableDiffusion3Pipeline samples the scheduler's own grid (no sigmas passed)
             "diffusion.flow.grid_end": Setting("table", "StableDiffusion3Pipeline's grid (the "
                                                "scheduler's, to shift(1/1000))"),

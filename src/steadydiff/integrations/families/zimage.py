@@ -58,7 +58,7 @@ from torch import Tensor, nn
 
 from .attention import UpcastJointAttention
 from .base import Family, Layout, Parts, Setting, TextEncoder
-from .flowmatch import SCHEDULER, encoder_autocast_off, flow_recipe, vae_down
+from .flowmatch import trainer_defaults, SCHEDULER, encoder_autocast_off, flow_recipe, vae_down
 
 __all__ = ["ZImage", "ChatTokenizer", "caption_tokens"]
 
@@ -123,6 +123,7 @@ class ZImage(Family):
     """Z-Image and Z-Image-Turbo."""
 
     name = "zimage"
+    example_config = "configs/zimage_lora.yaml"
     label = "Z-Image"
     title = "Z-Image transformer"
     pipelines = ("ZImagePipeline",)
@@ -164,11 +165,7 @@ class ZImage(Family):
     def recipe(self, root: Path) -> dict[str, Setting]:
         trainers = "diffusers' flow-matching LoRA trainers' default"
         return flow_recipe(root, {
-            "diffusion.timestep_sampling": Setting("logit_normal", trainers, default=True),
-            "diffusion.logit_mean": Setting(0.0, trainers, default=True),
-            "diffusion.logit_std": Setting(1.0, trainers, default=True),
-            "diffusion.loss_weighting": Setting("uniform", trainers + ": weighting none",
-                                                default=True),
+            **trainer_defaults(trainers),
             # the dynamic shift (where the config asks) counts 2x2 patches of latents
             "diffusion.flow.token_pixels": Setting(
                 2 * vae_down(root), f"{root.name}/vae/config.json: x{vae_down(root)} "
