@@ -220,3 +220,32 @@ def test_sdxl_writes_clip_l_and_clip_g_and_diffusers_loads_both(tmp_path):
     with torch.no_grad():
         y = ours.model.encode(ours.media.tokenize([prompt]))
     torch.testing.assert_close(y[:, :after.shape[1]], after, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("every", [1, 10])
+def test_rows_written_nan_by_outside_code_between_steps_are_named_and_undone(
+        sd_dir, tmp_path, monkeypatch, every):  # noqa: F811
+    """The test's own code (not steadydiff's injector) writes NaN into the trained embedding
+    rows between steps 3 and 4: both checks name the parameter, the run ends finite, and no
+    written embedding file holds the NaN."""
+    from safetensors.torch import load_file
+
+    from test_outside_faults import hook_steps
+    from test_sd import incidents
+
+    def corrupt(state, batch):
+        with torch.no_grad():
+            p = dict(state.model.named_parameters())
+            name = next(n for n in p if n.endswith(ROWS))
+            p[name][0, 0] = float("nan")
+
+    hook_steps(monkeypatch, 4, corrupt)
+    data = shapes(tmp_path / "images")
+    res = steadydiff.train(ti_config(sd_dir, data, "train.steps=6", "guard.warmup_steps=10",
+                                     f"guard.check_every={every}"), out_dir=tmp_path / "run")
+    assert res.steps == 6
+    rows = incidents(tmp_path / "run")
+    assert any(ROWS in json.dumps(r["evidence"]) for r in rows), rows
+    for f in (tmp_path / "run" / "embeddings").glob("*.safetensors"):
+        for v in load_file(str(f)).values():
+            assert torch.isfinite(v).all(), f
