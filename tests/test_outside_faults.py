@@ -335,3 +335,34 @@ def test_unreproduced_faults_are_summarised_and_advised_per_rank():
     mixed = [row(14, 0), row(30, 0, reproduced=True)]
     advice = mixed[0].recommendation(group=mixed)
     assert "one-off" in advice and "check the data" in advice
+
+
+def test_a_few_number_parameter_swinging_its_adam_step_is_not_a_large_update():
+    """A healthy eps run of the digits quick start aborted at step 110: its one-channel
+    output bias (one number) took an Adam step 11x its running mean, as a lone scalar's
+    step does when its gradient's sign settles. Parameters of fewer than 64 values are not
+    counted; the same 50x step on a layer still is."""
+    from steadydiff.guard.checks import UpdateSize, Weights
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Parameter(torch.randn(32, 32)) for _ in range(4)]
+    bias = torch.nn.Parameter(torch.zeros(1))
+    params = [*layers, bias]
+    w = Weights(torch.nn.Module(), [f"p{i}" for i in range(5)], params, False)
+    sizes = UpdateSize(10.0, 0.97, 5)
+    lr = 1e-3
+
+    def step(first_scale: float, bias_step: float):
+        w.begin_update()
+        with torch.no_grad():
+            for i, p in enumerate(layers):
+                p.add_(torch.randn_like(p) * lr * (first_scale if i == 0 else 1.0))
+            bias.add_(bias_step * lr)
+        norms = torch.stack([p.detach().norm() for p in params])
+        return [float(r) for r in w.update_ratios(norms)]
+
+    for k in range(20):  # the bias barely moves: its gradient's sign keeps flipping
+        sizes.observe(step(1.0, 0.05 if k % 2 else -0.05), lr)
+    assert sizes.check(step(1.0, 1.0), lr) is None  # 20x its usual: one number, not counted
+    big = sizes.check(step(50.0, 0.05), lr)
+    assert big and [b[0] for b in big] == [0]  # the layer's 50x step is a large update

@@ -202,6 +202,9 @@ def grad_origin(g: "Guard", replay, num_micro: int, after_backward) -> dict[str,
     return out
 
 
+MIN_UPDATE_NUMEL = 64  # (see Weights.counted)
+
+
 class Weights:
     """The trainable weights against the last verified ones (their norms, kept on the
     device): ``prev`` is None when there is nothing to compare with (the first step, after a
@@ -214,6 +217,12 @@ class Weights:
         # zero are not "jumps"
         self.floor = torch.tensor([0.05 * math.sqrt(p.numel()) for p in params],
                                   device=params[0].device if params else None)
+        # the update-size check counts parameters of MIN_UPDATE_NUMEL values or more: Adam's
+        # step on a handful of numbers (a one-channel output bias) swings 10x from one step
+        # to the next as its gradient's sign settles or flips (the digits UNet's out.conv.bias
+        # did, at step 110 of a healthy eps run), where a layer's thousands average out
+        self.counted = torch.tensor([float(p.numel() >= MIN_UPDATE_NUMEL) for p in params],
+                                    device=params[0].device if params else None)
         self.prev: torch.Tensor | None = None
         self.delta: list[torch.Tensor] | None = None  # the weights before this update
         self.delta_off = False  # no room for the copy, or the check is disabled
@@ -244,7 +253,7 @@ class Weights:
         update."""
         torch._foreach_sub_(self.delta, [sharding.local(p.detach()) for p in self.params])
         moved = sharding.norms(self.delta, reduce=self.sharded)
-        return moved / torch.maximum(norms, self.floor)
+        return moved / torch.maximum(norms, self.floor) * self.counted
 
     def forget(self) -> None:
         """Nothing verified to compare with (after a rollback, a resync, a restore)."""
