@@ -485,21 +485,3 @@ def test_large_upscales_are_warned_naming_the_smallest_image(tmp_path):
 
     captioned = CaptionedImageFolder(data, source="txt")
     assert upscale_warning(captioned, 512).startswith("warning: 2 of 4 images")
-
-
-@pytest.mark.parametrize("keys, needle", [
-    (("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"), "a LyCORIS LoHa"),
-    (("lokr_w1", "lokr_w2", "alpha"), "a LyCORIS LoKr"),
-])
-def test_loha_and_lokr_files_are_refused_by_name(tmp_path, keys, needle):
-    import torch
-    from safetensors.torch import save_file
-
-    from steadydiff.integrations.sd import lora_files as lf
-
-    name = "lora_unet_down_blocks_0_attentions_0_transformer_blocks_0_attn1_to_q"
-    f = tmp_path / "lyco.safetensors"
-    save_file({f"{name}.{k}": torch.ones(()) if k == "alpha" else torch.zeros(4, 4)
-               for k in keys}, f)
-    with pytest.raises(lf.LoraFileError, match=needle + ".*does not read or train yet"):
-        lf.read_lora_file(f)

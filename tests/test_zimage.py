@@ -157,6 +157,44 @@ def test_lora_run_samples_what_the_diffusers_pipeline_draws(folder, tmp_path):
                                atol=1e-4, rtol=0)
 
 
+def test_lokr_run_writes_the_diffusers_file_its_pipeline_loads_and_a_lycoris_file(folder,
+                                                                                tmp_path):
+    """A LoKr (adapter.variant=lokr, alpha != rank) on Z-Image: diffusers' Z-Image loader
+    reads LoKr factors (peft's names), so the run writes its diffusers file beside the
+    LyCORIS one; ZImagePipeline.load_lora_weights of it draws what the run samples, and the
+    LyCORIS file reads back into a fresh LoKr with the run's tensors."""
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.sd import lora_files as lf
+
+    cfg = z_config(folder, shapes(tmp_path / "images"), "optim.lr=0.02",
+                   "sample.use_ema=false", "adapter.variant=lokr", "adapter.alpha=3")
+    steadydiff.train(cfg, out_dir=tmp_path / "run")
+    lora = tmp_path / "run" / "lora"
+    diffusers_keys = load_file(lora / "pytorch_lora_weights.safetensors")
+    assert diffusers_keys and all(".lokr_w" in k for k in diffusers_keys)
+    lyco = load_file(lora / "run.safetensors")
+    assert {k.split(".", 1)[1] for k in lyco} >= {"lokr_w1", "alpha"}
+    z = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(3))
+    ours = steadydiff.load(tmp_path / "run", device="cpu", use_ema=False)
+    x, _ = ours.sample(prompt="a red square", sampler="euler", steps=4, cfg_scale=3.0,
+                       noise=z)
+    pipe = pipeline(folder)
+    before = _draw(pipe, "a red square", z, 4, 2.0)
+    pipe.load_lora_weights(lora)
+    theirs = _draw(pipe, "a red square", z, 4, 2.0)
+    assert (theirs - before).abs().max() > 1e-3  # the LoKr changed the model
+    torch.testing.assert_close(x * 0.5 + 0.5, theirs.float(), atol=2e-3, rtol=0)
+    model, _, _ = _build(z_config(folder, shapes(tmp_path / "images2"), "adapter.variant=lokr",
+                                  "adapter.alpha=3"))
+    assert lf.load_lora_file(lora / "run.safetensors", model.denoiser, [], rank=4,
+                             alpha=3.0)["fresh"] == 0
+    trained = dict(ours.model.denoiser.named_parameters())
+    for n, p in model.denoiser.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p, trained[n], rtol=1e-6, atol=1e-7)
+
+
 def test_resumed_lora_run_equals_uninterrupted_bit_exactly(folder, tmp_path):
     data = shapes(tmp_path / "images")
     fixed = ("optim.lr=0.01", "data.caption_dropout=0.25", f"data.cache_dir={tmp_path / 'c'}")

@@ -1040,7 +1040,14 @@ class AdapterConfig(Section):
         "lora", description="model.pretrained LoRA: lora; dora (DoRA, Liu et al. 2024: a "
         "learned magnitude per output row; kohya file with LyCORIS' dora_scale); locon (LoRA "
         "also on the UNet's ResNet and sampler convolutions, kohya's conv_dim, same rank); "
+        "loha (LyCORIS' LoHa: two rank-r products multiplied elementwise); lokr (LyCORIS' "
+        "LoKr: a Kronecker product, split by adapter.factor); LoHa/LoKr files are LyCORIS' "
+        "(the kohya layout; diffusers reads a LoKr for Z-Image only); "
         "docs/sd.md#lora-variants")
+    factor: Int = Field(
+        -1, ge=-1, description="adapter.variant=lokr: LyCORIS' factor, the size of the first "
+        "Kronecker factor's side (kohya's network_args factor=); -1: as square as the layer's "
+        "widths allow")
     keep_files: Int | None = Field(
         None, ge=1, le=100000, description="model.pretrained LoRA/hypernetwork: every save also "
         "writes numbered files (RUN/lora/<run>-step00001000.safetensors and pytorch_lora_"
@@ -1210,11 +1217,22 @@ class Config(Section):
             raise ValueError(f"adapter.variant={a.variant} is a LoRA variant over a model "
                              "family's denoiser: it needs model.pretrained and "
                              "adapter.kind=lora")
-        if a.variant == "dora" and m.quantize_base:
-            raise ValueError("adapter.variant=dora normalises each row of base weight + delta;"
-                             f" model.quantize_base={m.quantize_base} stores the base in a "
-                             "form peft's DoRA does not read: use adapter.variant=lora with "
-                             "it, or drop model.quantize_base")
+        if a.variant in ("loha", "lokr") and a.dropout:
+            raise ValueError(f"adapter.dropout={a.dropout}: peft's {a.variant} layers have no "
+                             "dropout on their input (LyCORIS' rank/module dropout are not "
+                             "trained here); set adapter.dropout=0")
+        if a.factor != -1 and a.variant != "lokr":
+            raise ValueError(f"adapter.factor={a.factor} splits a LoKr's Kronecker factors; "
+                             f"adapter.variant is {a.variant}: set adapter.variant=lokr or "
+                             "remove adapter.factor")
+        if a.factor == 0:
+            raise ValueError("adapter.factor=0: use -1 (as square as possible) or a side "
+                             "length >= 1")
+        if a.variant in ("dora", "loha", "lokr") and m.quantize_base:
+            raise ValueError(f"adapter.variant={a.variant}: peft's {a.variant} layers read "
+                             f"the base weight, which model.quantize_base={m.quantize_base} "
+                             "stores in a form they do not read: use adapter.variant=lora "
+                             "with it, or drop model.quantize_base")
         if a.text_encoder and not (m.pretrained and a.kind == "lora"):
             raise ValueError("adapter.text_encoder trains a LoRA on a Stable Diffusion text "
                              "encoder: it needs model.pretrained and adapter.kind=lora"

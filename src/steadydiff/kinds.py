@@ -143,7 +143,7 @@ LoraFormat = Literal["diffusers", "kohya", "both"]  # adapter.lora_format: the f
 LORA_FORMATS: tuple[LoraFormat, ...] = get_args(LoraFormat)
 # adapter.variant: plain LoRA; DoRA (Liu et al. 2024, weight-decomposed); LoCon (LoRA on the
 # UNet's ResNet and sampler convolutions too, kohya's conv_dim)
-LoraVariant = Literal["lora", "dora", "locon"]
+LoraVariant = Literal["lora", "dora", "locon", "loha", "lokr"]
 LORA_VARIANTS: tuple[LoraVariant, ...] = get_args(LoraVariant)
 
 # ``optim.grad_clip = 0`` disables clipping, so there is no "none" mode.

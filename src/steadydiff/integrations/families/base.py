@@ -338,6 +338,8 @@ class Family:
     #: the LoRA layers' key style in the diffusers file: "diffusers" (``.lora.down``, the
     #: UNet loaders' legacy names) or "peft" (``.lora_A``, the transformer loaders')
     diffusers_lora_keys: ClassVar[str] = "diffusers"
+    #: the LyCORIS variants (sd/lycoris.py) the family's diffusers LoRA loader reads
+    diffusers_lycoris: ClassVar[tuple[str, ...]] = ()
 
     # ------------------------------------------------------------------ the folder
 

@@ -143,6 +143,7 @@ class ZImage(Family):
     kohya_version = "zimage"
     modelspec = "z-image/lora"
     diffusers_lora_keys = "peft"
+    diffusers_lycoris = ("lokr",)  # ZImageLoraLoaderMixin reads peft-named LoKr factors
     kohya_module = "networks.lora_zimage"
 
     # ------------------------------------------------------------------ the folder

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..families import of_module
+from . import lycoris
 from .ldm import LayoutError, clip_path, sgm_path
 from .original import fuse_lora, split_lora
 
@@ -56,9 +57,10 @@ class LoraFileError(ValueError):
 
 
 def _lora_layers(module: nn.Module) -> dict[str, nn.Module]:
-    """The peft LoRA layers of ``module`` by module path (adapter 'default')."""
+    """The peft LoRA (LoHa, LoKr) layers of ``module`` by module path (adapter 'default')."""
     return {n: m for n, m in module.named_modules()
-            if isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and "default" in m.lora_A}
+            if (isinstance(getattr(m, "lora_A", None), nn.ModuleDict) and "default" in m.lora_A)
+            or lycoris.algo_of(m)}
 
 
 @dataclass
@@ -178,6 +180,17 @@ def kohya_state_dict(unet: nn.Module, text_encoders: list[nn.Module | None] = ()
     """
     sd: dict[str, Tensor] = {}
     for name, k in kohya_layers(unet, text_encoders).items():
+        algo = next((a for a in map(lycoris.algo_of, k.layers) if a), None)
+        if algo:  # LoHa / LoKr: LyCORIS' names (lycoris.py)
+            if len(k.layers) > 1:
+                raise LoraFileError(f"{name}: a {lycoris.algo_name(algo)} on the parts of a "
+                                    f"fused module ({', '.join(k.paths)}) cannot be written "
+                                    "as one LyCORIS layer: leave them out of adapter.targets "
+                                    "or use adapter.variant=lora")
+            t, alpha = lycoris.file_tensors(k.layers[0])
+            sd.update({f"{name}.{n}": v for n, v in t.items()})
+            sd[f"{name}.alpha"] = torch.tensor(float(alpha))
+            continue
         down, up, alpha = fuse_lora([_peft_tensors(m) for m in k.layers], k.out_dims, k.swap)
         sd[f"{name}.lora_down.weight"] = down
         sd[f"{name}.lora_up.weight"] = up
@@ -266,18 +279,30 @@ def save_kohya(path: str | Path, unet: nn.Module, text_encoders: list[nn.Module 
                               "more): not written")
     family = _family(unet)
     layers = kohya_layers(unet, text_encoders)
-    parts = [t for k in layers.values() for t in map(_peft_tensors, k.layers) if t is not None]
+    lyco = [m for k in layers.values() for m in k.layers if lycoris.algo_of(m)]
+    parts = [t for k in layers.values() for m in k.layers if not lycoris.algo_of(m)
+             for t in [_peft_tensors(m)] if t is not None]
     ranks = {int(d.shape[0]) for d, _, _ in parts}  # the LoRA's own (a fused layer: k x it)
     alphas = {a for _, _, a in parts}
+    ranks |= {lycoris.rank_alpha(m)[0] for m in lyco}
+    alphas |= {lycoris.rank_alpha(m)[1] for m in lyco}
     args: dict[str, Any] = {} if len(ranks) == len(alphas) == 1 else \
         {"note": "per-layer rank/alpha: see each .alpha"}
     if any(len(k.layers) > 1 for k in layers.values()):
         args["split_qkv"] = "True"  # kohya's name for fused layers stored block-diagonally
     module = family.kohya_module
-    convs = [d for d, _, _ in parts if d.ndim == 4]
+    convs = [int(d.shape[0]) for d, _, _ in parts if d.ndim == 4] + \
+        [lycoris.rank_alpha(m)[0] for m in lyco
+         if isinstance(m.get_base_layer(), nn.Conv2d)]
     if convs:  # LoCon: kohya's conv_dim / conv_alpha (the LoRA's own rank and alpha)
-        args.update(conv_dim=str(max(int(d.shape[0]) for d in convs)),
-                    conv_alpha=_num(max(alphas)))
+        args.update(conv_dim=str(max(convs)), conv_alpha=_num(max(alphas)))
+    algos = {lycoris.algo_of(m) for m in lyco}
+    if algos:  # LyCORIS' network module, its algo (one per file here) and LoKr's factor
+        module = "lycoris.kohya"
+        args.update(algo=sorted(algos)[0])
+        if "lokr" in algos:
+            conf = next(iter(getattr(unet, "peft_config", {}).values()), None)
+            args["factor"] = str(getattr(conf, "decompose_factor", -1))
     if any(k.endswith(".dora_scale") for k in sd):  # LyCORIS' name for a DoRA LoRA
         module = "lycoris.kohya"
         args.update(algo="lora", dora_wd="True")
@@ -320,6 +345,9 @@ class LoraFile:
     layers: dict[str, tuple[Tensor, Tensor, float | None]]
     metadata: dict[str, str] = field(default_factory=dict)
     magnitudes: dict[str, Tensor] = field(default_factory=dict)  # DoRA: per layer name
+    #: LoHa / LoKr layers (lycoris.py): ``{name: (algo, {factor name: tensor}, scale)}``, the
+    #: scale the file's loaders apply to each
+    lyco: dict[str, tuple[str, dict[str, Tensor], float]] = field(default_factory=dict)
 
     def ranks(self) -> set[int]:
         return {int(d.shape[0]) for d, _, _ in self.layers.values()}
@@ -371,11 +399,14 @@ def read_lora_file(path: str | Path) -> LoraFile:
     if not sd:
         raise LoraFileError(f"{f}: no tensors")
     mags: dict[str, Tensor] = {}
+    lyco: dict[str, tuple[str, dict[str, Tensor], float]] = {}
     if all(k.startswith(("lora_unet_", "lora_te")) for k in sd):
         mags = {k.rsplit(".", 1)[0]: sd.pop(k) for k in list(sd) if k.endswith(".dora_scale")}
+        lyco = _lycoris_layers(f, sd, None)
         layers = _kohya_layers(f, sd)
         fmt = "kohya"
     elif all(k.startswith(_DIFFUSERS) for k in sd):
+        lyco = _lycoris_layers(f, sd, meta)
         layers = _diffusers_layers(f, sd, meta, mags)
         fmt = "diffusers"
     else:
@@ -389,7 +420,42 @@ def read_lora_file(path: str | Path) -> LoraFile:
     odd = sorted(set(mags) - set(layers))[:3]
     if odd:
         raise LoraFileError(f"{f}: DoRA magnitudes without their LoRA layer: {odd}")
-    return LoraFile(f, fmt, layers, meta, mags)
+    return LoraFile(f, fmt, layers, meta, mags, lyco)
+
+
+def _lycoris_layers(f: Path, sd: dict[str, Tensor], meta: dict[str, str] | None
+                    ) -> dict[str, tuple[str, dict[str, Tensor], float]]:
+    """The LoHa/LoKr layers of a file, taken out of ``sd`` (with their ``.alpha``): a kohya
+    (LyCORIS) file's, scaled as LyCORIS does; a diffusers file's (``transformer.<path>.
+    lokr_w1``, peft's names), scaled by its adapter metadata's alpha / r as peft does."""
+    out: dict[str, tuple[str, dict[str, Tensor], float]] = {}
+    names = sorted({k.rsplit(".", 1)[0] for k in sd
+                    if k.rsplit(".", 1)[-1].startswith(lycoris.PREFIXES)})
+    confs: dict[str, dict[str, Any]] = {}
+    if meta is not None and "lora_adapter_metadata" in meta:
+        for k, v in json.loads(meta["lora_adapter_metadata"]).items():
+            part, _, key = k.partition(".")
+            confs.setdefault(part, {})[key] = v
+    for n in names:
+        t = {k.rsplit(".", 1)[1]: sd.pop(k) for k in list(sd) if k.rsplit(".", 1)[0] == n}
+        alpha_t = t.pop("alpha", None)
+        algo = "loha" if any(k.startswith("hada_") for k in t) else "lokr"
+        odd = sorted(k for k in t if k not in lycoris.ALGOS[algo] + lycoris.TUCKER)
+        if odd:
+            raise LoraFileError(f"{f}: layer {n} mixes {odd} with {lycoris.algo_name(algo)} "
+                                "factors")
+        why = lycoris.check_layer(n, algo, t)
+        if why:
+            raise LoraFileError(f"{f}: {why}")
+        if meta is None:
+            alpha = None if alpha_t is None else float(alpha_t)
+            scale = lycoris.file_scale(algo, t, alpha)
+        else:  # peft's scaling (diffusers without metadata: alpha baked in, scale 1)
+            conf = confs.get(n.split(".", 1)[0], {})
+            scale = lycoris.file_scale(algo, t, conf.get("alpha"),
+                                       peft_rank=int(conf.get("r") or 1))
+        out[n] = (algo, t, scale)
+    return out
 
 
 def _kohya_layers(f: Path, sd: dict[str, Tensor]) -> dict[str, tuple[Tensor, Tensor, float]]:
@@ -399,19 +465,13 @@ def _kohya_layers(f: Path, sd: dict[str, Tensor]) -> dict[str, tuple[Tensor, Ten
         parts = {k.split(".", 1)[1] for k in sd if k.split(".", 1)[0] == n}
         missing = {"lora_down.weight", "lora_up.weight", "alpha"} - parts
         extra = parts - {"lora_down.weight", "lora_up.weight", "alpha"}
-        lyco = sorted(p for p in extra if p.startswith(("hada_", "lokr_")))
-        if lyco:
-            raise LoraFileError(f"{f}: layer {n} has {lyco}: a LyCORIS "
-                                f"{'LoHa' if lyco[0].startswith('hada_') else 'LoKr'}, which "
-                                "steadydiff does not read or train yet (adapter.variant: lora, "
-                                "dora or locon)")
         if missing:
             raise LoraFileError(f"{f}: layer {n} has no {sorted(missing)} (a kohya LoRA layer "
                                 "has lora_down.weight, lora_up.weight and alpha)")
         if extra:
-            raise LoraFileError(f"{f}: layer {n} has {sorted(extra)}, which a LoRA or DoRA "
-                                "does not (LyCORIS' LoHa/LoKr/IA3 are not read: hada_*, "
-                                "lokr_*)")
+            raise LoraFileError(f"{f}: layer {n} has {sorted(extra)}, which a LoRA, DoRA, "
+                                "LoHa or LoKr does not (LyCORIS' IA3, OFT, GLoRA and full "
+                                "layers are not read)")
         a = sd[f"{n}.alpha"]
         if a.numel() != 1:
             raise LoraFileError(f"{f}: {n}.alpha has shape {tuple(a.shape)}, not a scalar")
@@ -496,15 +556,20 @@ def load_lora_file(path: str | Path, unet: nn.Module,
                 ours.update({f"{spec.part}.{clip_path(n)}": KohyaLayer(n, [m], [n],
                                                                         [m.out_features])
                              for n, m in _lora_layers(te).items()})
-    unknown = sorted(set(lf.layers) - set(ours))
+    lyco = _lycoris_variant(ours)
+    _check_variant(lf, lyco)
+    unknown = sorted((set(lf.layers) | set(lf.lyco)) - set(ours))
     if unknown:
         te = any(k.startswith(("lora_te", "text_encoder")) for k in unknown)
         hint = ("the file has a text encoder LoRA: set adapter.text_encoder=true" if te and
                 not any(t is not None for t in text_encoders) else
                 "adapter.targets must cover every layer the file adapts")
-        raise LoraFileError(f"{lf.path}: {len(unknown)} of its {len(lf.layers)} layers name no "
+        raise LoraFileError(f"{lf.path}: {len(unknown)} of its {len(lf.layers) + len(lf.lyco)} "
+                            "layers name no "
                             f"LoRA layer of this model, e.g. {unknown[:3]} ({hint}; this "
                             f"model's are e.g. {sorted(ours)[:2]})")
+    if lf.lyco:
+        return _load_lycoris(lf, ours)
     # each file layer as the parts of ours it fills: (name, our layer, down, up, alpha)
     fills: list[tuple[str, nn.Module, Tensor, Tensor, float | None]] = []
     for n, (d, u, a) in lf.layers.items():
@@ -570,5 +635,43 @@ def load_lora_file(path: str | Path, unet: nn.Module,
                                         "model?)")
                 dst.copy_(src.to(dst.dtype))
     loaded = {id(m) for _, m, *_ in fills}
+    total = sum(1 for g in ours.values() for m in g.layers if m is not None)
+    return {"loaded": len(loaded), "fresh": total - len(loaded)}
+
+
+def _lycoris_variant(ours: dict[str, KohyaLayer]) -> str | None:
+    return next((a for g in ours.values() for m in g.layers if m is not None
+                 for a in [lycoris.algo_of(m)] if a), None)
+
+
+def _check_variant(lf: LoraFile, run: str | None) -> None:
+    """A LoHa/LoKr file needs a LoHa/LoKr run and a LoRA file a LoRA run (the kind of each
+    layer is then checked as it is copied: lycoris.load_into)."""
+    if lf.lyco and not run:
+        algo = next(iter(lf.lyco.values()))[0]
+        raise LoraFileError(f"{lf.path}: a LyCORIS {lycoris.algo_name(algo)} "
+                            f"({', '.join(lycoris.ALGOS[algo][:2])}, ... factors); this run "
+                            f"trains a LoRA: set adapter.variant={algo}")
+    if run and (lf.layers or not lf.lyco):
+        raise LoraFileError(f"{lf.path}: {len(lf.layers)} plain LoRA layers (lora_down/"
+                            f"lora_up); this run trains a {lycoris.algo_name(run)}: set "
+                            "adapter.variant=lora (or dora, locon)")
+
+
+def _load_lycoris(lf: LoraFile, ours: dict[str, KohyaLayer]) -> dict[str, int]:
+    """A LoHa/LoKr file into a LoHa/LoKr run (load_lora_file's contract)."""
+    loaded: set[int] = set()
+    for n, (_, t, scale) in lf.lyco.items():
+        g = ours[n]
+        mods = [m for m in g.layers if m is not None]
+        if len(g.layers) != 1 or not mods:
+            raise LoraFileError(f"{lf.path}: {n} adapts a fused module ({', '.join(g.paths)}),"
+                                " whose parts this model holds apart: a LoHa/LoKr over it "
+                                "cannot be split")
+        try:
+            lycoris.load_into(mods[0], t, scale, f"{lf.path}: {n}")
+        except ValueError as e:
+            raise LoraFileError(str(e)) from None
+        loaded.add(id(mods[0]))
     total = sum(1 for g in ours.values() for m in g.layers if m is not None)
     return {"loaded": len(loaded), "fresh": total - len(loaded)}

@@ -10,6 +10,7 @@ limit (its B, in the model and in the EMA) and an ``adapter_delta_clamp`` incide
 
 The ratio without forming dW (out x in per layer): with A (r, in) and B (out, r),
 ``‖B A‖_F² = Σ (BᵀB) ⊙ (A Aᵀ)``, two r x r products. ‖W‖_F of the frozen base is read once.
+A LoKr's is ‖w1‖ ‖w2‖ (a Kronecker product's norm); a LoHa's delta is formed (lycoris.py).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["LoraDelta", "lora_deltas"]
+__all__ = ["LoraDelta", "LycorisDelta", "lora_deltas"]
 
 
 class LoraDelta:
@@ -32,10 +33,7 @@ class LoraDelta:
 
     def __init__(self, layer: nn.Module, adapter: str = "default") -> None:
         self.layer, self.adapter = layer, adapter
-        w = layer.base_layer.weight.detach()
-        if type(w) is not Tensor and hasattr(w, "dequantize"):  # an 8-bit base (torchao)
-            w = w.dequantize()
-        self._w_norm = w.float().norm().clamp_min(1e-12)  # frozen: read once
+        self._w_norm = _base_norm(layer)
 
     def _ab(self) -> tuple[Tensor, Tensor]:
         a = self.layer.lora_A[self.adapter].weight
@@ -56,11 +54,42 @@ class LoraDelta:
         self.layer.lora_B[self.adapter].weight.mul_(factor)
 
 
-def lora_deltas(model: nn.Module) -> dict[str, LoraDelta]:
+def _base_norm(layer: nn.Module) -> Tensor:
+    w = layer.get_base_layer().weight.detach()
+    if type(w) is not Tensor and hasattr(w, "dequantize"):  # an 8-bit base (torchao)
+        w = w.dequantize()
+    return w.float().norm().clamp_min(1e-12)  # frozen: read once
+
+
+class LycorisDelta:
+    """A peft LoHa/LoKr layer's delta (adapter 'default'), as :class:`LoraDelta`."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self._w_norm = _base_norm(layer)
+
+    def delta_ratio(self) -> Tensor:
+        from .lycoris import delta_norm
+
+        n = delta_norm(self.layer)
+        return n / self._w_norm.to(n.device)
+
+    def shrink(self, factor: float) -> None:
+        from .lycoris import shrink
+
+        shrink(self.layer, factor)
+
+
+def lora_deltas(model: nn.Module) -> dict[str, LoraDelta | LycorisDelta]:
     """``{layer name: LoraDelta}`` for every peft LoRA layer of ``model`` (the denoiser and
     any text encoder trained with its LoRA)."""
-    out: dict[str, LoraDelta] = {}
+    from .lycoris import algo_of
+
+    out: dict[str, LoraDelta | LycorisDelta] = {}
     for name, m in model.named_modules():
+        if algo_of(m):
+            out[name] = LycorisDelta(m)
+            continue
         lora_a = getattr(m, "lora_A", None)
         if isinstance(lora_a, nn.ModuleDict) and hasattr(m, "base_layer") \
                 and hasattr(m, "scaling"):

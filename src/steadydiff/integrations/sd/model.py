@@ -259,18 +259,26 @@ LOCON_TARGETS = ("*.resnets.*.conv1", "*.resnets.*.conv2", "*.resnets.*.conv_sho
 
 
 def add_lora(unet: nn.Module, *, rank: int, alpha: float | None, dropout: float,
-             targets: tuple[str, ...], dora: bool = False) -> list[str]:
+             targets: tuple[str, ...], dora: bool = False, variant: str = "lora",
+             factor: int = -1) -> list[str]:
     """Freeze ``unet`` (or a text encoder) and add a peft LoRA (A gaussian, B zero: the model
     is unchanged at step 0) to the layers ``targets`` selects; returns their names.
-    ``dora``: weight-decomposed (DoRA, Liu et al. 2024; peft's ``use_dora``), a magnitude
-    per output row trained beside A and B."""
+    ``dora`` (or ``variant="dora"``): weight-decomposed (DoRA, Liu et al. 2024; peft's
+    ``use_dora``), a magnitude per output row trained beside A and B. ``variant`` "loha" /
+    "lokr": LyCORIS' LoHa / LoKr through peft (lycoris.py; ``factor``: LoKr's split)."""
     from peft import LoraConfig, inject_adapter_in_model
+
+    from .lycoris import VARIANTS, peft_config
 
     names = lora_targets(unet, targets)
     unet.requires_grad_(False)
-    config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank,
-                        lora_dropout=dropout, init_lora_weights="gaussian",
-                        target_modules=names, use_dora=dora)
+    a = alpha if alpha is not None else rank
+    if variant in VARIANTS:
+        config = peft_config(variant, rank=rank, alpha=a, targets=names, factor=factor)
+    else:
+        config = LoraConfig(r=rank, lora_alpha=a, lora_dropout=dropout,
+                            init_lora_weights="gaussian", target_modules=names,
+                            use_dora=dora or variant == "dora")
     if hasattr(unet, "set_adapters"):  # a diffusers model: its own peft integration
         unet.add_adapter(config)
     else:  # a transformers text encoder: peft's injection (what diffusers' loader uses)
@@ -296,9 +304,11 @@ def lora_state_dict(module: nn.Module, keys: str = "diffusers", *,
 
     sd = get_peft_model_state_dict(module)
     conf = getattr(module, "peft_config", {}).get("default")
-    if fold_alpha and conf is not None and conf.lora_alpha != conf.r:
-        scale = conf.lora_alpha / conf.r
-        sd = {k: v * scale if ".lora_B." in k else v for k, v in sd.items()}
+    alpha = getattr(conf, "lora_alpha", getattr(conf, "alpha", None))
+    if fold_alpha and conf is not None and alpha != conf.r:
+        scale = alpha / conf.r  # into the up weights (a LoKr: its first factor, lycoris.py)
+        sd = {k: v * scale if k.endswith((".lokr_w1", ".lokr_w1_a")) or ".lora_B." in k
+              else v for k, v in sd.items()}
     if keys == "diffusers":
         sd = convert_state_dict_to_diffusers(sd)
     return {k: v.detach().to("cpu", torch.float32).contiguous() for k, v in sd.items()}
@@ -310,6 +320,12 @@ def _adapter_metadata(module: nn.Module, fold_alpha: bool = False) -> dict[str, 
     conf = getattr(module, "peft_config", {}).get("default")
     if conf is None:
         return None
+    if type(conf).__name__ == "LoKrConfig":  # diffusers builds LoKrConfig(**metadata)
+        return {"r": conf.r, "alpha": conf.r if fold_alpha else conf.alpha,
+                "target_modules": sorted(conf.target_modules),
+                "decompose_factor": conf.decompose_factor,
+                "decompose_both": conf.decompose_both,
+                "use_effective_conv2d": conf.use_effective_conv2d}
     meta = {"r": conf.r, "lora_alpha": conf.r if fold_alpha else conf.lora_alpha,
             "target_modules": sorted(conf.target_modules)}
     if getattr(conf, "use_dora", False):  # else diffusers' LoraConfig drops the magnitudes
@@ -497,7 +513,8 @@ class PeftLoraWeights(_SDWeights):
     def mark_best(self, state: Any, root: Path, info: dict[str, Any]) -> Path | None:
         """Evaluation's best step: its numbered files (written now if this step saved
         none) marked in ``RUN/lora/best.json``, which the keep policy never removes."""
-        folder, stems = root / "lora", self.stems(state.cfg, root.name)
+        folder = root / "lora"
+        stems = self.stems(state.cfg, root.name, state.model.family)
         have = numbered_files(folder, stems).get(state.step)
         if not have:
             self.export(state, root, False)
@@ -505,11 +522,19 @@ class PeftLoraWeights(_SDWeights):
         return mark_best(folder, state.step, have, info)
 
     @staticmethod
-    def stems(cfg: Any, name: str) -> dict[str, str]:
-        """The files a save writes, ``{file name stem: format}``, per adapter.lora_format."""
-        f = cfg.adapter.lora_format
-        return {**({Path(LORA_FILE).stem: "diffusers"} if f != "kohya" else {}),
-                **({name: "kohya"} if f != "diffusers" else {})}
+    def formats(cfg: Any, family: Any) -> tuple[str, ...]:
+        """The files a save writes ("diffusers", "kohya"): adapter.lora_format, less a
+        format that cannot hold adapter.variant (lycoris.formats_for)."""
+        from .lycoris import formats_for
+
+        return formats_for(cfg.adapter.variant, family, cfg.adapter.lora_format)
+
+    @classmethod
+    def stems(cls, cfg: Any, name: str, family: Any) -> dict[str, str]:
+        """The files a save writes, ``{file name stem: format}``."""
+        f = cls.formats(cfg, family)
+        return {**({Path(LORA_FILE).stem: "diffusers"} if "diffusers" in f else {}),
+                **({name: "kohya"} if "kohya" in f else {})}
 
     def write(self, model: nn.Module, cfg: Any, step: int, precision: str, out: Path,
               name: str) -> dict[Path, str]:
@@ -517,15 +542,18 @@ class PeftLoraWeights(_SDWeights):
         ``<name>.safetensors``, kohya's); returns ``{file: its stem}``."""
         # a frozen text encoder in the model (shuffled captions) has no LoRA to save
         tes = [t if getattr(t, "peft_config", None) else None for t in model.text_encoders]
-        save_lora(model.denoiser, out, tes, format=cfg.adapter.lora_format, kohya_name=name,
+        f = self.formats(cfg, model.family)
+        save_lora(model.denoiser, out, tes, format=f[0] if len(f) == 1 else "both",
+                  kohya_name=name,
                   metadata=self._kohya_metadata(cfg, step, precision, name,
-                                                model.family.denoiser))
-        return {out / f"{stem}.safetensors": stem for stem in self.stems(cfg, name)}
+                                                model.family.denoiser, f))
+        return {out / f"{stem}.safetensors": stem
+                for stem in self.stems(cfg, name, model.family)}
 
     def _kohya_metadata(self, cfg: Any, step: int, precision: str, name: str,
-                        part: str) -> dict[str, Any]:
+                        part: str, formats: tuple[str, ...]) -> dict[str, Any]:
         """The sd-scripts ``ss_*`` entries a run knows (A1111/ComfyUI show them)."""
-        if cfg.adapter.lora_format == "diffusers":
+        if "kohya" not in formats:
             return {}
         if self._hashes is None:  # the base's denoiser file read once a run
             self._hashes = base_model_hashes(self.base, part)

@@ -51,6 +51,26 @@ __all__ = ["apply_lora", "build", "encode_data", "is_text_config", "model_geomet
            "record_quarantine", "unet_parameters", "load_trained"]
 
 
+def _check_lycoris_layout(den: nn.Module, text_encoders: list[nn.Module | None],
+                          variant: str) -> None:
+    """A LoHa/LoKr whose layers the LyCORIS file cannot hold (one layer per original module:
+    a family whose kohya names fuse diffusers' q/k/v) is refused before training."""
+    from .lora_files import LoraFileError, kohya_layers
+
+    tes = [te if getattr(te, "peft_config", None) else None for te in text_encoders]
+    try:
+        fused = [k for k in kohya_layers(den, tes).values() if len(k.layers) > 1]
+    except LoraFileError as e:
+        raise ConfigError(str(e)) from None
+    if fused:
+        raise ConfigError(f"adapter.variant={variant}: its LyCORIS file has one layer per "
+                          f"original module, and {fused[0].name} fuses {fused[0].paths} "
+                          f"(and {len(fused) - 1} more): a {variant} cannot be split across "
+                          "them. Leave them out of adapter.targets, write adapter.lora_format"
+                          "=diffusers where diffusers reads the variant, or use "
+                          "adapter.variant=lora")
+
+
 def is_text_config(cfg: Config) -> bool:
     """Whether ``cfg`` trains a text-conditioned model (SD, or ours with a text encoder)."""
     return bool(cfg.model.pretrained or cfg.model.text_encoder)
@@ -218,8 +238,17 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 raise ConfigError(f"adapter.variant=locon adds the UNet's ResNet and sampler "
                                   f"convolutions; the {fam.label} denoiser is a transformer "
                                   "without them: use adapter.variant=lora or dora")
+            try:  # the files the variant can be written in, before any training
+                formats = PeftLoraWeights.formats(cfg, fam)
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
+            if a.lora_format == "both" and "diffusers" not in formats:
+                media.notes.append(f"adapter.variant={a.variant}: RUN/lora/ holds LyCORIS' "
+                                   f"file alone (A1111, ComfyUI, kohya's sd-scripts); "
+                                   f"diffusers' {fam.label} loader reads no {a.variant}")
             targets = add_lora(den, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
-                               targets=tuple(a.targets) + extra, dora=dora)
+                               targets=tuple(a.targets) + extra, dora=dora,
+                               variant=a.variant, factor=a.factor)
             if a.text_encoder:  # their LoRA trains too: the model encodes token ids itself
                 # a LoRA on every encoder the family's trainers train (SDXL: both, as
                 # kohya's; SD3, FLUX: the CLIPs, not T5, which runs frozen in the step)
@@ -228,8 +257,11 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                     if spec.lora:
                         targets += [f"{spec.part}.{n}" for n in add_lora(
                             te, rank=a.rank, alpha=a.alpha, dropout=a.dropout,
-                            targets=TEXT_ENCODER_TARGETS, dora=dora)]
+                            targets=TEXT_ENCODER_TARGETS, dora=dora, variant=a.variant,
+                            factor=a.factor)]
                 media.tokens = True
+            if a.variant in ("loha", "lokr") and "kohya" in formats:
+                _check_lycoris_layout(den, in_step, a.variant)
             if a.init_from:  # continue a LoRA (ours, kohya's, diffusers'): rename, copy
                 from .lora_files import LoraFileError, load_lora_file
 
