@@ -216,6 +216,11 @@ def test_a_loha_run_writes_numbered_lycoris_files_is_guarded_and_continues(sd, t
         assert float(d.delta_ratio()) <= 1e-4 * 1.01
     keys = load_file(lora / "run.safetensors")
     assert any(".hada_w2_b" in k for k in keys)
+    from steadydiff.integrations.sd.advice import load_hints
+
+    hints = "\n".join(load_hints(cfg, tmp_path / "run"))  # the CLI's end-of-run lines
+    assert "LoHa (LyCORIS) rank 4" in hints and "ComfyUI: copy" in hints
+    assert "diffusers:" not in hints
 
     cont = _config(sd, data, "adapter.variant=loha", "adapter.text_encoder=true",
                    f"adapter.init_from={lora / 'run.safetensors'}", "train.steps=1",

@@ -109,7 +109,9 @@ def load_hints(cfg: Config, run_dir: str | Path) -> list[str]:
         kohya = run / "lora" / f"{run.name}.safetensors"
         diffusers = run / "lora" / "pytorch_lora_weights.safetensors"
         alpha = a.alpha if a.alpha is not None else a.rank
-        lines.append(f"LoRA rank {a.rank}, alpha {alpha:g}"
+        kind = {"loha": "LoHa (LyCORIS)", "lokr": "LoKr (LyCORIS)", "dora": "DoRA",
+                "locon": "LoCon"}.get(a.variant, "LoRA")
+        lines.append(f"{kind} rank {a.rank}, alpha {alpha:g}"
                      + (", on the text encoders too" if a.text_encoder else "") + f"; {base}")
         if kohya.is_file():
             lines.append(f"  ComfyUI: copy {kohya} to models/loras/ (LoraLoader)")
