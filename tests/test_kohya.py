@@ -130,6 +130,53 @@ batch_size = 2
         {f"cls/im{i}.png": 3 for i in range(2)}
 
 
+def test_subsets_with_their_own_caption_rules_keep_them(sd_dir, tmp_path, monkeypatch,
+                                                        capsys):
+    """kohya applies shuffle_caption/keep_tokens per subset: a subset that shuffles with its
+    first tag kept, beside one that sets neither (kohya's default: as written), in one
+    TOML. Every caption the run's stream tokenized is checked against its subset's rule."""
+    from steadydiff.data.captions import CaptionVariants
+
+    tags = ["sks", "red", "square", "big", "bright"]
+    inst = images(tmp_path / "inst", 3, (200, 30, 30), [", ".join(tags)] * 3)
+    circ = images(tmp_path / "circ", 2, (30, 30, 200), ["a, blue, circle, small, round"] * 2)
+    toml = tmp_path / "dataset.toml"
+    toml.write_text(f'''
+[[datasets]]
+resolution = 32
+
+  [[datasets.subsets]]
+  image_dir = "{inst}"
+  shuffle_caption = true
+  keep_tokens = 1
+
+  [[datasets.subsets]]
+  image_dir = "{circ}"
+''')
+    seen: list[tuple[str, str]] = []
+    real = CaptionVariants.shuffled
+
+    def recording(self, caption, i, epoch, source=None):
+        out = real(self, caption, i, epoch, source)
+        seen.append((caption, out))
+        return out
+
+    monkeypatch.setattr(CaptionVariants, "shuffled", recording)
+    cfg = sd_config(sd_dir, tmp_path, "data.path=null", f"data.dataset_config={toml}",
+                    "train.epochs=4", "train.batch_size=5", "train.checkpoint_every=0")
+    steadydiff.train(cfg, out_dir=tmp_path / "run")
+    out = capsys.readouterr().out
+    assert ("captions per subset (the dataset TOML): inst: tags shuffled, first 1 kept; "
+            "circ: as written") in out
+    mine = [o for c, o in seen if c.startswith("sks")]
+    theirs = [o for c, o in seen if c.startswith("a,")]
+    assert len(mine) >= 12 and len(theirs) >= 8  # 4 epochs of 3 + 2 images
+    assert all(o == "a, blue, circle, small, round" for o in theirs)
+    assert all(o.split(", ")[0] == "sks" and sorted(o.split(", ")) == sorted(tags)
+               for o in mine)
+    assert len(set(mine)) > 1  # shuffled across epochs and images
+
+
 @pytest.mark.parametrize("body, needle", [
     ("[general]\nenable_bucket = true\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = '.'\n",
      "enable_bucket is not read .* set data.buckets"),

@@ -1012,7 +1012,8 @@ class EncodedDataset(Dataset):
             return self[i]
         x, ctx = self._item(i)
         if self._captions is not None:  # shuffle: the epoch's caption as token ids (L,)
-            ctx = self._tokenize([self.variants(self._captions[i], i, epoch)])[0]
+            ctx = self._tokenize([self.variants(self._captions[i], i, epoch,
+                                                int(self._index[i]))])[0]
         elif self.variants.dropped(i, epoch):  # the empty caption's cached embedding
             ctx = self.null_context.clone()
         return x, self._with_extra(i, ctx)

@@ -694,17 +694,24 @@ class CaptionVariants:
         separator: the tag separator.
         dropout: probability that an item's caption is the empty one at an epoch.
         trigger: the trigger word, kept first.
+        per_source: ``(shuffle, keep_tokens)`` per source item (a kohya TOML whose subsets
+            set different ones), read through the ``source`` index each call passes; None:
+            ``shuffle``/``keep_tokens`` for every item.
     """
 
     def __init__(self, seed: int, *, shuffle: bool = False, keep_tokens: int = 0,
                  separator: str = ",", dropout: float = 0.0,
-                 trigger: str | None = None) -> None:
+                 trigger: str | None = None,
+                 per_source: list[tuple[bool, int]] | None = None) -> None:
         if not 0.0 <= dropout <= 1.0:
             raise ValueError(f"caption dropout must be in [0, 1], got {dropout}")
         if keep_tokens < 0:
             raise ValueError(f"keep_tokens must be >= 0, got {keep_tokens}")
         self.seed, self.shuffle, self.keep_tokens = seed, shuffle, keep_tokens
         self.separator, self.dropout, self.trigger = separator, dropout, trigger
+        self.per_source = per_source
+        if per_source is not None:  # some items shuffle: captions are tokenized per epoch
+            self.shuffle = any(s for s, _ in per_source)
 
     def dropped(self, i: int, epoch: int) -> bool:
         """Whether item ``i`` trains with the empty caption at ``epoch``."""
@@ -713,12 +720,16 @@ class CaptionVariants:
         u = np.random.default_rng(derive_seed(_TAG_DROP, self.seed, epoch, i)).random()
         return bool(u < self.dropout)
 
-    def shuffled(self, caption: str, i: int, epoch: int) -> str:
-        """``caption``'s tags after the kept ones permuted, by a draw of (seed, epoch, i)."""
-        if not self.shuffle:
+    def shuffled(self, caption: str, i: int, epoch: int, source: int | None = None) -> str:
+        """``caption``'s tags after the kept ones permuted, by a draw of (seed, epoch, i)
+        (``source``: the item's source index, for ``per_source``)."""
+        shuffle, keep_tokens = self.shuffle, self.keep_tokens
+        if self.per_source is not None and source is not None:
+            shuffle, keep_tokens = self.per_source[source]
+        if not shuffle:
             return caption
         tags = split_tags(caption, self.separator)
-        keep = self.keep_tokens + (1 if self.trigger and tags[:1] == [self.trigger] else 0)
+        keep = keep_tokens + (1 if self.trigger and tags[:1] == [self.trigger] else 0)
         if len(tags) - keep < 2:
             return caption
         rng = np.random.default_rng(derive_seed(_TAG_SHUFFLE, self.seed, epoch, i))
@@ -726,9 +737,9 @@ class CaptionVariants:
         order = rng.permutation(len(rest))
         return join_tags(tags[:keep] + [rest[k] for k in order], self.separator)
 
-    def __call__(self, caption: str, i: int, epoch: int) -> str:
+    def __call__(self, caption: str, i: int, epoch: int, source: int | None = None) -> str:
         """The caption item ``i`` trains with at ``epoch``: "" when dropped, else shuffled."""
-        return "" if self.dropped(i, epoch) else self.shuffled(caption, i, epoch)
+        return "" if self.dropped(i, epoch) else self.shuffled(caption, i, epoch, source)
 
     @property
     def varies(self) -> bool:
@@ -736,10 +747,11 @@ class CaptionVariants:
         return self.shuffle or self.dropout > 0.0
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, seed: int) -> "CaptionVariants":
+    def from_config(cls, cfg: DataConfig, seed: int,
+                    per_source: list[tuple[bool, int]] | None = None) -> "CaptionVariants":
         return cls(seed, shuffle=cfg.caption_shuffle, keep_tokens=cfg.keep_tokens,
                    separator=cfg.caption_separator, dropout=cfg.caption_dropout,
-                   trigger=cfg.trigger)
+                   trigger=cfg.trigger, per_source=per_source)
 
 
 def token_overflow(captions: Sequence[str], count: Callable[[list[str]], list[int]],

@@ -98,6 +98,17 @@ class KohyaPlan:
     batch_size: int | None = None
     notes: list[str] = field(default_factory=list)
 
+    def caption_rules(self) -> list[tuple[bool, int]] | None:
+        """``(shuffle_caption, keep_tokens)`` per subset where the subsets set different
+        ones (a subset that sets neither takes kohya's defaults: no shuffle, none kept);
+        None where one rule holds for all (then data.caption_shuffle / data.keep_tokens)."""
+        rules = [(s.shuffle_caption, s.keep_tokens) for s in self.subsets]
+        for k in (0, 1):
+            if len({r[k] for r in rules if r[k] is not None}) > 1 or \
+                    (any(r[k] is None for r in rules) and any(r[k] for r in rules)):
+                return [(bool(s), int(k or 0)) for s, k in rules]
+        return None
+
 
 def repeat_folders(root: str | os.PathLike[str], *, is_reg: bool = False,
                    caption_extension: str = ".txt") -> list[Subset]:
@@ -407,6 +418,12 @@ class KohyaDataset(Dataset):
         """Samples per epoch: every image x its repeats."""
         return sum(self.repeats)
 
+    def caption_settings(self) -> list[tuple[bool, int]] | None:
+        """``(shuffle, keep_tokens)`` per image where the subsets set different ones
+        (``KohyaPlan.caption_rules``; a CaptionVariants' ``per_source``), else None."""
+        rules = self.plan.caption_rules()
+        return None if rules is None else [rules[k] for k, _ in self.items]
+
     def __len__(self) -> int:
         return len(self.items)
 
@@ -516,8 +533,9 @@ def resolve_config(cfg: Any) -> tuple[Any, list[str]]:
     ``shuffle_caption``/``keep_tokens``), and a note per value changed.
 
     Raises:
-        DataError: the TOML's subsets disagree on shuffle_caption or keep_tokens (one value
-            applies to every caption here).
+    Subsets that set different shuffle_caption/keep_tokens keep their own
+    (``KohyaPlan.caption_rules``; data.caption_shuffle is then on for the stream, whose
+    captions are tokenized per epoch).
     """
     from ..config import replace as replace_cfg
 
@@ -530,13 +548,17 @@ def resolve_config(cfg: Any) -> tuple[Any, list[str]]:
         changes["data.image_size"] = plan.resolution
     if plan.batch_size is not None and plan.batch_size != cfg.train.batch_size:
         changes["train.batch_size"] = plan.batch_size
-    train = [s for s in plan.subsets if not s.is_reg] or plan.subsets
+    rules = plan.caption_rules()
+    if rules is not None:  # per subset (KohyaDataset.caption_settings)
+        if any(s for s, _ in rules) and not d.caption_shuffle:
+            changes["data.caption_shuffle"] = True
+        notes = [f"{s.name}: " + (f"tags shuffled, first {k} kept" if sh else "as written")
+                 for s, (sh, k) in zip(plan.subsets, rules)]
+        out = replace_cfg(cfg, changes) if changes else cfg
+        return out, [f"{k}={v} (from the dataset TOML)" for k, v in changes.items()] + \
+            ["captions per subset (the dataset TOML): " + "; ".join(notes)]
     for key, ours in (("shuffle_caption", "caption_shuffle"), ("keep_tokens", "keep_tokens")):
-        vals = {getattr(s, key) for s in train if getattr(s, key) is not None}
-        if len(vals) > 1:
-            raise DataError(f"{d.dataset_config}: the subsets' {key} differ ({sorted(vals)}); "
-                            f"steadydiff applies one data.{ours} to every caption: make them "
-                            "equal")
+        vals = {getattr(s, key) for s in plan.subsets if getattr(s, key) is not None}
         if vals and next(iter(vals)) != getattr(d, ours):
             changes[f"data.{ours}"] = next(iter(vals))
     if not changes:

@@ -549,7 +549,9 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
             + (f", {len(latents.quarantined)} left out (non-finite)"
                if latents.quarantined else "")
             + (f" ({cache_dir})" if cfg.data.cache_latents else " (in memory only)"))
-    variants = CaptionVariants.from_config(cfg.data, cfg.train.seed)
+    variants = CaptionVariants.from_config(  # a kohya TOML's subsets may differ
+        cfg.data, cfg.train.seed,
+        data.caption_settings() if isinstance(data, KohyaDataset) else None)
     # per-item ids the family conditions on (SDXL: each image's size/crop, from its crop)
     extra = media.family.item_ids(data, cfg.data.image_size, cfg.data.center_crop) \
         if media.layout.extra_ids else None
@@ -581,8 +583,10 @@ def encode_data(media: TextToImage, data, cfg: Config, cache_dir: Path,
     if out.variants is not None:
         d = cfg.data
         say("captions: " + ", ".join(
-            ([f"tags shuffled every epoch (first {d.keep_tokens} kept), encoded in the step"]
-             if d.caption_shuffle else [])
+            (["tags shuffled every epoch as each subset of the dataset TOML says, encoded in "
+              "the step"] if out.variants.per_source is not None and out.variants.shuffle
+             else [f"tags shuffled every epoch (first {d.keep_tokens} kept), encoded in the "
+                   "step"] if d.caption_shuffle else [])
             + ([f"dropped to the empty caption with p={d.caption_dropout:g}"]
                if d.caption_dropout else [])))
     if isinstance(data, KohyaDataset):  # each image encoded once; the repeats are positions
