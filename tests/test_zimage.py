@@ -285,3 +285,44 @@ def test_a_nan_latent_is_dropped_and_named(folder, tmp_path):
     assert rows[0]["evidence"]["samples"][0]["source"].endswith(".png")
     lora = tmp_path / "run" / "lora" / "pytorch_lora_weights.safetensors"
     assert all(torch.isfinite(v).all() for v in load_file(lora).values())
+
+
+def test_single_file_in_tongyis_layout_loads_in_diffusers_and_trains_back(folder, tmp_path):
+    """The transformer as one file in Tongyi-MAI's layout (fused qkv, out, q_norm, final_layer;
+    the released files' norm_final.weight read past): diffusers' from_single_file reads it
+    back exactly, steadydiff loads it with the folder as model.single_file_config, and a
+    full fine-tune from it is written back as one file of the same layout."""
+    from diffusers import ZImageTransformer2DModel
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from steadydiff.integrations.sd.single_file import export_single_file
+    from steadydiff.integrations.sd.source import load_parts
+
+    p = load_parts(folder)
+    f = export_single_file(tmp_path / "z.safetensors", p.denoiser, p.vae, p.text_encoders)
+    with safe_open(str(f), "pt") as h:
+        keys = list(h.keys())
+    assert "layers.0.attention.qkv.weight" in keys and "final_layer.linear.weight" in keys \
+        and "layers.0.attention.q_norm.weight" in keys and "x_embedder.weight" in keys
+    assert not any("to_q" in k or "2-1" in k for k in keys)
+    theirs = ZImageTransformer2DModel.from_single_file(
+        str(f), config=str(folder), subfolder="transformer", local_files_only=True)
+    for k, v in p.denoiser.state_dict().items():
+        assert torch.equal(theirs.state_dict()[k], v), k
+    released = load_file(f)  # as Tongyi-MAI's files are: with norm_final.weight
+    released["norm_final.weight"] = torch.ones(p.denoiser.config.dim)
+    save_file(released, tmp_path / "released.safetensors")
+    mine = load_parts(tmp_path / "released.safetensors", folder)
+    for k, v in p.denoiser.state_dict().items():
+        assert torch.equal(mine.denoiser.state_dict()[k], v), k
+    res = steadydiff.train(z_config(tmp_path / "released.safetensors",
+                                    shapes(tmp_path / "images"), "train.steps=1",
+                                    "adapter.kind=none", "optim.lr=0.01",
+                                    f"model.single_file_config={folder}"),
+                           out_dir=tmp_path / "run")
+    assert res.final_loss == res.final_loss
+    with safe_open(str(tmp_path / "run" / "model.safetensors"), "pt") as h:
+        assert sorted(h.keys()) == sorted(keys)  # the same layout
+    after = load_parts(tmp_path / "run" / "model.safetensors", folder).denoiser.state_dict()
+    assert any(not torch.equal(after[k], v) for k, v in p.denoiser.state_dict().items())

@@ -46,6 +46,11 @@ Qwen3 encoder. Files: diffusers' (``transformer.*`` with peft names,
 ``ZImagePipeline.load_lora_weights``) and kohya's names over the same modules
 (``lora_unet_layers_0_attention_to_q``, what the community's Z-Image LoRAs use and
 diffusers' Z-Image loader converts).
+
+Single files: the transformer alone in Tongyi-MAI's layout (what ComfyUI loads and diffusers'
+``ZImageTransformer2DModel.from_single_file`` converts, :func:`original_table`), read as a
+base with ``model.single_file_config`` naming a folder for the other parts, and written by a
+full fine-tune from one.
 """
 
 from __future__ import annotations
@@ -246,6 +251,31 @@ class ZImage(Family):
                        return_dict=False)[0]
         return -torch.stack(out).squeeze(2)
 
+    # ------------------------------------------------------------------ files
+
+    single_file_parts = ("transformer",)
+
+    def single_file_keys(self) -> tuple[str, ...]:
+        return ("cap_embedder.", "model.diffusion_model.cap_embedder.")
+
+    def single_file_prefix(self, keys: list[str]) -> str:
+        from .flowmatch import transformer_prefix
+
+        return transformer_prefix(keys)
+
+    def load_single_file(self, f: Path, root: Path) -> Parts:
+        from .flowmatch import load_transformer_file
+
+        return load_transformer_file(self, f, root, original_table)
+
+    def original_state_dict(self, denoiser: nn.Module, vae: nn.Module | None,
+                            text_encoders: list[nn.Module | None],
+                            prefix: str | None = None) -> dict[str, Tensor]:
+        """The transformer alone in Tongyi-MAI's layout (the VAE and Qwen3 stay folders)."""
+        from .flowmatch import transformer_state
+
+        return transformer_state(original_table, denoiser, "" if prefix is None else prefix)
+
     # ------------------------------------------------------------------ the tiny folder
 
     def tiny(self, path: Path, *, image_size: int = 32, seed: int = 0, **kw: Any) -> Path:
@@ -277,3 +307,40 @@ class ZImage(Family):
             tokenizer=tok)
         pipe.save_pretrained(path, safe_serialization=True)
         return path
+
+
+# (diffusers name, Tongyi-MAI name): diffusers' from_single_file applies them the other way
+_RENAMES = (("all_final_layer.2-1.", "final_layer."), ("all_x_embedder.2-1.", "x_embedder."),
+            (".attention.to_out.0.", ".attention.out."),
+            (".attention.norm_q.", ".attention.q_norm."),
+            (".attention.norm_k.", ".attention.k_norm."))
+
+
+def original_table(config: Any) -> list[Any]:
+    """The Z-Image transformer's diffusers tensors in Tongyi-MAI's layout: each attention's
+    ``to_q``/``to_k``/``to_v`` one fused ``qkv``, ``to_out.0`` ``out``, ``norm_q``/``norm_k``
+    ``q_norm``/``k_norm``, the patch embedder and final layer without diffusers' ``2-1``
+    (patch 2, frame patch 1) level; every other tensor under its own name. The released
+    files also hold ``norm_final.weight``, which the diffusers model has no place for
+    (diffusers' converter drops it): read past, not written. Built from the config on the
+    meta device (the model's own key list)."""
+    from diffusers import ZImageTransformer2DModel
+
+    from ..sd.original import Entry
+
+    with torch.device("meta"):
+        keys = list(ZImageTransformer2DModel.from_config(dict(config)).state_dict())
+    table: list[Any] = [Entry("norm_final.weight", (), "skip")]
+    fused = sorted({k.rsplit(".to_q.", 1)[0] for k in keys if ".attention.to_q." in k})
+    for a in fused:
+        table.append(Entry(f"{a}.qkv", (f"{a}.to_q", f"{a}.to_k", f"{a}.to_v")))
+    done = {f"{a}.{p}.{w}" for a in fused for p in ("to_q", "to_k", "to_v")
+            for w in ("weight", "bias")}
+    for k in keys:
+        if k in done:
+            continue
+        name = k
+        for ours, theirs in _RENAMES:
+            name = name.replace(ours, theirs)
+        table.append(Entry(name, (k,), "param"))
+    return table

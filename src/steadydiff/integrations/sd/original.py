@@ -29,7 +29,7 @@ from torch import Tensor
 
 __all__ = ["Entry", "to_original", "from_original", "fuse_lora", "split_lora"]
 
-How = Literal["cat", "swap", "scale", "param"]
+How = Literal["cat", "swap", "scale", "param", "skip"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,9 @@ class Entry:
             a plain rename); for ``param``, the full diffusers key.
         how: ``cat`` (a Linear/Conv: ``.weight`` and ``.bias`` concatenated on dim 0),
             ``swap`` (a Linear whose output halves are swapped), ``scale`` (a norm whose
-            ``.weight`` is the original's ``.scale``), ``param`` (one tensor, renamed).
+            ``.weight`` is the original's ``.scale``), ``param`` (one tensor, renamed),
+            ``skip`` (an original tensor the diffusers model has no place for: read past,
+            not written; ``parts`` empty).
     """
 
     original: str
@@ -67,6 +69,8 @@ def to_original(sd: dict[str, Tensor], table: list[Entry],
     out: dict[str, Tensor] = {}
     used: set[str] = set()
     for e in table:
+        if e.how == "skip":
+            continue
         if e.how == "param":
             out[prefix + e.original] = sd[e.parts[0]]
             used.add(e.parts[0])
@@ -108,6 +112,10 @@ def from_original(sd: dict[str, Tensor], table: list[Entry], shapes: dict[str, t
         return sd[k]
 
     for e in table:
+        if e.how == "skip":
+            if prefix + e.original in sd:
+                used.add(prefix + e.original)
+            continue
         if e.how == "param":
             out[e.parts[0]] = take(prefix + e.original)
             continue
