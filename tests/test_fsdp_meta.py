@@ -110,3 +110,63 @@ def test_two_ranks_match_one_process_and_each_read_half_the_weights(flux, tmp_pa
     assert all(g < 0.6 * whole for g in got) and sum(got) == pytest.approx(whole, abs=0.02)
     one = json.loads((tmp_path / "one" / "rank0.json").read_text())
     assert one["sharded"] is None  # one plain process: the whole model, as before
+
+
+def test_a_single_file_base_is_read_shard_by_shard_too(flux, tmp_path, group):
+    """FLUX.1 from one file in Black Forest Labs' layout (model.single_file_config for the
+    other parts): the transformer is built on the meta device as from a folder, and each
+    rank reads its rows out of the file's fused tensors (Family.file_reader)."""
+    from diffusers import FluxTransformer2DModel
+    from torch.distributed.tensor import DTensor
+
+    from steadydiff.integrations.sd.single_file import export_single_file
+    from steadydiff.integrations.sd.source import load_parts
+
+    p = load_parts(flux)
+    f = export_single_file(tmp_path / "flux1.safetensors", p.denoiser, p.vae, p.text_encoders)
+    cfg = flow_config(f, shapes(tmp_path / "i", 2), "flux", "adapter.kind=none",
+                      "train.parallel=fsdp", f"model.single_file_config={flux}")
+    model, weights, media = _build(cfg)
+    assert all(p.is_meta for p in model.denoiser.parameters())
+    assert not media.vae.encoder.conv_in.weight.is_meta
+    sharding.shard(model, torch.device("cpu"))
+    read = weights.materialize(model, torch.device("cpu"))
+    ref = FluxTransformer2DModel.from_pretrained(flux / "transformer")
+    assert read == sum(p.numel() * 4 for p in ref.parameters())
+    for k, v in ref.state_dict().items():
+        t = model.denoiser.state_dict()[k]
+        assert torch.equal(t.full_tensor() if isinstance(t, DTensor) else t, v), k
+
+
+@pytest.mark.parametrize("family", ["flux", "sd3", "zimage"])
+def test_the_file_reader_reads_any_rows_of_every_tensor(tmp_path, family):
+    """Every diffusers tensor, any rows [a, b): what a rank holding those rows reads from an
+    original-layout file (fused qkv slices, FLUX's swapped adaLN halves, wrapping), equal to
+    the whole tensor's rows; a file of another size is named before anything is read."""
+    from safetensors.torch import load_file, save_file
+
+    from steadydiff.integrations.sd.single_file import export_single_file
+    from steadydiff.integrations.sd.source import load_parts
+    from steadydiff.integrations.sd.tiny import make_tiny
+
+    folder = make_tiny(tmp_path / family, family)
+    p = load_parts(folder)
+    f = export_single_file(tmp_path / "one.safetensors", p.denoiser, p.vae, p.text_encoders)
+    sd = {k: v.float() for k, v in p.denoiser.state_dict().items()}
+    shapes_ = {k: tuple(v.shape) for k, v in sd.items()}
+    read = p.family.file_reader(f, p.denoiser.config, shapes_)
+    g = torch.Generator().manual_seed(0)
+    for k, v in sd.items():
+        torch.testing.assert_close(read(k, None, None), v, rtol=0, atol=0)
+        if v.ndim == 0:
+            continue
+        for _ in range(3):
+            a = int(torch.randint(0, v.shape[0], (1,), generator=g))
+            b = int(torch.randint(a + 1, v.shape[0] + 1, (1,), generator=g))
+            assert torch.equal(read(k, a, b), v[a:b]), (k, a, b)
+    bad = load_file(f)
+    key = next(k for k in bad if bad[k].ndim == 2)
+    bad[key] = bad[key][:-1].contiguous()
+    save_file(bad, tmp_path / "bad.safetensors")
+    with pytest.raises(SDFolderError, match="has shape .*another size"):
+        p.family.file_reader(tmp_path / "bad.safetensors", p.denoiser.config, shapes_)

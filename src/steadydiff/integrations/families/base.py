@@ -414,6 +414,13 @@ class Family:
         it is the denoiser's; "": the file is the denoiser alone)."""
         return "model.diffusion_model."
 
+    def file_reader(self, f: Path, config: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
+        """``read(name, start, stop)`` of the denoiser's tensors (diffusers names) from the
+        single file ``f``, row slices read alone (the FSDP meta-device init of a
+        single-file base: flowmatch.transformer_file_reader); None where the family's
+        files are not read that way (its single files are then loaded whole)."""
+        return None
+
     def original_state_dict(self, denoiser: nn.Module, vae: nn.Module | None,
                             text_encoders: list[nn.Module | None],
                             prefix: str | None = None) -> dict[str, Tensor]:

@@ -166,6 +166,72 @@ def load_transformer_file(family: Any, f: Path, root: Path, table_of: Any) -> An
     return parts
 
 
+def transformer_file_reader(f: Path, table_of: Any, config: Any,
+                            shapes: dict[str, tuple[int, ...]]) -> Any:
+    """``read(name, start, stop) -> rows [start, stop) of dim 0`` (None, None: the whole
+    tensor), fp32, of the diffusers tensor ``name`` from a transformer family's
+    original-layout single file ``f``, reading only those rows' bytes: a fused original
+    tensor (``cat``: the parts' rows one after another; ``swap``: its halves swapped) is
+    sliced where the part lies. The FSDP meta-device init's source for a single-file base
+    (:func:`steadydiff.sharding.materialize`), as ``folder.part_reader`` is a folder's.
+    Checked first against ``shapes`` (the model's).
+
+    Raises:
+        SDFolderError: a tensor the model has that the file lacks, or of another shape.
+    """
+    from safetensors import safe_open
+
+    with safe_open(str(f), "pt") as h:
+        have = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
+    prefix = transformer_prefix(list(have))
+    # diffusers name -> (file key, its first row in the file's tensor, the file tensor's
+    # rows, swapped halves)
+    src: dict[str, tuple[str, int, int, bool]] = {}
+    for e in table_of(config):
+        if e.how == "skip":
+            continue
+        if e.how in ("param", "scale"):
+            name = e.parts[0] if e.how == "param" else f"{e.parts[0]}.weight"
+            key = prefix + e.original + (".scale" if e.how == "scale" else "")
+            src[name] = (key, 0, shapes[name][0] if shapes.get(name) else 0, False)
+            continue
+        for what in ("weight", "bias"):
+            keys = [f"{p}.{what}" for p in e.parts]
+            if keys[0] not in shapes:
+                continue
+            total, off = sum(shapes[k][0] for k in keys), 0
+            for k in keys:
+                src[k] = (f"{prefix}{e.original}.{what}", off, total, e.how == "swap")
+                off += shapes[k][0]
+    for name, shape in shapes.items():
+        if name not in src or src[name][0] not in have:
+            raise SDFolderError(f"model.pretrained: {f} has no "
+                                f"{src[name][0] if name in src else name} (the transformer "
+                                "of model.single_file_config is another model?)")
+        key, _, total, _ = src[name]
+        want = (total, *shape[1:]) if shape else ()
+        if have[key] != want:
+            raise SDFolderError(f"model.pretrained: {f}: {key} has shape {have[key]}; the "
+                                f"config's transformer takes {want} (another size?)")
+
+    def read(name: str, start: int | None, stop: int | None) -> torch.Tensor:
+        key, off, total, swap = src[name]
+        with safe_open(str(f), "pt") as h:
+            sl = h.get_slice(key)
+            if not shapes[name]:
+                return sl[:].float()
+            a, b = (0, shapes[name][0]) if start is None else (start, stop)
+            if not swap:
+                return sl[off + a:off + b].float()
+            # the file holds [second half, first half]: row r of ours is (r + half) % total
+            half = total // 2
+            lo, hi = (off + a + half) % total, (off + b - 1 + half) % total + 1
+            t = sl[lo:hi] if lo < hi else torch.cat([sl[lo:total], sl[0:hi]])
+            return t.float()
+
+    return read
+
+
 def transformer_state(table_of: Any, denoiser: nn.Module, prefix: str) -> dict[str, Any]:
     """A transformer's tensors in its family's original layout, keys under ``prefix``."""
     from ..sd.original import to_original

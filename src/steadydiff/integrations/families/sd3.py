@@ -289,6 +289,11 @@ class SD3(Family):
     def load_single_file(self, f: Path, root: Path) -> Parts:
         return load_transformer_file(self, f, root, original_table)
 
+    def file_reader(self, f: Path, config: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
+        from .flowmatch import transformer_file_reader
+
+        return transformer_file_reader(f, original_table, config, shapes)
+
     def original_state_dict(self, denoiser: nn.Module, vae: nn.Module | None,
                             text_encoders: list[nn.Module | None],
                             prefix: str | None = None) -> dict[str, Tensor]:

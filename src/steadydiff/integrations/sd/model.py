@@ -587,21 +587,22 @@ class FullUNetWeights(_SDWeights):
 
     def __init__(self, base: Path) -> None:
         self.base = base
-        #: (the denoiser's folder, its name in the model) when the denoiser was built on
-        #: the meta device (FSDP): :meth:`materialize` reads each rank's shards from there
-        self.meta_source: tuple[Path, str] | None = None
+        #: (``reader(shapes) -> read(name, start, stop)``, the denoiser's name in the model)
+        #: when the denoiser was built on the meta device (FSDP): :meth:`materialize` reads
+        #: each rank's shards through it (folder.part_reader over the base folder's
+        #: safetensors, or the family's file_reader over a single file)
+        self.meta_source: tuple[Any, str] | None = None
 
     def materialize(self, model: nn.Module, device: torch.device) -> int:
         """Give a sharded meta-device model (or its EMA) its denoiser's weights: each rank
-        reads its own shards from the base folder's safetensors (never the whole tensor
-        of a sharded parameter). Returns the bytes this rank read."""
+        reads its own shards from the base folder's safetensors or single file (never the
+        whole tensor of a sharded parameter). Returns the bytes this rank read."""
         from ... import sharding
-        from .folder import part_reader
 
-        sub, name = self.meta_source
+        reader, name = self.meta_source
         den = getattr(model, name)
-        read = part_reader(sub, {k: tuple(t.shape) for k, t in
-                                 list(den.named_parameters()) + list(den.named_buffers())})
+        read = reader({k: tuple(t.shape) for k, t in
+                       list(den.named_parameters()) + list(den.named_buffers())})
         return sharding.materialize(den, device, read)
 
     # A full fine-tune never trains the text encoder; with shuffled captions the frozen one

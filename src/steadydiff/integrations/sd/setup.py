@@ -181,11 +181,20 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
     frozen = _dtype(cfg.train.precision)
     vae_dtype = _dtype(m.vae_precision) if m.vae_precision else frozen
     if m.pretrained:
-        # FSDP full fine-tune of a folder: the denoiser is built on the meta device (no
-        # storage) and each rank reads only its shards, after sharding (meta_denoiser)
+        # FSDP full fine-tune: the denoiser is built on the meta device (no storage) and
+        # each rank reads only its shards, after sharding (meta_denoiser), from the folder
+        # or from a single file the family reads in row slices (Family.file_reader)
         meta = (cfg.train.parallel == "fsdp" and a.kind == "none"
-                and not cfg.controlnet.enabled and not Path(m.pretrained).is_file())
-        parts = load_parts(m.pretrained, m.single_file_config, denoiser=not meta)
+                and not cfg.controlnet.enabled)
+        single = Path(m.pretrained).is_file()
+        if meta and single:
+            fam = family(m)
+            meta = type(fam).file_reader is not Family.file_reader
+        if meta and single:
+            parts = fam.load(model_root(m), denoiser=False)
+            parts.root = Path(m.pretrained)
+        else:
+            parts = load_parts(m.pretrained, m.single_file_config, denoiser=not meta)
         fam = parts.family
         # every tensor loaded, checked finite once: a broken base is named (tensor, file)
         # here, before training, not blamed later on the data or the LR (frozen.py); a
@@ -193,7 +202,7 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
         for note in check_loaded(parts, config_root=m.single_file_config):
             log.warning(note)
         if meta:
-            parts.denoiser = meta_denoiser(fam, parts.root)
+            parts.denoiser = meta_denoiser(fam, model_root(m))
         if fam.vae_force_upcast and not m.vae_precision and vae_dtype == torch.float16 and \
                 getattr(parts.vae.config, "force_upcast", False):
             # this family's VAE overflows in fp16 (SDXL's); its config says so
@@ -310,8 +319,17 @@ def build(cfg: Config, device: torch.device) -> tuple[nn.Module, Weights, TextTo
                 to_device(den, device, torch.float32)
             den.requires_grad_(True)
             weights = FullUNetWeights(parts.root)
-            if meta:
-                weights.meta_source = (parts.root / fam.denoiser, fam.denoiser)
+            if meta and single:
+                f, conf = Path(m.pretrained), den.config
+                weights.meta_source = (lambda shapes: fam.file_reader(f, conf, shapes),
+                                       fam.denoiser)
+            elif meta:
+                from functools import partial
+
+                from .folder import part_reader
+
+                weights.meta_source = (partial(part_reader, parts.root / fam.denoiser),
+                                       fam.denoiser)
         if cfg.data.caption_shuffle and not any(te is not None for te in in_step):
             # Shuffled captions differ every epoch: encoded in the step by the frozen text
             # encoder(s) (as kohya does; caching every permutation is not possible), from
