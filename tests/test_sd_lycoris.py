@@ -269,3 +269,50 @@ def test_a_lokr_over_a_fused_kohya_module_is_refused_before_training(tmp_path):
     with pytest.raises(ConfigError, match="adapter.variant=lokr: its LyCORIS file has one "
                                           "layer per original module, and .*qkv fuses"):
         steadydiff.train(cfg, out_dir=tmp_path / "run")
+
+
+@pytest.mark.parametrize("variant", ["loha", "lokr"])
+def test_sdxl_files_use_the_original_unets_names_and_read_back(tmp_path, variant):
+    """SDXL: the LyCORIS file names the original (sgm) UNet's layers, as kohya's SDXL
+    LoRAs do (lora_unet_input_blocks_4_1_...), and both text encoders (lora_te1_, lora_te2_);
+    read back into a fresh LoHa/LoKr with the same tensors."""
+    from diffusers import StableDiffusionXLPipeline
+    from safetensors.torch import load_file
+
+    from steadydiff.integrations.sd import lora_files as lf
+    from steadydiff.integrations.sd.model import TEXT_ENCODER_TARGETS, add_lora, save_lora
+    from steadydiff.integrations.sd.tiny import make_tiny_sdxl
+
+    folder = make_tiny_sdxl(tmp_path / "sdxl", image_size=32)
+
+    def fresh():
+        pipe = StableDiffusionXLPipeline.from_pretrained(folder, local_files_only=True)
+        add_lora(pipe.unet, rank=4, alpha=3.0, dropout=0.0, targets=ATTN, variant=variant)
+        for te in (pipe.text_encoder, pipe.text_encoder_2):
+            add_lora(te, rank=4, alpha=3.0, dropout=0.0, targets=TEXT_ENCODER_TARGETS,
+                     variant=variant)
+        return pipe
+
+    pipe = fresh()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for m in (pipe.unet, pipe.text_encoder, pipe.text_encoder_2):
+            for p in m.parameters():
+                if p.requires_grad:
+                    p.copy_(torch.randn_like(p) * 0.2)
+    tes = [pipe.text_encoder, pipe.text_encoder_2]
+    f = save_lora(pipe.unet, tmp_path / "out", tes, format="kohya", kohya_name="k")
+    keys = load_file(f)
+    assert any(k.startswith("lora_unet_input_blocks_") for k in keys)
+    assert any(k.startswith("lora_te1_") for k in keys) and \
+        any(k.startswith("lora_te2_") for k in keys)
+    back = fresh()
+    got = lf.load_lora_file(f, back.unet, [back.text_encoder, back.text_encoder_2], rank=4,
+                            alpha=3.0)
+    assert got["fresh"] == 0
+    for a, b in ((pipe.unet, back.unet), (pipe.text_encoder, back.text_encoder),
+                 (pipe.text_encoder_2, back.text_encoder_2)):
+        want = dict(a.named_parameters())
+        for n, p in b.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(p, want[n], rtol=1e-6, atol=1e-7)
