@@ -22,6 +22,9 @@ folder built here (``FluxPipeline.save_pretrained``: nothing is downloaded):
    guidance embedding: dev), a random frozen tiny CLIP-L (its pooled output, ``--clip``
    wide, byte-level tokenizer), a random frozen 2-layer T5 (``--t5`` wide, its
    tokenizer.json), FLUX.1's FlowMatchEulerDiscreteScheduler config (dynamic shift);
+   (``--family sd3``: an SD3.5-shaped folder instead, ``build_sd3_folder``: joint blocks
+   with QK RMS-norm, CLIP-L and CLIP-G with projections and T5, SD3's static shift 3.0,
+   trained with configs/sd3_lora.yaml's caption dropout and sampled at its guidance);
 4. training: ``configs/flux_lora.yaml`` with ``adapter.kind=none`` (a full fine-tune of the
    folder's random transformer: training from scratch), the family's recipe from the
    folder as printed at start (rectified flow, logit-normal timesteps, the dynamic shift,
@@ -56,7 +59,8 @@ from controlnet import Clock, load_avg, write_data  # noqa: E402
 from fashion_text import score_row, train_vae  # noqa: E402
 from throughput import env_info  # noqa: E402
 
-CONFIG = ROOT / "configs" / "flux_lora.yaml"
+CONFIGS = {"flux": ROOT / "configs" / "flux_lora.yaml",
+           "sd3": ROOT / "configs" / "sd3_lora.yaml"}
 
 
 def finish_vae(folder: Path, info: dict) -> None:
@@ -100,11 +104,48 @@ def build_flux_folder(out: Path, vae_dir: Path, a: argparse.Namespace) -> Path:
     return out
 
 
+def build_sd3_folder(out: Path, vae_dir: Path, a: argparse.Namespace) -> Path:
+    """An SD3.5-shaped folder: the VAE trained here, a random SD3Transformer2DModel of
+    ``--layers`` + ``--single-layers`` joint blocks with SD3.5's QK RMS-norm (2x2 patches
+    over the 16-channel latents), random frozen tiny CLIP-L and CLIP-G with projections
+    (``--clip`` / 2 wide each: their pooled outputs concatenated) and T5, SD3's scheduler
+    config (static shift 3.0)."""
+    from diffusers import (AutoencoderKL, FlowMatchEulerDiscreteScheduler,
+                           SD3Transformer2DModel, StableDiffusion3Pipeline)
+
+    from steadydiff.integrations.sd.tiny_parts import (tiny_t5, tiny_t5_tokenizer,
+                                                       tiny_text_encoder, tiny_tokenizer)
+
+    if (out / "model_index.json").is_file():
+        return out
+    vae = AutoencoderKL.from_pretrained(vae_dir)
+    torch.manual_seed(a.seed)
+    half = a.clip // 2
+    side = a.image_size // 2  # the latents' side (the VAE's one downsampling)
+    transformer = SD3Transformer2DModel(
+        sample_size=side, patch_size=2, in_channels=vae.config.latent_channels,
+        num_layers=a.layers + a.single_layers, attention_head_dim=a.head_dim,
+        num_attention_heads=a.heads, joint_attention_dim=a.t5,
+        caption_projection_dim=a.heads * a.head_dim, pooled_projection_dim=2 * half,
+        out_channels=vae.config.latent_channels, pos_embed_max_size=side,
+        qk_norm="rms_norm")
+    StableDiffusion3Pipeline(
+        transformer=transformer, vae=vae,
+        text_encoder=tiny_text_encoder(half, seed=a.seed, projection=half),
+        tokenizer=tiny_tokenizer(),
+        text_encoder_2=tiny_text_encoder(half, seed=a.seed + 1, projection=half),
+        tokenizer_2=tiny_tokenizer(pad_token="!"),
+        text_encoder_3=tiny_t5(a.t5, seed=a.seed + 2), tokenizer_3=tiny_t5_tokenizer(),
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+    ).save_pretrained(out, safe_serialization=True)
+    return out
+
+
 def run_config(folder: Path, data: Path, a: argparse.Namespace):
     from steadydiff.config import load_config
     from steadydiff.data.captions import prompt_for
 
-    return load_config(CONFIG, [
+    return load_config(CONFIGS[a.family], [
         f"model.pretrained={folder}", f"data.path={data}", "data.captions=txt",
         f"data.image_size={a.image_size}", "data.channels=1", "data.num_workers=0",
         "adapter.kind=none", f"model.max_sequence_length={a.t5_tokens}",
@@ -128,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", default="runs/bench_flow")
+    p.add_argument("--family", choices=sorted(CONFIGS), default="flux",
+                   help="flux: FLUX.1-dev-shaped (double + single blocks, embedded guidance);"
+                   " sd3: SD3.5-shaped (joint blocks, CLIP-L/G + T5, classifier-free guidance)")
     p.add_argument("--fashion-path", default=str(FASHION_MNIST_DIR))
     p.add_argument("--n-train", type=int, default=10000, help="training images")
     p.add_argument("--image-size", type=int, default=16)
@@ -176,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                                latent_channels=16)
         finish_vae(out / "vae", res["vae"])
     res["vae"]["this_run_wall_s"] = c.wall_s
-    folder = build_flux_folder(out / "flux", out / "vae", a)
+    folder = (build_flux_folder if a.family == "flux" else build_sd3_folder)(
+        out / a.family, out / "vae", a)
     cfg = run_config(folder, data, a)
     if not (out / "train.json").is_file():
         with Clock() as c:
@@ -188,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     res["train"] = json.loads((out / "train.json").read_text())
     res["transformer_params"] = sum(
         v.numel() for v in steadydiff.load(out / "run", device="cpu").model.parameters())
-    res["recipe"] = {"family": "flux (dev)", "heads": a.heads, "head_dim": a.head_dim,
+    res["recipe"] = {"family": "flux (dev)" if a.family == "flux" else "sd3.5",
+                     "heads": a.heads, "head_dim": a.head_dim,
                      "double_blocks": a.layers, "single_blocks": a.single_layers,
                      "clip": a.clip, "t5": a.t5, "t5_tokens": a.t5_tokens, "steps": a.steps,
                      "batch": a.batch, "lr": a.lr, "warmup": a.warmup, "seed": a.seed,
@@ -207,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     res.update(env_info())
     (out / "results.json").write_text(json.dumps(res, indent=1))
     e, t, v = res["eval"], res["train"], res["vae"]
-    print(f"FLUX.1-shaped transformer from random init, {t['steps']} steps: prompt accuracy "
+    shape = "FLUX.1" if a.family == "flux" else "SD3.5"
+    print(f"{shape}-shaped transformer from random init, {t['steps']} steps: prompt accuracy "
           f"{e['prompt_accuracy']:.1%} at cfg {e['cfg_scale']} ({e['sampler']}, "
           f"{e['sample_steps']} steps, {e['num_per_class']} per class); FD "
           f"{_f(e['fd'])} (real-vs-real floor {_f(e['real_floor_fd'])}); training "

@@ -586,3 +586,26 @@ def test_flow_learns_smoke(tmp_path):
                         sum(c["prompt_accuracy"] for c in e["per_class"]) / 10)
     assert e["fd"] is not None and e["real_floor_fd"] is not None
     assert (tmp_path / "b" / "train.json").is_file()  # a rerun reports the run, no retraining
+
+
+def test_flow_learns_smoke_sd3(tmp_path):
+    """--family sd3: the SD3.5-shaped folder (joint blocks with QK RMS-norm over the
+    16-channel VAE, CLIP-L/G + T5) trained through the family path, sampled at the SD3
+    config's guidance (classifier-free, the caption dropout it trains)."""
+    pytest.importorskip("diffusers")
+    sys.path.insert(0, str(REPO / "tests"))
+    from test_eval import make_fashion
+
+    root = make_fashion(tmp_path / "fm", n_train=120, n_test=20)
+    args = ["--family", "sd3", "--out", str(tmp_path / "b"), "--fashion-path", str(root),
+            "--n-train", "32", "--vae-steps", "2", "--steps", "2", "--batch", "4",
+            "--warmup", "0", "--num", "5", "--sample-steps", "2", "--featnet-steps", "2",
+            "--heads", "2", "--head-dim", "8", "--layers", "1", "--single-layers", "1",
+            "--clip", "16", "--t5", "16", "--json"]
+    out = _last_json(_run("flow_learns.py", *args).stdout)
+    tr = json.loads((tmp_path / "b" / "sd3" / "transformer" / "config.json").read_text())
+    assert tr["_class_name"] == "SD3Transformer2DModel" and tr["in_channels"] == 16
+    assert tr["qk_norm"] == "rms_norm" and tr["num_layers"] == 2
+    e = out["eval"]
+    assert out["recipe"]["family"] == "sd3.5" and e["cfg_scale"] > 1.0
+    assert len(e["per_class"]) == 10 and e["fd"] is not None
