@@ -238,3 +238,37 @@ def transformer_state(table_of: Any, denoiser: nn.Module, prefix: str) -> dict[s
 
     sd = {k: v.detach().to("cpu").contiguous() for k, v in denoiser.state_dict().items()}
     return to_original(sd, table_of(denoiser.config), prefix)
+
+
+
+class TransformerFiles:
+    """The single-file side of a transformer family (SD3, FLUX.1, Z-Image): the file holds
+    the transformer alone in its makers' layout, the family's ``original_table(config)``
+    (:mod:`steadydiff.integrations.sd.original` entries), its keys under ``file_prefix``
+    when written (read with or without ComfyUI's ``model.diffusion_model.``). A family
+    mixes it in before :class:`~.base.Family` and gives the table and its key prefixes."""
+
+    single_file_parts = ("transformer",)
+    #: the prefix the makers' transformer files put its keys under
+    file_prefix = ""
+
+    @staticmethod
+    def original_table(config: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def single_file_prefix(self, keys: list[str]) -> str:
+        return transformer_prefix(keys)
+
+    def load_single_file(self, f: Path, root: Path) -> Any:
+        return load_transformer_file(self, f, root, self.original_table)
+
+    def file_reader(self, f: Path, config: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
+        return transformer_file_reader(f, self.original_table, config, shapes)
+
+    def original_state_dict(self, denoiser: nn.Module, vae: nn.Module | None,
+                            text_encoders: list[nn.Module | None],
+                            prefix: str | None = None) -> dict[str, Any]:
+        """The transformer alone in the original layout (what its makers distribute; the
+        VAE and text encoders stay diffusers folders: ``model.single_file_config``)."""
+        return transformer_state(self.original_table, denoiser,
+                                 self.file_prefix if prefix is None else prefix)

@@ -45,10 +45,9 @@ import torch
 from torch import Tensor, nn
 
 from ..sd.original import Entry
-from .base import Family, Layout, Parts, Setting, TextEncoder
-from .flowmatch import (SCHEDULER, trainer_defaults, encoder_autocast_off, flow_recipe, load_transformer_file,
-                        prepare_joint_attention, transformer_prefix, transformer_state,
-                        vae_down)
+from .base import Family, Layout, Setting, TextEncoder
+from .flowmatch import (SCHEDULER, TransformerFiles, trainer_defaults, encoder_autocast_off,
+                        flow_recipe, prepare_joint_attention, vae_down)
 
 __all__ = ["Flux", "pack", "unpack", "image_ids", "original_table"]
 
@@ -123,7 +122,7 @@ def original_table(conf: Any) -> list[Entry]:
     return t
 
 
-class Flux(Family):
+class Flux(TransformerFiles, Family):
     """FLUX.1 dev and schnell."""
 
     name = "flux"
@@ -297,31 +296,10 @@ class Flux(Family):
     def kohya_entries(self, config: Any) -> list[Entry] | None:
         return original_table(config)
 
-    single_file_parts = ("transformer",)
-    #: the prefix the original transformer files put its keys under
-    file_prefix = ""
+    original_table = staticmethod(original_table)
 
     def single_file_keys(self) -> tuple[str, ...]:
         return ("double_blocks.", "model.diffusion_model.double_blocks.")
-
-    def single_file_prefix(self, keys: list[str]) -> str:
-        return transformer_prefix(keys)
-
-    def load_single_file(self, f: Path, root: Path) -> Parts:
-        return load_transformer_file(self, f, root, original_table)
-
-    def file_reader(self, f: Path, config: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
-        from .flowmatch import transformer_file_reader
-
-        return transformer_file_reader(f, original_table, config, shapes)
-
-    def original_state_dict(self, denoiser: nn.Module, vae: nn.Module | None,
-                            text_encoders: list[nn.Module | None],
-                            prefix: str | None = None) -> dict[str, Tensor]:
-        """The transformer alone in the original layout (what its makers distribute; the
-        VAE and text encoders stay diffusers folders: ``model.single_file_config``)."""
-        return transformer_state(original_table, denoiser,
-                                 self.file_prefix if prefix is None else prefix)
 
     # ------------------------------------------------------------------ tiny
 

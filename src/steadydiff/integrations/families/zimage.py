@@ -63,7 +63,7 @@ from torch import Tensor, nn
 
 from .attention import UpcastJointAttention
 from .base import Family, Layout, Parts, Setting, TextEncoder
-from .flowmatch import trainer_defaults, SCHEDULER, encoder_autocast_off, flow_recipe, vae_down
+from .flowmatch import TransformerFiles, trainer_defaults, SCHEDULER, encoder_autocast_off, flow_recipe, vae_down
 
 __all__ = ["ZImage", "ChatTokenizer", "caption_tokens"]
 
@@ -124,7 +124,7 @@ class _UpcastZAttention(UpcastJointAttention):
                                 attention_mask=attention_mask, freqs_cis=freqs_cis)
 
 
-class ZImage(Family):
+class ZImage(TransformerFiles, Family):
     """Z-Image and Z-Image-Turbo."""
 
     name = "zimage"
@@ -253,33 +253,12 @@ class ZImage(Family):
 
     # ------------------------------------------------------------------ files
 
-    single_file_parts = ("transformer",)
+    @staticmethod
+    def original_table(config: Any) -> list[Any]:
+        return original_table(config)
 
     def single_file_keys(self) -> tuple[str, ...]:
         return ("cap_embedder.", "model.diffusion_model.cap_embedder.")
-
-    def single_file_prefix(self, keys: list[str]) -> str:
-        from .flowmatch import transformer_prefix
-
-        return transformer_prefix(keys)
-
-    def load_single_file(self, f: Path, root: Path) -> Parts:
-        from .flowmatch import load_transformer_file
-
-        return load_transformer_file(self, f, root, original_table)
-
-    def file_reader(self, f: Path, config: Any, shapes: dict[str, tuple[int, ...]]) -> Any:
-        from .flowmatch import transformer_file_reader
-
-        return transformer_file_reader(f, original_table, config, shapes)
-
-    def original_state_dict(self, denoiser: nn.Module, vae: nn.Module | None,
-                            text_encoders: list[nn.Module | None],
-                            prefix: str | None = None) -> dict[str, Tensor]:
-        """The transformer alone in Tongyi-MAI's layout (the VAE and Qwen3 stay folders)."""
-        from .flowmatch import transformer_state
-
-        return transformer_state(original_table, denoiser, "" if prefix is None else prefix)
 
     # ------------------------------------------------------------------ the tiny folder
 
