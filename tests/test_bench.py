@@ -586,6 +586,9 @@ def test_flow_learns_smoke(tmp_path):
                         sum(c["prompt_accuracy"] for c in e["per_class"]) / 10)
     assert e["fd"] is not None and e["real_floor_fd"] is not None
     assert (tmp_path / "b" / "train.json").is_file()  # a rerun reports the run, no retraining
+    c = out["ceiling"]  # the judge on real test images and on their VAE round trip
+    assert c["test_images"] == 20 and len(c["per_class"]) == 10
+    assert 0 <= c["vae_roundtrip_accuracy"] <= 1 and 0 <= c["real_accuracy"] <= 1
 
 
 def test_flow_learns_smoke_sd3(tmp_path):
