@@ -208,9 +208,14 @@ def score_row(run: Path, fx, a: argparse.Namespace, grid: Path | None) -> dict:
                                steps=a.sample_steps)
             y = torch.full((a.num,), k, dtype=torch.long)
             r = evaluate_samples(fx, x, y, seed=0)
+            pred = torch.from_numpy(fx(x)[1].argmax(1))
+            wrong = torch.bincount(pred[pred != k], minlength=len(NAMES))
             per.append({"class": k, "name": NAMES[k], "prompt": prompt_for("fashion_mnist", k),
                         "prompt_accuracy": r["class_accuracy"], "fd": r["fd"],
-                        "real_floor_fd": r.get("real_floor", {}).get("fd")})
+                        "real_floor_fd": r.get("real_floor", {}).get("fd"),
+                        # the class the judge most often saw instead, and how often
+                        "confused_with": NAMES[int(wrong.argmax())] if wrong.sum() else None,
+                        "confused_share": float(wrong.max()) / a.num})
             xs.append(x)
             ys.append(y)
     x, y = torch.cat(xs), torch.cat(ys)

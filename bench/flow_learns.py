@@ -205,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-train", type=int, default=10000, help="training images")
     p.add_argument("--image-size", type=int, default=16)
     p.add_argument("--vae-steps", type=int, default=300, help="VAE steps (batch 64)")
+    p.add_argument("--vae-kl", type=float, default=1e-4,
+                   help="the VAE's KL weight (per pixel): higher, smoother latents")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=16)
     p.add_argument("--layers", type=int, default=2, help="double-stream blocks")
@@ -246,8 +248,13 @@ def main(argv: list[str] | None = None) -> int:
     res["data"] = {"train": a.n_train, "image_size": a.image_size}
     with Clock() as c:
         res["vae"] = train_vae(out / "vae", a.fashion_path, a.image_size, steps=a.vae_steps,
-                               latent_channels=16)
+                               kl=a.vae_kl, latent_channels=16)
         finish_vae(out / "vae", res["vae"])
+    kept = (res["vae"]["steps"], res["vae"]["kl_weight"])
+    if kept != (a.vae_steps, a.vae_kl):
+        p.error(f"{out / 'vae'} holds a VAE trained with {kept[0]} steps at KL weight "
+                f"{kept[1]}, not --vae-steps {a.vae_steps} --vae-kl {a.vae_kl}: use another "
+                f"--out, or delete that folder and its {a.family} folder")
     res["vae"]["this_run_wall_s"] = c.wall_s
     folder = (build_flux_folder if a.family == "flux" else build_sd3_folder)(
         out / a.family, out / "vae", a)
@@ -296,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
     for r, c in zip(e["per_class"], ce["per_class"]):
         print(f"  {r['name']:12s} {r['prompt_accuracy']:.0%}  FD {_f(r['fd'])} "
               f"(floor {_f(r['real_floor_fd'])}); real {c['real']:.0%}, after the VAE "
-              f"{c['vae_roundtrip']:.0%}")
+              f"{c['vae_roundtrip']:.0%}" + (f"; else mostly {r['confused_with']} "
+                                              f"({r['confused_share']:.0%})"
+                                              if r["confused_with"] else ""))
     if a.json:
         print(json.dumps(res))
     return 0

@@ -586,6 +586,8 @@ def test_flow_learns_smoke(tmp_path):
                         sum(c["prompt_accuracy"] for c in e["per_class"]) / 10)
     assert e["fd"] is not None and e["real_floor_fd"] is not None
     assert (tmp_path / "b" / "train.json").is_file()  # a rerun reports the run, no retraining
+    assert all(0 <= r["confused_share"] <= 1 - r["prompt_accuracy"] + 1e-9
+               for r in e["per_class"])  # the judge's most common other label
     c = out["ceiling"]  # the judge on real test images and on their VAE round trip
     assert c["test_images"] == 20 and len(c["per_class"]) == 10
     assert 0 <= c["vae_roundtrip_accuracy"] <= 1 and 0 <= c["real_accuracy"] <= 1
