@@ -567,7 +567,8 @@ def test_flow_learns_smoke(tmp_path):
 
     root = make_fashion(tmp_path / "fm", n_train=120, n_test=20)
     args = ["--out", str(tmp_path / "b"), "--fashion-path", str(root), "--n-train", "32",
-            "--vae-steps", "2", "--steps", "2", "--batch", "4", "--warmup", "0", "--num", "5",
+            "--vae-steps", "2", "--steps", "2", "--batch", "4", "--warmup", "0",
+            "--max-time", "none", "--num", "5",
             "--sample-steps", "2", "--featnet-steps", "2", "--heads", "2", "--head-dim", "8",
             "--layers", "1", "--single-layers", "1", "--clip", "16", "--t5", "16", "--json"]
     out = _last_json(_run("flow_learns.py", *args).stdout)
