@@ -169,10 +169,10 @@ def ceiling(fx, vae_dir: Path, a: argparse.Namespace, n: int = 5000) -> dict:
     from diffusers import AutoencoderKL
 
     from fashion_text import NAMES
-    from steadydiff.eval.features import labelled_splits
+    from steadydiff.data import FashionMNISTDataset
 
-    _, _, x, y, _, _ = labelled_splits("fashion_mnist", a.image_size, a.fashion_path)
-    x, y = x[:n], y[:n].numpy()
+    test = FashionMNISTDataset(a.image_size, 1, root=a.fashion_path, split="test")
+    x, y = test.images_at(slice(0, n)).contiguous(), test.labels[:n].numpy()
     vae = AutoencoderKL.from_pretrained(vae_dir).eval()
     with torch.no_grad():
         rec = torch.cat([vae.decode(vae.encode(x[i:i + 500]).latent_dist.mean).sample

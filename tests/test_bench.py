@@ -592,6 +592,9 @@ def test_flow_learns_smoke(tmp_path):
     c = out["ceiling"]  # the judge on real test images and on their VAE round trip
     assert c["test_images"] == 20 and len(c["per_class"]) == 10
     assert 0 <= c["vae_roundtrip_accuracy"] <= 1 and 0 <= c["real_accuracy"] <= 1
+    # the kept VAE was trained at the default KL weight: another one is refused, not reused
+    p = _run("flow_learns.py", *args, "--vae-kl", "1e-3", check=False, timeout=300)
+    assert p.returncode == 2 and "KL weight" in p.stderr and "--vae-kl 0.001" in p.stderr
 
 
 def test_flow_learns_smoke_sd3(tmp_path):

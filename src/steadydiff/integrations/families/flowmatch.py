@@ -240,7 +240,6 @@ def transformer_state(table_of: Any, denoiser: nn.Module, prefix: str) -> dict[s
     return to_original(sd, table_of(denoiser.config), prefix)
 
 
-
 class TransformerFiles:
     """The single-file side of a transformer family (SD3, FLUX.1, Z-Image): the file holds
     the transformer alone in its makers' layout, the family's ``original_table(config)``

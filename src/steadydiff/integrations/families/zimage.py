@@ -63,7 +63,8 @@ from torch import Tensor, nn
 
 from .attention import UpcastJointAttention
 from .base import Family, Layout, Parts, Setting, TextEncoder
-from .flowmatch import TransformerFiles, trainer_defaults, SCHEDULER, encoder_autocast_off, flow_recipe, vae_down
+from .flowmatch import (SCHEDULER, TransformerFiles, encoder_autocast_off, flow_recipe,
+                        trainer_defaults, vae_down)
 
 __all__ = ["ZImage", "ChatTokenizer", "caption_tokens"]
 
@@ -254,7 +255,7 @@ class ZImage(TransformerFiles, Family):
     # ------------------------------------------------------------------ files
 
     @staticmethod
-    def original_table(config: Any) -> list[Any]:
+    def original_table(config: Any) -> list[Any]:  # the function is defined below the class
         return original_table(config)
 
     def single_file_keys(self) -> tuple[str, ...]:
